@@ -1,0 +1,26 @@
+# The two set-up commands of the README. Each creates ./.venv if needed and installs what it needs.
+# torch is pinned first: on a CPU-only machine torch==2.13.0 resolves to the local CPU build instead of
+# pulling the CUDA build's gigabytes. On a GPU machine pass your own, e.g. make test TORCH_SPEC=torch.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test bench-engine
+
+venv:
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
+
+demo: venv
+	@$(PIP) -e .
+	$(VENV)/bin/tandem demo
+
+test: venv
+	@$(PIP) -e ".[test]"
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench-engine: venv
+	@$(PIP) -e ".[bench]"
+	$(VENV)/bin/tandem bench engine

@@ -1,0 +1,37 @@
+"""The `tandem` command: demo and benchmarks (serving front ends arrive with the cluster)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    from deploy import demo
+    demo_parser = commands.add_parser("demo", help="generate for a few prompts and print tokens/s and TTFT")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(run=demo.run)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from cluster import bench_engine
+    engine_parser = bench.add_parser("engine", help="engine.LLM vs transformers on a serving-like mix")
+    bench_engine.add_arguments(engine_parser)
+    engine_parser.set_defaults(run=bench_engine.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as exc:
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Frozen configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling as in Hugging Face's `rope_scaling` / `rope_parameters`."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple "
+                             f"of num_key_value_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model directory {model_dir!s} has no config.json")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = hf["num_attention_heads"]
+        # Qwen2 hard-codes a q/k/v bias; Llama, Mistral and Qwen3 put `attention_bias` on q/k/v/o alike.
+        attention_bias = bool(hf.get("attention_bias", False))
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(hf),
+            rope_scaling=_rope_scaling(hf),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            o_proj_bias=attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_sliding_window(hf),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_as_id_tuple(hf.get("eos_token_id")),
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        )
+
+
+def _rope_params(hf: dict) -> dict:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_scaling` + `rope_theta`.
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def _rope_theta(hf: dict) -> float:
+    return float(hf.get("rope_theta") or _rope_params(hf).get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(hf: dict) -> RopeScaling:
+    params = _rope_params(hf)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_window(hf: dict) -> int | None:
+    if hf.get("use_sliding_window") is False:
+        return None
+    window = hf.get("sliding_window")
+    return int(window) if window else None
+
+
+def _as_id_tuple(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: KV pool, batching limits, device.
+
+    kv_cache_memory sizes the KV pool in bytes (CPU, or GPU when set); on GPU without it the pool
+    takes gpu_memory_utilization of the device memory minus what the weights already use.
+    num_kv_blocks, when set, overrides both (tests use it to force preemption).
+    """
+
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.85
+    num_kv_blocks: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

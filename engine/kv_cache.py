@@ -1,0 +1,72 @@
+"""KVCache: the preallocated paged K/V pool of all layers, and how many blocks fit a memory budget.
+
+Layout: one contiguous tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 of dim 1 is K, 1 is V). Per layer, the K and V planes are contiguous, so attention can view
+them as flat slot arrays [num_blocks * block_size, num_kv_heads, head_dim]; slot = block * block_size
++ offset. kv_transfer moves `kv[:, :, block_ids]` (all layers of a run of blocks) in one piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig, ModelConfig
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one block costs and how blocks are shaped; equal specs can exchange blocks."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class KVCache:
+    """The K/V pool tensor plus the allocator that hands out its blocks."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                 enable_prefix_caching: bool = True) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = torch.zeros(spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
+                              spec.head_dim, dtype=spec.dtype, device=device)
+        self.allocator = BlockAllocator(num_blocks, spec.block_size, enable_prefix_caching)
+
+    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as flat slot arrays, each [num_blocks * block_size, kv_heads, head_dim]."""
+        spec = self.spec
+        planes = self.kv[layer].view(2, self.num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        return planes[0], planes[1]
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, config: EngineConfig, device: torch.device) -> int:
+    """How many blocks the pool gets: explicit count, else a byte budget (CPU default 1 GiB), else
+    gpu_memory_utilization of the GPU minus what is already allocated there."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * config.gpu_memory_utilization) - used
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = budget // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+                         f"{spec.bytes_per_block} bytes; raise kv_cache_memory")
+    return int(num_blocks)

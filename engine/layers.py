@@ -1,0 +1,94 @@
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embedding, gated MLP."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import RopeScaling
+
+
+def meta_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    """A Linear with unallocated (meta) weights; the model is materialized once, then loaded."""
+    return nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in float32 like Hugging Face's LlamaRMSNorm."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device="meta", dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim // 2], with linear or Llama-3 scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Low frequencies are divided by `factor`, high ones kept, the band between interpolated.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed cos/sin table for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = meta_linear(hidden_size, 2 * intermediate_size, False, dtype)
+        self.down_proj = meta_linear(intermediate_size, hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,111 @@
+"""LLM: the offline API, mirroring vLLM's `LLM(...).generate(...)`."""
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence as Seq
+from dataclasses import fields
+
+from tqdm import tqdm
+
+from engine.builder import build_engine
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from engine.sampling_params import SamplingParams
+
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """An engine in this process. model=None uses the embedded (untrained) default model.
+
+    Engine options (block_size, max_num_batched_tokens, max_num_seqs, kv_cache_memory, ...) are the
+    fields of engine.EngineConfig and may be given as keyword arguments.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 **engine_options) -> None:
+        unknown = set(engine_options) - _ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        self.engine = build_engine(model, EngineConfig(**engine_options), dtype=dtype, device=device)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Seq[str] | None = None,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 prompt_token_ids: Seq[Seq[int]] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt in one continuous batch; outputs come back in input order.
+
+        Give prompts (text) or prompt_token_ids. Bad input raises ValueError before anything runs.
+        """
+        texts, token_lists = self._prompts(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(token_lists))
+        ids = [str(next(self._request_counter)) for _ in token_lists]
+        added = []
+        try:
+            for request_id, tokens, p in zip(ids, token_lists, params):
+                self.engine.add_request(request_id, tokens, p)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                self.engine.abort(request_id)
+            raise
+        results = self._run(ids, use_tqdm)
+        return [self._output(r, t, toks, results[r]) for r, t, toks in zip(ids, texts, token_lists)]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, list[StepDelta]]:
+        deltas: dict[str, list[StepDelta]] = {r: [] for r in ids}
+        bar = tqdm(total=len(ids), desc="generate", unit="req",
+                   disable=not use_tqdm or not sys.stderr.isatty())
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    deltas[delta.request_id].append(delta)
+                    if delta.finished:
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return deltas
+
+    def _prompts(self, prompts, prompt_token_ids) -> tuple[list[str | None], list[list[int]]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompt_token_ids is not None:
+            token_lists = [list(p) for p in prompt_token_ids]
+            return [None] * len(token_lists), token_lists
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        for p in prompts:
+            if not isinstance(p, str):
+                raise ValueError(f"prompts must be strings, got {type(p).__name__}")
+        tokenizer = self.engine.tokenizer
+        return list(prompts), [tokenizer.encode(p) for p in prompts]
+
+    @staticmethod
+    def _params(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"{len(params)} sampling params for {count} prompts")
+        return params
+
+    @staticmethod
+    def _output(request_id: str, prompt: str | None, prompt_ids: list[int],
+                deltas: list[StepDelta]) -> RequestOutput:
+        token_ids = [t for d in deltas for t in d.new_token_ids]
+        text = "".join(d.new_text for d in deltas)
+        last = deltas[-1]
+        completion = CompletionOutput(0, text, token_ids, last.finish_reason)
+        metrics = last.metrics or RequestMetrics(0.0, None, 0.0)
+        return RequestOutput(request_id, prompt, prompt_ids, [completion], metrics)

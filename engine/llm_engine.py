@@ -1,0 +1,211 @@
+"""LLMEngine: the step loop. add requests, call step() until done, read deltas.
+
+One step = schedule -> one packed forward -> sample -> update sequences -> emit deltas.
+Requests come in three kinds:
+- full (colocated): prefill then decode here;
+- prefill-only (prefill workers): prefill, sample the first token, keep the KV blocks for transfer;
+- prefilled (decode workers): KV already written into reserved blocks, decode from the first token.
+Not thread-safe: one thread drives an engine.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.outputs import OutputText, RequestMetrics, StepDelta
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.stats import EngineStats
+from engine.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, model_config: ModelConfig,
+                 config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.model_config, self.config, self.tokenizer = model_config, config, tokenizer
+        self.device, self.dtype = device, dtype
+        spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                           config.block_size, dtype)
+        num_blocks = num_blocks_for_budget(spec, config, device)
+        self.kv_cache = KVCache(spec, num_blocks, device, config.enable_prefix_caching)
+        self.max_model_len = max_model_len(model_config, config, num_blocks)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
+                             f"({config.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len})")
+        self.scheduler = Scheduler(config, self.kv_cache.allocator)
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), device)
+        self.stats = EngineStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._texts: dict[str, OutputText] = {}
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+                    *, prefill_only: bool = False, arrival_time: float | None = None) -> None:
+        """Queue a request (validated: ValueError on bad input, nothing changes then)."""
+        self._validate(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only,
+                       arrival_time=arrival_time)
+        self._track(seq)
+        self.scheduler.add_waiting(seq)
+
+    def reserve_blocks(self, num_blocks: int) -> list[int] | None:
+        """Allocate blocks for incoming KV (decode side of a transfer); None when the pool is short."""
+        return self.kv_cache.allocator.allocate(num_blocks)
+
+    def free_blocks(self, block_ids: Seq[int]) -> None:
+        """Return reserved blocks that were never handed to add_prefilled_request."""
+        self.kv_cache.allocator.free(block_ids)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
+                              params: SamplingParams, block_ids: Seq[int],
+                              arrival_time: float | None = None) -> StepDelta:
+        """Admit a request whose prompt KV already sits in block_ids (from reserve_blocks).
+
+        The sequence owns the blocks from here on (they are freed when it ends). Returns the first
+        token's delta, final already if that token ends the request (max_tokens=1, EOS, stop);
+        otherwise decoding continues in the following steps.
+        """
+        self._validate(request_id, prompt_token_ids, params)
+        needed = -(-len(prompt_token_ids) // self.config.block_size)
+        if len(block_ids) < needed:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {len(prompt_token_ids)} prompt tokens")
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=arrival_time)
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = len(prompt_token_ids)
+        self._track(seq)
+        self.scheduler.add_running(seq)
+        self.scheduler.register_full_blocks(seq)
+        return self._append_token(seq, first_token)
+
+    def _track(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+        self._texts[seq.request_id] = OutputText.create(self.tokenizer, seq.token_ids, seq.params.stop)
+
+    def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(prompt) == 0:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt) > self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens, more than the model's context of "
+                             f"{self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+
+    # ---- the step loop ---------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepDelta]:
+        """Run one packed forward over the scheduled chunks and return the deltas it produced."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        started = time.perf_counter()
+        seqs, tokens = self.runner.execute(chunks)
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+            self.scheduler.register_full_blocks(chunk.seq)
+        self.stats.record_step(chunks, time.perf_counter() - started)
+        return [self._append_token(seq, token) for seq, token in zip(seqs, tokens)]
+
+    def _append_token(self, seq: Sequence, token: int) -> StepDelta:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        seq.token_ids.append(token)
+        text = self._texts[seq.request_id]
+        reason = self._finish_reason(seq, token, text.append([token]))
+        if reason is not None:
+            return self._finish(seq, reason, (token,))
+        if seq.prefill_only:
+            self.scheduler.finish(seq, SequenceStatus.PREFILLED, keep_blocks=True)
+            return StepDelta(seq.request_id, (token,), text.take_delta(final=True),
+                             kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq))
+        return StepDelta(seq.request_id, (token,), text.take_delta(final=False))
+
+    def _finish_reason(self, seq: Sequence, token: int, stop_string_hit: bool) -> str | None:
+        params = seq.params
+        if stop_string_hit or token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...]) -> StepDelta:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq, SequenceStatus.FINISHED)
+        text = self._forget(seq.request_id)
+        text.finish()
+        return StepDelta(seq.request_id, new_tokens, text.take_delta(final=True), finish_reason=reason,
+                         metrics=RequestMetrics.of(seq))
+
+    # ---- ending requests -------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Drop a live request wherever it is and free its blocks; False if it is unknown or done."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        if seq.status == SequenceStatus.PREFILLED:
+            return self.release_prefilled(request_id)
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq, SequenceStatus.FINISHED)
+        self._forget(request_id)
+        return True
+
+    def release_prefilled(self, request_id: str) -> bool:
+        """Free the KV blocks a prefill-only request kept for its transfer; False if there are none."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.PREFILLED:
+            return False
+        self.kv_cache.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        self._forget(request_id)
+        return True
+
+    def _forget(self, request_id: str) -> OutputText:
+        """A request that ended leaves the engine; its id becomes reusable."""
+        self._seqs.pop(request_id)
+        return self._texts.pop(request_id)
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        """The live (waiting, running or prefilled) request with this id, if any."""
+        return self._seqs.get(request_id)
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.allocator.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+
+def max_model_len(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:
+    """The longest sequence served: the model's context, capped by the user's max_model_len, by a
+    sliding window (served exactly only within it) and by what the whole KV pool can hold."""
+    limits = [model_config.max_position_embeddings, num_blocks * config.block_size]
+    if config.max_model_len is not None:
+        limits.append(config.max_model_len)
+    if model_config.sliding_window is not None:
+        limits.append(model_config.sliding_window)
+    return min(limits)

@@ -1,0 +1,161 @@
+"""The Llama-family causal LM (Llama 2/3, Mistral, Qwen2, Qwen3) over a packed token batch.
+
+forward() takes every scheduled token of every sequence as one flat batch [num_tokens] with its
+positions, writes K/V into the paged pool and returns hidden states [num_tokens, hidden];
+compute_logits() runs the LM head on just the rows that get sampled.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, meta_linear
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = meta_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
+        self.o_proj = meta_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)      # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_pool, v_pool = kv_cache.layer_slots(self.layer)
+        out = paged_attention(q, k, v, k_pool, v_pool, meta)       # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, rotary, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, h, positions, meta, kv_cache):
+        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Parameters are created unallocated; call materialize(device) and load_weights() before use."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else meta_linear(
+            cfg.hidden_size, cfg.vocab_size, False, dtype)
+
+    def materialize(self, device: torch.device) -> "CausalLM":
+        """Allocate (uninitialized) parameters on device; rotary tables are restored exactly."""
+        rotary = self.layers[0].self_attn.rotary
+        cos, sin = rotary.cos, rotary.sin
+        self.to_empty(device=device)
+        rotary.cos, rotary.sin = cos.to(device), sin.to(device)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(h, positions, meta, kv_cache)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _map_hf_name(hf_name, self.config)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
+            _copy_shard(params[name], tensor, shard, self.config, hf_name)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        missing = [n for n in _expected_pieces(params, self.config) if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+
+
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+
+
+def _map_hf_name(hf_name: str, cfg: ModelConfig) -> tuple[str, str | None] | None:
+    """HF tensor name -> (our parameter name, shard of a fused parameter or None); None = skip."""
+    if "rotary_emb" in hf_name:
+        return None
+    if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    name = hf_name.removeprefix("model.")
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+    return name, None
+
+
+def _shard_range(shard: str, cfg: ModelConfig) -> tuple[int, int]:
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+            "gate": (0, inter), "up": (inter, 2 * inter)}[shard]
+
+
+def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig,
+                hf_name: str) -> None:
+    target = param.data if shard is None else param.data.narrow(0, *_span(_shard_range(shard, cfg)))
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+def _span(bounds: tuple[int, int]) -> tuple[int, int]:
+    return bounds[0], bounds[1] - bounds[0]
+
+
+def _expected_pieces(params: dict, cfg: ModelConfig) -> list[str]:
+    pieces = []
+    for name in params:
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            pieces += [f"{name}#{s}" for s in ("q", "k", "v")]
+        elif name.endswith("gate_up_proj.weight"):
+            pieces += [f"{name}#{s}" for s in ("gate", "up")]
+        else:
+            pieces.append(name)
+    return pieces

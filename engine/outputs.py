@@ -1,0 +1,112 @@
+"""What the engine hands back: per-step deltas (for streaming) and finished results (offline API)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None while running
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Times are time.perf_counter() seconds."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+    num_cached_tokens: int = 0     # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, seq) -> "RequestMetrics":
+        return cls(seq.arrival_time, seq.first_token_time, time.perf_counter(),
+                   seq.num_cached_tokens, seq.num_preemptions)
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as vLLM's LLM.generate returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    finished: bool = True
+
+
+@dataclass(frozen=True)
+class StepDelta:
+    """What one engine step produced for one request.
+
+    new_token_ids/new_text: tokens and stable text since the last delta. finish_reason is set on the
+    last delta. For a prefill-only request the last delta also carries kv_block_ids: the blocks that
+    hold the prompt's KV, kept allocated until LLMEngine.release_prefilled(request_id).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finish_reason: str | None = None
+    kv_block_ids: tuple[int, ...] | None = None
+    metrics: RequestMetrics | None = None   # set on the last delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.kv_block_ids is not None
+
+
+@dataclass
+class OutputText:
+    """Incremental text of one request, with stop-string detection.
+
+    Text that could still turn out to be the start of a stop string is held back from deltas, so a
+    streamed client never sees text that the final result cuts.
+    """
+
+    detokenizer: IncrementalDetokenizer
+    stop: tuple[str, ...]
+    text: str = ""
+    emitted: int = 0
+    stopped: bool = field(default=False)
+
+    @classmethod
+    def create(cls, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]):
+        return cls(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop)
+
+    def append(self, token_ids: list[int]) -> bool:
+        """Add tokens; returns True if a stop string appeared (the text is then cut before it)."""
+        old_len = len(self.text)
+        self.text += self.detokenizer.step(token_ids)
+        if not self.stop:
+            return False
+        longest = max(len(s) for s in self.stop)
+        search_from = max(0, old_len - longest + 1)
+        hits = [p for p in (self.text.find(s, search_from) for s in self.stop) if p >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+        return self.stopped
+
+    def finish(self) -> None:
+        """The request ended: release text the detokenizer held back (unless a stop string cut it)."""
+        if not self.stopped:
+            self.text += self.detokenizer.flush()
+
+    def take_delta(self, final: bool) -> str:
+        """Text not yet emitted; while running, keeps back what a stop string could still claim."""
+        end = len(self.text)
+        if not final and self.stop:
+            end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta

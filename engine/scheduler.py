@@ -1,0 +1,152 @@
+"""Scheduler: which tokens of which sequences go into the next forward pass.
+
+Each step has a token budget (max_num_batched_tokens). Running sequences are served first, oldest
+first: a decoding sequence takes one token, a sequence in the middle of a chunked prefill takes the
+next chunk (Sarathi's stall-free batching: decodes never wait for a long prompt). What budget is left
+admits waiting sequences in arrival order (FCFS), after looking their prompts up in the prefix cache.
+When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks
+are freed and it goes back to the head of the queue to recompute its KV later (preemption by recompute).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """num_new_tokens tokens of seq, starting at seq.num_computed_tokens, go into this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = allocator.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_waiting(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose blocks and KV are already in place (decode-only requests)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
+        budget = self.config.max_num_batched_tokens
+        chunks, preempted = self._schedule_running(budget)
+        budget -= sum(c.num_new_tokens for c in chunks)
+        if not preempted:
+            chunks += self._admit_waiting(budget)
+        return chunks
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledChunk], bool]:
+        chunks, preempted, index = [], False, 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    return chunks, preempted
+            chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+            index += 1
+        return chunks, preempted
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+        chunks = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self._attach_cached_prefix(seq)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            whole = num_new == seq.num_uncomputed_tokens
+            if (not whole and not self.config.enable_chunked_prefill) or \
+                    not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
+                self._release_blocks(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+        return chunks
+
+    def _attach_cached_prefix(self, seq: Sequence) -> None:
+        # Leave at least the last token to compute: its hidden state gives the next token's logits.
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        block_ids, hashes = self.allocator.lookup_prefix(seq.token_ids, max_blocks)
+        seq.block_table = block_ids
+        seq.block_hashes = hashes
+        seq.num_hashed_blocks = len(block_ids)
+        seq.num_computed_tokens = len(block_ids) * self.block_size
+        if seq.num_output_tokens == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def _grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make seq's block table cover num_tokens tokens; False (nothing changed) if blocks are short."""
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        new_blocks = self.allocator.allocate(needed)
+        if new_blocks is None:
+            return False
+        seq.block_table.extend(new_blocks)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release_blocks(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publish seq's newly completed full blocks to the prefix cache."""
+        size = self.block_size
+        while (seq.num_hashed_blocks + 1) * size <= seq.num_computed_tokens:
+            i = seq.num_hashed_blocks
+            parent = seq.block_hashes[i - 1] if i else None
+            tokens = seq.token_ids[i * size:(i + 1) * size]
+            seq.block_hashes.append(self.allocator.register_full_block(seq.block_table[i], parent, tokens))
+            seq.num_hashed_blocks += 1
+
+    def finish(self, seq: Sequence, status: SequenceStatus, keep_blocks: bool = False) -> None:
+        """Take seq out of the queues; free its blocks unless keep_blocks (prefill-only results)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = status
+        if not keep_blocks:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []

@@ -1,0 +1,69 @@
+"""Sequence: one request's tokens, KV blocks and progress through prefill and decode."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"          # queued, or preempted and waiting to recompute its KV
+    RUNNING = "running"          # holds blocks; scheduled every step until done
+    PREFILLED = "prefilled"      # prefill-only request done: KV kept in blocks until released
+    FINISHED = "finished"        # done; blocks returned to the pool
+
+
+class Sequence:
+    """Mutable per-request state owned by the engine's scheduler.
+
+    token_ids holds prompt + generated tokens. num_computed_tokens counts the leading tokens whose
+    K/V are in the sequence's blocks; the rest are computed by the next scheduled steps.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 *, prefill_only: bool = False, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.prefill_only = prefill_only
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0       # prompt tokens served by the prefix cache (stats)
+        self.num_hashed_blocks = 0       # leading full blocks registered in the prefix cache
+        self.block_hashes: list[int] = []
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
+        self.first_token_time: float | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.PREFILLED)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny real Hugging Face checkpoints and transformers as the greedy-decoding oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from factories import hf_greedy_generate, load_hf_model, make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Callable[..., Path]:
+    """`get(arch, *, seed=0, shards=1, **config_overrides) -> Path`: a tiny checkpoint, built once per session.
+
+    Results are cached per (arch, seed, shards, overrides); callers must treat the directory as read-only.
+    """
+    built: dict[str, Path] = {}
+
+    def get(arch: str, *, seed: int = 0, shards: int = 1, **config_overrides) -> Path:
+        key = json.dumps([arch, seed, shards, config_overrides], sort_keys=True, default=str)
+        if key not in built:
+            out_dir = tmp_path_factory.mktemp(f"ckpt-{arch}")
+            built[key] = make_checkpoint(out_dir, arch, seed=seed, shards=shards, **config_overrides)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[[Path, list[list[int]], int], list[list[int]]]:
+    """`hf_greedy(path, prompts_token_ids, max_new_tokens) -> new tokens per prompt` via transformers.
+
+    Float32 on CPU, one prompt per `generate(do_sample=False)` call (no padding); EOS is ignored, so
+    each result has exactly `max_new_tokens` tokens. Loaded models are cached per path for the session.
+    """
+    models: dict[Path, object] = {}
+
+    def run(path: Path, prompts_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        path = Path(path).resolve()
+        if path not in models:
+            models[path] = load_hf_model(path)
+        return hf_greedy_generate(models[path], prompts_token_ids, max_new_tokens)
+
+    return run

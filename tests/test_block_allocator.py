@@ -1,0 +1,66 @@
+"""BlockAllocator: reference counts, prefix hits, LRU eviction of cached free blocks."""
+from __future__ import annotations
+
+import pytest
+
+from engine.block_allocator import BlockAllocator
+
+
+def fill(allocator: BlockAllocator, tokens: list[int]) -> list[int]:
+    """Allocate blocks for tokens and register them as full cached blocks, like a finished prefill."""
+    size = allocator.block_size
+    blocks = allocator.allocate(len(tokens) // size)
+    parent = None
+    for i, block in enumerate(blocks):
+        parent = allocator.register_full_block(block, parent, tokens[i * size:(i + 1) * size])
+    return blocks
+
+
+def test_allocate_and_free_with_ref_counts():
+    allocator = BlockAllocator(4, 2)
+    blocks = allocator.allocate(3)
+    assert allocator.num_free_blocks == 1 and allocator.allocate(2) is None
+    allocator.free(blocks)
+    assert allocator.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="freed more often"):
+        allocator.free(blocks[:1])
+
+
+def test_prefix_hit_shares_blocks_until_both_free():
+    allocator = BlockAllocator(8, 2)
+    blocks = fill(allocator, [1, 2, 3, 4, 5, 6])
+    hit, hashes = allocator.lookup_prefix([1, 2, 3, 4, 9, 9], max_blocks=3)
+    assert hit == blocks[:2] and len(hashes) == 2
+    assert allocator.ref_count(blocks[0]) == 2
+    allocator.free(blocks)
+    assert allocator.ref_count(blocks[0]) == 1 and allocator.num_free_blocks == 6
+    allocator.free(hit)
+    assert allocator.num_free_blocks == 8
+
+
+def test_chained_hash_needs_the_whole_prefix():
+    allocator = BlockAllocator(8, 2)
+    allocator.free(fill(allocator, [1, 2, 3, 4]))
+    assert allocator.lookup_prefix([9, 9, 3, 4], max_blocks=2) == ([], [])
+    hit, _ = allocator.lookup_prefix([1, 2, 3, 4], max_blocks=1)
+    assert len(hit) == 1, "max_blocks caps the hit"
+    allocator.free(hit)
+
+
+def test_free_cached_blocks_are_evicted_lru_tail_first():
+    allocator = BlockAllocator(3, 1)
+    old = fill(allocator, [1, 2, 3])
+    allocator.free(old)                       # freed tail first: queue is 3, 2, 1
+    assert allocator.num_cached_blocks == 3
+    [taken] = allocator.allocate(1)           # evicts the tail block (token 3)
+    assert taken == old[2] and allocator.num_cached_blocks == 2
+    hit, _ = allocator.lookup_prefix([1, 2, 3], max_blocks=3)
+    assert hit == old[:2]
+    allocator.free(hit)
+    allocator.free([taken])
+
+
+def test_disabled_prefix_caching_never_hits():
+    allocator = BlockAllocator(4, 2, enable_prefix_caching=False)
+    allocator.free(fill(allocator, [1, 2, 3, 4]))
+    assert allocator.lookup_prefix([1, 2, 3, 4], max_blocks=2) == ([], [])
