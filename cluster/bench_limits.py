@@ -102,7 +102,7 @@ def _bare_matmul_ms(model, num_tokens: int, num_sampled: int, device) -> float:
 def _weight_bytes_read_per_step(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
-    if model.lm_head is not None:  # an untied embedding table is only gathered, not read whole
+    if model.lm_head.weight is not embed:  # an untied embedding table is only gathered, not read whole
         total -= embed.numel() * embed.element_size()
     return total
 

@@ -3,8 +3,9 @@
 The batch is token-major: rows [0, num_decode_rows) are single-token queries (decodes, and prompt
 chunks of one token), then each prefill chunk occupies a contiguous row span. K/V of every batch
 token are first written into the pool at slot_mapping; then
-- single-token rows attend, all at once, to their sequence's slots gathered through the block tables
-  into a padded [B, max_len] batch with a key mask;
+- single-token rows attend, all at once, to their sequence's context: on CPU float32 through the
+  numba kernel that reads the pool via the block tables; elsewhere gathered into a padded [B, max_len]
+  batch with a key mask for one SDPA call;
 - each prefill chunk attends causally: to its own fresh K/V when nothing of it is cached yet, else to
   the gathered slots of its whole context with an offset causal mask.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine import paged_decode_cpu
 
 
 @dataclass(frozen=True)
@@ -31,13 +34,27 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class DecodeBatch:
+    """The single-token rows' contexts, in the form the chosen decode attention reads.
+
+    Kernel path (CPU float32): block_tables + context_lens, read straight from the pool.
+    Torch path: slots of every context position padded to the longest, plus a key mask.
+    """
+
+    block_tables: torch.Tensor            # [B, max_blocks] int64, 0-padded
+    context_lens: torch.Tensor            # [B] int64, the query token included
+    block_size: int
+    slots: torch.Tensor | None = None     # [B, max_context] (torch path only)
+    mask: torch.Tensor | None = None      # [B, 1, 1, max_context] True where a key is real; None if unpadded
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Where each batch token's K/V goes and what each query attends to; built once per step."""
 
     slot_mapping: torch.Tensor            # [num_tokens] pool slot of each batch token
     num_decode_rows: int                  # rows [0, B) are single-token queries
-    decode_slots: torch.Tensor | None     # [B, max_context] slots of each row's context (0-padded)
-    decode_mask: torch.Tensor | None      # [B, 1, 1, max_context] True where a key is real; None if unpadded
+    decode: DecodeBatch | None
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -60,13 +77,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
 
 def _decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
-    # q: [B, num_heads, head_dim]; decode_slots: [B, L]
-    batch, max_len = meta.decode_slots.shape
-    flat = meta.decode_slots.reshape(-1)
+    # q: [B, num_heads, head_dim]
+    decode = meta.decode
+    if decode.slots is None:
+        return paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, decode.block_tables,
+                                                       decode.context_lens, decode.block_size)
+    batch, max_len = decode.slots.shape
+    flat = decode.slots.reshape(-1)
     k_ctx = k_pool.index_select(0, flat).view(batch, max_len, *k_pool.shape[1:])  # [B, L, kv_heads, D]
     v_ctx = v_pool.index_select(0, flat).view(batch, max_len, *v_pool.shape[1:])
     out = _sdpa(q.unsqueeze(2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-                mask=meta.decode_mask, causal=False)  # [B, num_heads, 1, D]
+                mask=decode.mask, causal=False)  # [B, num_heads, 1, D]
     return out.squeeze(2)
 
 

@@ -49,4 +49,5 @@ def build_default_model(dtype: torch.dtype, device: torch.device, max_positions:
             else:
                 values = torch.randn(param.shape, generator=generator) * 0.08
                 param.copy_(values)
+    model.prepare_kernels()
     return model.eval()

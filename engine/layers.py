@@ -8,11 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RopeScaling
-
-
-def meta_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    """A Linear with unallocated (meta) weights; the model is materialized once, then loaded."""
-    return nn.Linear(in_features, out_features, bias=bias, device="meta", dtype=dtype)
+from engine.linear import meta_linear
 
 
 class RMSNorm(nn.Module):
@@ -67,11 +63,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for these positions, each [T, 1, head_dim]; computed once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

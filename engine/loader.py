@@ -76,4 +76,5 @@ def load_model(model_dir: Path, model_config: ModelConfig, dtype: torch.dtype, d
     """Build the model on device and fill it from the checkpoint (ValueError on any mismatch)."""
     model = CausalLM(model_config, dtype, max_positions).materialize(device)
     model.load_weights(iter_checkpoint_tensors(model_dir))
+    model.prepare_kernels()
     return model.eval()

@@ -14,11 +14,15 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, meta_linear
+from engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.linear import meta_linear, prepare_linears
+
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim] each
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -28,33 +32,36 @@ class Attention(nn.Module):
         self.o_proj = meta_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, x: torch.Tensor, rope: RopeTables, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)      # [T, H, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)   # [T, H_kv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 * H_kv) * D]
+        q, k = self._rotated_qk(qkv, rope)                                 # [T, H, D], [T, H_kv, D]
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = kv_cache.layer_slots(self.layer)
-        out = paged_attention(q, k, v, k_pool, v_pool, meta)       # [T, H, D]
+        out = paged_attention(q, k, v, k_pool, v_pool, meta)               # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rotated_qk(self, qkv: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)  # [T, H + H_kv, D]
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k rotate together: one pass instead of two
+        return qk[:, :self.num_heads], qk[:, self.num_heads:]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer, rotary, dtype)
+        self.self_attn = Attention(cfg, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, h, positions, meta, kv_cache):
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta, kv_cache)
+    def forward(self, h: torch.Tensor, rope: RopeTables, meta: AttentionMetadata, kv_cache: KVCache):
+        h = h + self.self_attn(self.input_layernorm(h), rope, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -65,31 +72,38 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, dtype) for i in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else meta_linear(
-            cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.lm_head = meta_linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def materialize(self, device: torch.device) -> "CausalLM":
         """Allocate (uninitialized) parameters on device; rotary tables are restored exactly."""
-        rotary = self.layers[0].self_attn.rotary
+        rotary = self.rotary
         cos, sin = rotary.cos, rotary.sin
         self.to_empty(device=device)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # to_empty made them two tensors
         rotary.cos, rotary.sin = cos.to(device), sin.to(device)
         return self
+
+    def prepare_kernels(self) -> None:
+        """Once the weights are final: let each layer ready its device-specific kernels."""
+        prepare_linears(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache) -> torch.Tensor:
         h = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            h = layer(h, positions, meta, kv_cache)
+            h = layer(h, rope, meta, kv_cache)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""

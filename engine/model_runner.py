@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan
+from engine import paged_decode_cpu
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import Sampler
@@ -34,6 +35,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.spec.block_size
+        self.use_decode_kernel = paged_decode_cpu.supports(device, kv_cache.spec.dtype)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[tuple[Sequence, ...], list[int]]:
@@ -66,30 +68,30 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sampled.append(seq)
             row += n
-        decode_slots, decode_mask = self._decode_context(ordered[:num_decode_rows])
-        meta = AttentionMetadata(self._tensor(slots), num_decode_rows, decode_slots, decode_mask,
-                                 tuple(prefills))
+        decode = self._decode_batch(ordered[:num_decode_rows]) if num_decode_rows else None
+        meta = AttentionMetadata(self._tensor(slots), num_decode_rows, decode, tuple(prefills))
         return ModelInput(self._tensor(input_ids), self._tensor(positions), meta,
                           self._tensor(sample_rows), tuple(sampled))
 
-    def _decode_context(self, chunks: list[ScheduledChunk]):
-        """Padded slots [B, L] of every single-token row's whole context, and the key mask."""
-        if not chunks:
-            return None, None
+    def _decode_batch(self, chunks: list[ScheduledChunk]) -> DecodeBatch:
+        """Block tables and context lengths of the single-token rows (+ padded slots for torch)."""
         lengths = [c.seq.num_computed_tokens + 1 for c in chunks]
         max_blocks = -(-max(lengths) // self.block_size)
-        tables = [c.seq.block_table[:max_blocks] + [0] * (max_blocks - len(c.seq.block_table[:max_blocks]))
+        tables = [c.seq.block_table[:max_blocks] + [0] * (max_blocks - min(max_blocks, len(c.seq.block_table)))
                   for c in chunks]
         table = torch.tensor(tables, dtype=torch.long)  # [B, max_blocks]
-        offsets = torch.arange(self.block_size)
-        slots = (table.unsqueeze(-1) * self.block_size + offsets).view(len(chunks), -1)
+        context_lens = torch.tensor(lengths, dtype=torch.long)
+        if self.use_decode_kernel:
+            return DecodeBatch(table, context_lens, self.block_size)
+        slots = (table.unsqueeze(-1) * self.block_size + torch.arange(self.block_size)).view(len(chunks), -1)
         max_len = max(lengths)
-        slots = slots[:, :max_len]  # [B, L]
+        slots = slots[:, :max_len].contiguous()  # [B, L]
         mask = None
         if min(lengths) != max_len:
-            mask = torch.arange(max_len).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-            mask = mask.view(len(chunks), 1, 1, max_len).to(self.device)
-        return slots.contiguous().to(self.device), mask
+            mask = (torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)).view(len(chunks), 1, 1, max_len)
+            mask = mask.to(self.device)
+        return DecodeBatch(table.to(self.device), context_lens.to(self.device), self.block_size,
+                           slots.to(self.device), mask)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         size = self.block_size

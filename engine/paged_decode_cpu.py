@@ -1,0 +1,75 @@
+"""Paged decode attention for CPU float32, compiled with numba.
+
+Each single-token query reads its sequence's K/V straight from the pool through its block table: no
+gathered copy of the context, no padding to the longest sequence. One parallel task per
+(sequence, KV head) serves that head's whole group of query heads, so grouped-query attention reads
+K/V once. On the benchmark mix (48 sequences, contexts up to ~500 tokens) one layer takes ~1 ms here
+against ~8 ms for gather + padded SDPA.
+
+AVAILABLE is False when numba is missing; attention then uses the torch path.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    import numba
+    from numba import njit, prange
+    AVAILABLE = True
+except ImportError:  # the torch gather + SDPA path serves instead
+    AVAILABLE = False
+
+
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    return AVAILABLE and device.type == "cpu" and dtype == torch.float32
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           block_size: int) -> torch.Tensor:
+    """q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int64;
+    context_lens: [B] int64 (tokens each query attends to, itself included). Returns [B, H, D]."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
+    out = torch.empty_like(grouped)
+    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    _kernel(grouped.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), block_tables.numpy(),
+            context_lens.numpy(), block_size, np.float32(head_dim ** -0.5), out.numpy())
+    return out.view(batch, num_heads, head_dim)
+
+
+if AVAILABLE:
+    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
+    def _kernel(q, k_pool, v_pool, tables, lens, block_size, scale, out):  # pragma: no cover (compiled)
+        batch, num_kv_heads, group, head_dim = q.shape
+        for task in prange(batch * num_kv_heads):
+            b = task // num_kv_heads
+            h = task - b * num_kv_heads
+            length = lens[b]
+            scores = np.empty((group, length), dtype=np.float32)
+            for t in range(length):
+                slot = tables[b, t // block_size] * block_size + t % block_size
+                for g in range(group):
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += q[b, h, g, d] * k_pool[slot, h, d]
+                    scores[g, t] = acc * scale
+            for g in range(group):
+                top = scores[g, 0]
+                for t in range(1, length):
+                    top = max(top, scores[g, t])
+                total = np.float32(0.0)
+                for t in range(length):
+                    weight = np.exp(scores[g, t] - top)
+                    scores[g, t] = weight
+                    total += weight
+                inv_total = np.float32(1.0) / total
+                for d in range(head_dim):
+                    out[b, h, g, d] = 0.0
+                for t in range(length):
+                    slot = tables[b, t // block_size] * block_size + t % block_size
+                    weight = scores[g, t] * inv_total
+                    for d in range(head_dim):
+                        out[b, h, g, d] += weight * v_pool[slot, h, d]
