@@ -57,6 +57,22 @@ class LLM:
         results = self._run(ids, use_tqdm)
         return [self._output(r, t, toks, results[r]) for r, t, toks in zip(ids, texts, token_lists)]
 
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template (adding the assistant header),
+        then generate for all of them in one batch."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        # The template writes any BOS itself, so the text is encoded without adding special tokens.
+        token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompt_token_ids=token_lists, sampling_params=sampling_params,
+                                use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
+
     def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, list[StepDelta]]:
         deltas: dict[str, list[StepDelta]] = {r: [] for r in ids}
         bar = tqdm(total=len(ids), desc="generate", unit="req",

@@ -259,8 +259,8 @@ def hf_greedy_generate(model, prompts_token_ids: list[list[int]], max_new_tokens
     return continuations
 
 
-def load_hf_model(path: Path):
-    """transformers' float32 CPU model of a checkpoint directory, in eval mode."""
+def load_hf_model(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' CPU model of a checkpoint directory (float32 unless told), in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(Path(path), dtype=dtype).eval()

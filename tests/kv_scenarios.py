@@ -197,6 +197,9 @@ def sender_killed(rig: Rig, side: str, failure_status: str, rank: int = 3) -> fl
     start = rig.start("doomed", side, range(0, 16), seed=11)
     rig.doomed.conn.send(Fault("hang", start, rank=rank))
     assert rig.doomed.reply().status == "STALLED"
+    deadline = time.monotonic() + 10
+    while rig.sides[side].pool.num_free != RECEIVER_BLOCKS - 16 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the receiver allocates once the manifest has arrived
     assert rig.sides[side].pool.num_free == RECEIVER_BLOCKS - 16
     began = time.monotonic()
     rig.doomed.kill()

@@ -140,3 +140,16 @@ def test_prefill_engine_hands_kv_to_decode_engine(ckpt):
     decode.engine.free_blocks(offset)
     for llm in (prefill, decode, colocated):
         assert_all_blocks_free(llm)
+
+
+def test_chat_uses_the_template_without_a_double_bos(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")))
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    [out] = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert out.prompt == rendered and "What is a KV cache?" in rendered
+    assert out.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.prompt_token_ids.count(tokenizer.bos_token_id) == 1
+    assert len(out.outputs[0].token_ids) == 4
+    assert_all_blocks_free(llm)

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine_checks import assert_all_blocks_free, random_prompts
+from factories import hf_greedy_generate, load_hf_model
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 40, 333]
 MAX_TOKENS = 10
@@ -35,4 +37,18 @@ def test_sharded_checkpoint_and_text_prompts(tiny_checkpoint, hf_greedy):
         assert out.prompt == text
         assert out.outputs[0].token_ids == tokens
         assert out.outputs[0].text == tokenizer.decode(tokens)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_matches_transformers_in_same_dtype(dtype, tiny_checkpoint):
+    """Half precision takes the torch attention path on CPU; it must match transformers in that dtype."""
+    path = tiny_checkpoint("qwen2")
+    llm = LLM(str(path), dtype=dtype, device="cpu")
+    assert not llm.engine.runner.use_decode_kernel
+    prompts = random_prompts([5, 40, 130], llm.get_tokenizer().vocab_size, seed=3)
+    expected = hf_greedy_generate(load_hf_model(path, getattr(torch, dtype)), prompts, 8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert_all_blocks_free(llm)
