@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--skip-transformers", action="store_true", help="run only the engine")
     parser.add_argument("--skip-limits", action="store_true", help="skip the machine-limit measurements")
+    parser.add_argument("--vllm-peer", default=None, metavar="RUNNER",
+                        help="also run the workload on vLLM through RUNNER (e.g. ../shared/peers/vllm-cpu.sh)")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
 
 
@@ -97,6 +100,22 @@ def run_transformers(model_dir: Path, workload: Workload, device: str) -> float:
         return time.perf_counter() - started
 
 
+def run_vllm_peer(runner: str, model_dir: Path, workload: Workload, tmp: Path) -> float:
+    """Seconds vLLM takes for the same workload, run in its own venv through `runner run SCRIPT`."""
+    workload_file = tmp / "workload.json"
+    workload_file.write_text(json.dumps({"prompts": workload.prompts, "output_lens": workload.output_lens}))
+    script = Path(__file__).with_name("peer_vllm.py")
+    done = subprocess.run(["bash", runner, "run", str(script), "--model", str(model_dir),
+                           "--workload", str(workload_file)], capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("PEER_RESULT "):
+            result = json.loads(line.removeprefix("PEER_RESULT "))
+            if result["tokens"] != workload.useful_tokens:
+                raise RuntimeError(f"vLLM produced {result['tokens']} tokens, expected {workload.useful_tokens}")
+            return result["seconds"]
+    raise RuntimeError(f"the vLLM peer failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
 def run(args: argparse.Namespace) -> int:
     from engine import LLM
     prompt_range = parse_range(args.prompt_len, "--prompt-len")
@@ -120,6 +139,11 @@ def run(args: argparse.Namespace) -> int:
             results["ratio"] = hf_s / engine_s
             print(f"transformers    : {hf_s:7.2f} s  {results['transformers_tok_s']:8.1f} useful tok/s")
             print(f"ratio           : engine is {results['ratio']:.2f}x transformers")
+        if args.vllm_peer:
+            peer_s = run_vllm_peer(args.vllm_peer, model_dir, workload, Path(tmp))
+            results["vllm_tok_s"] = workload.useful_tokens / peer_s
+            print(f"vLLM (peer)     : {peer_s:7.2f} s  {results['vllm_tok_s']:8.1f} useful tok/s"
+                  f"  (engine at {results['engine_tok_s'] / results['vllm_tok_s']:.2f}x vLLM)")
         if not args.skip_limits:
             results["limits"] = [asdict(row) for row in measure_limits(llm)]
     if args.json:

@@ -89,5 +89,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate_up[:, :self.intermediate_size])  # [T, intermediate]
+        return self.down_proj(hidden.mul_(gate_up[:, self.intermediate_size:]))

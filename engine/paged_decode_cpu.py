@@ -48,14 +48,24 @@ if AVAILABLE:
             b = task // num_kv_heads
             h = task - b * num_kv_heads
             length = lens[b]
+            num_blocks = (length + block_size - 1) // block_size
+            q_scaled = np.empty((group, head_dim), dtype=np.float32)
+            for g in range(group):
+                for d in range(head_dim):
+                    q_scaled[g, d] = q[b, h, g, d] * scale
+            # pass 1: scores [group, length], walking the block table block by block
             scores = np.empty((group, length), dtype=np.float32)
-            for t in range(length):
-                slot = tables[b, t // block_size] * block_size + t % block_size
-                for g in range(group):
-                    acc = np.float32(0.0)
-                    for d in range(head_dim):
-                        acc += q[b, h, g, d] * k_pool[slot, h, d]
-                    scores[g, t] = acc * scale
+            for blk in range(num_blocks):
+                base, first = tables[b, blk] * block_size, blk * block_size
+                for off in range(min(block_size, length - first)):
+                    k_row = k_pool[base + off, h]
+                    for g in range(group):
+                        acc = np.float32(0.0)
+                        for d in range(head_dim):
+                            acc += q_scaled[g, d] * k_row[d]
+                        scores[g, first + off] = acc
+            # softmax weights, left unnormalized; 1 / sum kept per query head
+            inv_total = np.empty(group, dtype=np.float32)
             for g in range(group):
                 top = scores[g, 0]
                 for t in range(1, length):
@@ -65,11 +75,17 @@ if AVAILABLE:
                     weight = np.exp(scores[g, t] - top)
                     scores[g, t] = weight
                     total += weight
-                inv_total = np.float32(1.0) / total
+                inv_total[g] = np.float32(1.0) / total
+            # pass 2: weighted sum of V rows into a local accumulator
+            acc_out = np.zeros((group, head_dim), dtype=np.float32)
+            for blk in range(num_blocks):
+                base, first = tables[b, blk] * block_size, blk * block_size
+                for off in range(min(block_size, length - first)):
+                    v_row = v_pool[base + off, h]
+                    for g in range(group):
+                        weight = scores[g, first + off]
+                        for d in range(head_dim):
+                            acc_out[g, d] += weight * v_row[d]
+            for g in range(group):
                 for d in range(head_dim):
-                    out[b, h, g, d] = 0.0
-                for t in range(length):
-                    slot = tables[b, t // block_size] * block_size + t % block_size
-                    weight = scores[g, t] * inv_total
-                    for d in range(head_dim):
-                        out[b, h, g, d] += weight * v_pool[slot, h, d]
+                    out[b, h, g, d] = acc_out[g, d] * inv_total[g]
