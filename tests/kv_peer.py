@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import grpc
@@ -97,7 +98,8 @@ class _Peer:
     def __init__(self, spec: PeerSpec, conn):
         self.spec, self.conn = spec, conn
         self.pools = {"float32": FreeListPool(FP32, SENDER_BLOCKS), "bfloat16": FreeListPool(BF16, SENDER_BLOCKS)}
-        self.config = TransferConfig(transport=spec.transport, kv_transfer_timeout_s=spec.timeout_s, connect_timeout_s=30)
+        self.config = TransferConfig(transport=spec.transport, kv_transfer_timeout_s=spec.timeout_s, connect_timeout_s=30,
+                                     max_run_bytes=16 << 10)  # long runs split: exercises the pipeline
         self.senders: dict[tuple[str, str], object] = {}
         self.handles: dict[str, object] = {}
         self.staging = StagingPool("cpu")
@@ -117,7 +119,9 @@ class _Peer:
         pool = self.pools[cmd.dtype]
         pool.take(cmd.block_ids)
         fill_blocks(pool.kv, cmd.block_ids, cmd.seed)
-        return prepare_outgoing(pool.view(), SendRequest(cmd.key, cmd.block_ids, cmd.num_tokens, 1), self.staging)
+        outgoing = prepare_outgoing(pool.view(), SendRequest(cmd.key, cmd.block_ids, cmd.num_tokens, 1), self.staging)
+        outgoing.gather_all()
+        return outgoing
 
     def start(self, cmd: Start) -> Outcome:
         pool = self.pools[cmd.dtype]
@@ -171,7 +175,11 @@ class _Peer:
             cmd = self.conn.recv()
             if isinstance(cmd, Stop):
                 break
-            self.conn.send(self.handle(cmd))
+            try:
+                outcome = self.handle(cmd)
+            except Exception:  # report harness bugs instead of leaving the test waiting
+                outcome = Outcome(False, "HARNESS_ERROR", traceback.format_exc())
+            self.conn.send(outcome)
         for sender in self.senders.values():
             sender.close()
 
@@ -231,11 +239,11 @@ class PeerProcess:
         self.process = ctx.Process(target=_peer_main, args=(spec, child), daemon=True)
         self.process.start()
 
-    def call(self, cmd, timeout: float = 90) -> Outcome:
+    def call(self, cmd, timeout: float = 60) -> Outcome:
         self.conn.send(cmd)
         return self.reply(timeout)
 
-    def reply(self, timeout: float = 90) -> Outcome:
+    def reply(self, timeout: float = 60) -> Outcome:
         if not self.conn.poll(timeout):
             raise TimeoutError(f"peer did not answer within {timeout}s")
         return self.conn.recv()

@@ -72,4 +72,4 @@ def test_receiver_times_out_and_frees(rig):
 def test_sender_killed_mid_transfer(rig):
     elapsed = sc.sender_killed(rig, "doomed", failure_status="PEER_FAILED")
     assert elapsed < TIMEOUT_S / 2, f"peer death took {elapsed:.1f}s to notice"
-    sc.Rig.assert_all_free(rig)
+    rig.assert_all_free()

@@ -9,7 +9,7 @@ import torch
 
 from kv_transfer import (KVTransferError, Manifest, ManifestError, ModelFingerprint, SendRequest, TransferStatus,
                          decode_manifest, encode_manifest, resolve_transport)
-from kv_transfer.checksum import checksum
+from kv_transfer.checksum import checksum_blocks
 from kv_transfer.grpc_codec import decode_chunk, encode_data_chunk
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.outgoing import prepare_outgoing
@@ -79,14 +79,16 @@ def test_local_round_trip_into_shuffled_blocks_is_bit_exact():
     src = FreeListPool(FP, 16)
     src.take([3, 4, 5, 9])
     fill_blocks(src.kv, [3, 4, 5, 9], seed=5)
-    out = prepare_outgoing(src.view(), SendRequest("r", (3, 4, 5, 9), 16, 0), StagingPool("cpu"))
+    out = prepare_outgoing(src.view(), SendRequest("r", (3, 4, 5, 9), 16, 0), StagingPool("cpu"), max_run_bytes=1)
+    assert [(r.start_block, r.num_blocks) for r in out.manifest.runs] == [(3, 1), (4, 1), (5, 1), (9, 1)]
+    out.gather_all()
     dst = FreeListPool(FP, 16, free_order=[15, 2, 8, 7] + [i for i in range(16) if i not in (15, 2, 8, 7)])
     incoming = IncomingTransfer.accept(out.manifest, dst.view(), StagingPool("cpu"))
     for payload in out.run_payloads:
         data = payload.numpy().tobytes()
         incoming.write(data[:100])
         incoming.write(data[100:])
-    got = incoming.commit(streamed=True)
+    got = incoming.commit()
     assert got.block_ids == (15, 2, 8, 7)
     assert blocks_bytes(dst.kv, got.block_ids) == blocks_bytes(src.kv, [3, 4, 5, 9])
     assert incoming.fail(TransferStatus.TIMEOUT, "late").status == TransferStatus.TIMEOUT  # no double free
@@ -98,20 +100,21 @@ def test_group_runs():
     assert group_runs([]) == []
     assert group_runs([4]) == [BlockRun(4, 1)]
     assert group_runs([1, 2, 3, 7, 8, 2]) == [BlockRun(1, 3), BlockRun(7, 2), BlockRun(2, 1)]
+    assert group_runs(range(5), max_blocks=2) == [BlockRun(0, 2), BlockRun(2, 2), BlockRun(4, 1)]
 
 
-def test_checksum_catches_flips_swaps_and_length():
-    data = torch.randint(0, 256, (3 * 32768 + 13,), dtype=torch.uint8)
-    base = checksum(data)
-    assert checksum(data.clone()) == base
-    flipped = data.clone()
-    flipped[-1] ^= 1
-    swapped = data.clone()
-    swapped[:32768], swapped[32768:65536] = data[32768:65536], data[:32768]
-    assert len({base, checksum(flipped), checksum(swapped), checksum(data[:-1])}) == 4
-    misaligned = torch.empty(data.numel() + 3, dtype=torch.uint8)[3:]
-    misaligned.copy_(data)
-    assert checksum(misaligned) == base
+def test_checksum_is_layout_independent_and_catches_changes():
+    pool = FreeListPool(FP, 16)
+    fill_blocks(pool.kv, range(16), seed=3)
+    strided = pool.kv[:, :, 5:9]  # [L, 2, 4, bs, H, D], a strided view of the pool
+    base = checksum_blocks(strided)
+    assert checksum_blocks(strided.contiguous()) == base
+    flipped = strided.contiguous()
+    flipped.view(torch.uint8).view(-1)[-1] ^= 1
+    swapped = strided[:, :, [1, 0, 2, 3]]
+    assert len({base, checksum_blocks(flipped), checksum_blocks(swapped), checksum_blocks(strided[:, :, :3])}) == 4
+    odd = torch.randn(2, 2, 3, 4, 1, 3).to(torch.float16)  # innermost 6 bytes: int16 words
+    assert checksum_blocks(odd) == checksum_blocks(odd.clone())
 
 
 def test_staging_pool_reuses_buffers():

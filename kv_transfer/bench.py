@@ -1,0 +1,225 @@
+"""Benchmark: KV-shaped payloads between two processes over a transport, next to a raw loopback socket.
+
+`tandem bench transfer --transport gloo --sizes-mib 1,16,64,256 --json FILE` (or `python -m
+kv_transfer.bench ...`). This process receives; a spawned process sends. Per size and repeat it times
+one transfer (sender: send() -> ack, so gather, checksums, wire, verify, scatter and ack are all in)
+and, interleaved, the same number of bytes over a plain TCP socket on 127.0.0.1 (sendall ->
+recv_into a preallocated buffer -> 1-byte ack). Every transfer is checked byte for byte.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
+from kv_transfer.dist_channel import start_store
+from kv_transfer.factory import create_receiver, create_sender
+from kv_transfer.manifest import ModelFingerprint
+from kv_transfer.results import ReceivedKV, SendRequest
+from kv_transfer.testing import FreeListPool
+
+# A Llama-3-8B-like KV block layout scaled to 8 layers: 512 KiB per block.
+BENCH_FP = ModelFingerprint(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16)
+
+
+@dataclass(frozen=True)
+class SenderSpec:
+    config: TransferConfig
+    num_blocks: int
+    device: str
+    store_port: int
+
+
+@dataclass(frozen=True)
+class SendCmd:
+    to: ReceiverAddress
+    num_blocks: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class TcpCmd:
+    port: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Timed:
+    seconds: float
+    error: str = ""
+
+
+def fill_pattern(kv: torch.Tensor, num_blocks: int, seed: int) -> None:
+    """Seeded random bytes in kv[:, :, :num_blocks] (the receiver regenerates them to compare)."""
+    region = kv[:, :, :num_blocks]  # [L, 2, n, bs, H, D]
+    noise = torch.empty(region.numel() * region.element_size(), dtype=torch.uint8)
+    noise.random_(generator=torch.Generator().manual_seed(seed))
+    region.copy_(noise.view(region.dtype).view(region.shape))
+
+
+def _resident_pool(num_blocks: int, device: str) -> FreeListPool:
+    """A pool whose pages are touched up front, like an engine's KV cache in steady state."""
+    pool = FreeListPool(BENCH_FP, num_blocks, device=device)
+    pool.kv.view(torch.uint8).fill_(1)
+    return pool
+
+
+def _send_one(sender, pool: FreeListPool, cmd: SendCmd) -> Timed:
+    blocks = tuple(range(cmd.num_blocks))
+    pool.take(blocks)
+    fill_pattern(pool.kv, cmd.num_blocks, cmd.seed)
+    if pool.kv.is_cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    try:
+        sender.send(cmd.to, SendRequest(f"bench-{cmd.seed}", blocks, cmd.num_blocks * BENCH_FP.block_size, 0)).result()
+    except Exception as exc:
+        return Timed(time.perf_counter() - started, str(exc))
+    return Timed(time.perf_counter() - started)
+
+
+def _tcp_send(cmd: TcpCmd, payload: memoryview) -> Timed:
+    with socket.create_connection(("127.0.0.1", cmd.port)) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        started = time.perf_counter()
+        conn.sendall(payload[: cmd.nbytes])
+        conn.recv(1)
+        return Timed(time.perf_counter() - started)
+
+
+def _sender_main(spec: SenderSpec, conn) -> None:
+    pool = _resident_pool(spec.num_blocks, spec.device)
+    transport = spec.config.transport
+    rdzv = DistRendezvous("127.0.0.1", spec.store_port, 1, 2) if transport != "grpc" else None
+    sender = create_sender(spec.config, pool.view(), transport, rdzv)
+    payload = memoryview(torch.randint(0, 256, (spec.num_blocks * BENCH_FP.block_nbytes,), dtype=torch.uint8).numpy())
+    while (cmd := conn.recv()) is not None:
+        conn.send(_send_one(sender, pool, cmd) if isinstance(cmd, SendCmd) else _tcp_send(cmd, payload))
+    sender.close()
+
+
+class _TcpSink:
+    """Receives baseline payloads into one preallocated buffer and acks each with one byte."""
+
+    def __init__(self, max_bytes: int):
+        self.buffer = memoryview(bytearray(b"\x01" * max_bytes))  # resident pages, like the pools
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+
+    def receive(self, nbytes: int) -> threading.Thread:
+        def serve():
+            conn, _ = self.listener.accept()
+            with conn:
+                got = 0
+                while got < nbytes:
+                    got += conn.recv_into(self.buffer[got:nbytes], nbytes - got)
+                conn.sendall(b"k")
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        return thread
+
+
+def _bit_exact(pool: FreeListPool, outcome, num_blocks: int, seed: int) -> bool:
+    if not isinstance(outcome, ReceivedKV):
+        return False
+    expected = torch.empty((BENCH_FP.num_layers, 2, num_blocks) + tuple(pool.kv.shape[3:]), dtype=pool.kv.dtype)
+    fill_pattern(expected, num_blocks, seed)
+    got = pool.kv[:, :, list(outcome.block_ids)].cpu()
+    pool.free(outcome.block_ids)
+    return torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def _measure_size(args, receiver, pool, sink, peer, num_blocks: int, seed0: int) -> dict:
+    nbytes = num_blocks * BENCH_FP.block_nbytes
+    times, base, exact = [], [], True
+    for rep in range(args.repeats):
+        peer.send(SendCmd(receiver.address, num_blocks, seed0 + rep))
+        timed = peer.recv()
+        exact &= not timed.error and _bit_exact(pool, receiver.wait(60), num_blocks, seed0 + rep)
+        times.append(timed.seconds)
+        thread = sink.receive(nbytes)
+        peer.send(TcpCmd(sink.port, nbytes))
+        base.append(peer.recv().seconds)
+        thread.join()
+    seconds, baseline = statistics.median(times), statistics.median(base)
+    return {"transport": args.transport, "size_bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+            "baseline_gbps": nbytes / baseline / 1e9, "bit_exact": bool(exact)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transport", choices=["gloo", "grpc", "nccl", "ipc"], default="gloo")
+    parser.add_argument("--sizes-mib", default="1,16,64,256", help="comma-separated payload sizes in MiB")
+    parser.add_argument("--repeats", type=int, default=5, help="transfers per size (the median is reported)")
+    parser.add_argument("--json", default="", help="write the result rows to this file")
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--max-run-mib", type=float, default=TransferConfig.max_run_bytes / 2**20,
+                        help="split runs above this size (pipelines gather / wire / scatter)")
+    parser.add_argument("--chunk-mib", type=float, default=TransferConfig.grpc_chunk_bytes / 2**20,
+                        help="gRPC message size")
+
+
+def _devices(transport: str) -> tuple[str, str] | None:
+    """(sender device, receiver device): nccl needs two GPUs (None without), the others use CPU pools."""
+    if transport != "nccl":
+        return "cpu", "cpu"
+    return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark; 0 if every transfer was bit-exact, 1 otherwise, 2 for an unusable setup."""
+    devices = None if args.transport == "ipc" else _devices(args.transport)
+    if devices is None:
+        print(f"bench transfer: '{args.transport}' is unavailable here (ipc is not implemented; nccl needs 2 GPUs)")
+        return 2
+    sender_device, receiver_device = devices
+    sizes = [int(s) for s in args.sizes_mib.split(",") if s]
+    blocks = [max(1, (mib << 20) // BENCH_FP.block_nbytes) for mib in sizes]
+    store = start_store("127.0.0.1", 0) if args.transport != "grpc" else None
+    pool = _resident_pool(max(blocks), receiver_device)
+    config = TransferConfig(transport=args.transport, kv_transfer_timeout_s=args.timeout_s,
+                            max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20))
+    rdzv = DistRendezvous("127.0.0.1", store.port, 0, 2) if store else None
+    receiver = create_receiver(config, pool.view(), args.transport, rendezvous=rdzv, peers=[1])
+    sink = _TcpSink(max(blocks) * BENCH_FP.block_nbytes)
+    ctx = mp.get_context("spawn")
+    peer, child = ctx.Pipe()
+    spec = SenderSpec(config, max(blocks), sender_device, store.port if store else 0)
+    process = ctx.Process(target=_sender_main, args=(spec, child), daemon=True)
+    process.start()
+    rows = []
+    try:
+        for i, num_blocks in enumerate(blocks):
+            rows.append(_measure_size(args, receiver, pool, sink, peer, num_blocks, 1000 * i))
+            _print_row(rows[-1])
+    finally:
+        peer.send(None)
+        process.join(60)
+        if process.is_alive():
+            process.kill()
+        receiver.close()
+        sink.listener.close()
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+    return 0 if all(row["bit_exact"] for row in rows) else 1
+
+
+def _print_row(row: dict) -> None:
+    ratio = row["gbps"] / row["baseline_gbps"]
+    print(f"{row['transport']:5s} {row['size_bytes'] / 2**20:7.0f} MiB  {row['seconds'] * 1e3:9.2f} ms  "
+          f"{row['gbps']:6.2f} GB/s  raw socket {row['baseline_gbps']:6.2f} GB/s  ratio {ratio:5.2f}  "
+          f"bit_exact={row['bit_exact']}", flush=True)
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))

@@ -1,0 +1,63 @@
+"""Configuration and addressing for the KV transfer plane (frozen, picklable, no torch state)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSPORTS = ("auto", "gloo", "nccl", "grpc", "ipc")
+IMPLEMENTED_TRANSPORTS = ("gloo", "nccl", "grpc")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Knobs shared by both sides of a transfer.
+
+    kv_transfer_timeout_s bounds one transfer from the moment the receiver has allocated blocks for it
+    (or the sender has started it) until the ack; past it both sides fail the transfer and free blocks.
+    """
+
+    transport: str = "auto"
+    kv_transfer_timeout_s: float = 30.0
+    connect_timeout_s: float = 60.0
+    grpc_chunk_bytes: int = 1 << 20
+    grpc_max_message_bytes: int = 64 << 20
+    grpc_max_concurrent_transfers: int = 8
+    staging_cache_bytes: int = 1 << 30
+    max_run_bytes: int = 16 << 20  # longer runs are split so gather / wire / scatter pipeline
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; expected one of {TRANSPORTS}")
+        if self.kv_transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if not 0 < self.grpc_chunk_bytes < self.grpc_max_message_bytes:
+            raise ValueError("grpc_chunk_bytes must be positive and below grpc_max_message_bytes")
+
+
+@dataclass(frozen=True)
+class DistRendezvous:
+    """Where torch.distributed peers meet: a TCPStore at host:port, and this process's rank.
+
+    Ranks identify processes on the KV plane; every (sender, receiver) pair gets its own 2-rank
+    process group under `namespace`, so one broken pair never takes the others down.
+    """
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    namespace: str = "tandem-kv"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"store port {self.port} is not a valid TCP port")
+
+
+@dataclass(frozen=True)
+class ReceiverAddress:
+    """How a sender reaches a receiver: a rank (gloo/nccl) or a host:port target (grpc)."""
+
+    transport: str
+    rank: int = -1
+    target: str = ""

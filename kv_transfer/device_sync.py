@@ -1,0 +1,31 @@
+"""Ordering of copies between a CUDA pool and staging buffers, on a side stream per transfer thread."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+def record_ready_event(device: torch.device) -> "torch.cuda.Event | None":
+    """On CUDA, an event on the caller's current stream marking that the pool's KV has been written."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+@contextmanager
+def copy_stream(device: torch.device, after: "torch.cuda.Event | None" = None) -> Iterator[None]:
+    """Runs the enclosed copies on a side stream that first waits for `after`, and blocks the
+    calling thread until they are complete, so staging and pool are consistent on exit."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()

@@ -1,0 +1,179 @@
+"""A point-to-point link between one sender rank and one receiver rank over torch.distributed.
+
+Each (sender, receiver) pair gets a private 2-rank process group (gloo on CPU tensors, nccl on CUDA
+tensors) built lazily from a TCPStore rendezvous, plus doorbell keys in the same store: the receiver
+sleeps on the store (interruptibly) instead of on a gloo recv, so an idle link never times out.
+Every wait has a deadline; after any failed or timed-out operation the link is broken for good
+(gloo closes the pair on a timeout) and every later call raises KVTransferError(PEER_FAILED) at once.
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.status import KVTransferError, TransferStatus
+
+SENDER, RECEIVER = 0, 1
+_IDLE_WAIT = timedelta(hours=1)
+_STOP = b"stop"
+
+
+def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPStore:
+    """Starts the rendezvous TCPStore server (port 0 picks a free port; read it from .port)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def connect_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
+    """A new client connection to the rendezvous store (one per thread: a client serializes its calls)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def pair_prefix(namespace: str, sender_rank: int, receiver_rank: int) -> str:
+    return f"{namespace}/{sender_rank}->{receiver_rank}"
+
+
+class PairChannel:
+    """Ordered two-way messages between the two ends of one pair. Not thread-safe: one thread per end."""
+
+    def __init__(self, backend: str, store: dist.TCPStore, prefix: str, role: int, device: torch.device, connect_timeout_s: float):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"PairChannel backend must be gloo or nccl, got {backend!r}")
+        self.backend, self.store, self.prefix, self.role = backend, store, prefix, role
+        self.device = torch.device(device)
+        self.connect_timeout_s = connect_timeout_s
+        self.waiting_key = ""
+        self._group: dist.ProcessGroup | None = None
+        self._broken: str | None = None
+
+    # --- doorbells (store) ---
+    def bell_key(self, seq: int) -> str:
+        return f"{self.prefix}/bell/{seq}"
+
+    def ring(self, seq: int) -> None:
+        """Sender: announces transfer number seq (the first one also opens the process group)."""
+        self.store.set(self.bell_key(seq), b"go")
+
+    def wait_bell(self, seq: int, should_stop: Callable[[], bool]) -> bool:
+        """Receiver: blocks until transfer seq is announced (True), or until should_stop() holds and
+        stop_waiting() rang the key this call waits on (False)."""
+        key = self.waiting_key = self.bell_key(seq)
+        if should_stop():  # checked after publishing waiting_key, so a concurrent stop cannot be missed
+            return False
+        while True:
+            try:
+                self.store.wait([key], _IDLE_WAIT)
+                break
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+        rung = self.store.get(key)
+        self.store.delete_key(key)
+        return rung != _STOP and not should_stop()
+
+    @staticmethod
+    def stop_waiting(control_store: dist.TCPStore, key: str) -> None:
+        """Wakes a receiver blocked in wait_bell(key), from another thread with its own store client."""
+        if key:
+            control_store.set(key, _STOP)
+
+    # --- process group ---
+    def connect(self) -> None:
+        """Builds the pair's process group; blocks until the other end does the same."""
+        if self._group is not None:
+            return
+        store = dist.PrefixStore(f"{self.prefix}/pg", self.store)
+        timeout = timedelta(seconds=self.connect_timeout_s)
+        try:
+            if self.backend == "gloo":
+                self._group = dist.ProcessGroupGloo(store, self.role, 2, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self._group = dist.ProcessGroupNCCL(store, self.role, 2, options)
+        except Exception as exc:
+            self._break(f"could not connect: {exc}")
+
+    @property
+    def peer(self) -> int:
+        return 1 - self.role
+
+    def send(self, tensor: torch.Tensor, deadline: float) -> None:
+        """Sends tensor to the other end; returns once it went out, raises KVTransferError otherwise."""
+        self.wait(self.post_send(tensor), deadline, "send")
+
+    def recv(self, tensor: torch.Tensor, deadline: float) -> None:
+        """Receives the other end's next message into tensor (same size); raises KVTransferError."""
+        group = self._live_group()
+        self.wait(self._post(lambda: group.recv([tensor], self.peer, 0), "recv"), deadline, "recv")
+
+    def post_send(self, tensor: torch.Tensor) -> dist.Work:
+        """Starts sending tensor (which must stay untouched until wait() on the returned work)."""
+        group = self._live_group()
+        return self._post(lambda: group.send([tensor], self.peer, 0), "send")
+
+    def code_tensor(self, code: int) -> torch.Tensor:
+        """A control word as the one-element int64 tensor that travels."""
+        return torch.tensor([code], dtype=torch.int64, device=self.device)
+
+    def send_code(self, code: int, deadline: float) -> None:
+        self.send(self.code_tensor(code), deadline)
+
+    def recv_code(self, deadline: float) -> int:
+        box = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.recv(box, deadline)
+        return int(box.item())
+
+    def close(self) -> None:
+        """Drops the process group (the peer's pending operations fail with 'connection closed')."""
+        group, self._group = self._group, None
+        if group is not None and self.backend == "nccl":
+            group.abort()
+        del group
+
+    @property
+    def broken(self) -> str | None:
+        return self._broken
+
+    def _live_group(self) -> dist.ProcessGroup:
+        if self._broken is not None:
+            raise KVTransferError(TransferStatus.PEER_FAILED, f"link {self.prefix} is broken: {self._broken}")
+        if self._group is None:
+            raise KVTransferError(TransferStatus.INTERNAL, f"link {self.prefix} is not connected")
+        return self._group
+
+    def _post(self, post: Callable[[], dist.Work], what: str) -> dist.Work:
+        try:
+            return post()
+        except Exception as exc:
+            self._fail(exc, what, timed_out=False)
+
+    def wait(self, work: dist.Work, deadline: float, what: str) -> None:
+        """Waits for a posted operation until deadline; any failure or timeout breaks the link."""
+        try:
+            if self.backend == "nccl":
+                self._await_nccl(work, deadline)
+            else:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except Exception as exc:
+            self._fail(exc, what, timed_out=time.monotonic() >= deadline or "timed out" in str(exc).lower())
+
+    def _fail(self, exc: Exception, what: str, timed_out: bool) -> NoReturn:
+        status = TransferStatus.TIMEOUT if timed_out else TransferStatus.PEER_FAILED
+        self._break(f"{what} failed: {str(exc).splitlines()[0][:300]}", status)
+
+    def _await_nccl(self, work: dist.Work, deadline: float) -> None:
+        """NCCL work completes on the GPU; poll it from the host so a dead peer cannot hang us."""
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise TimeoutError("nccl operation timed out")
+            time.sleep(0.0002)
+        work.wait()
+
+    def _break(self, reason: str, status: TransferStatus = TransferStatus.PEER_FAILED) -> NoReturn:
+        self._broken = reason
+        self.close()
+        raise KVTransferError(status, f"link {self.prefix}: {reason}")

@@ -1,0 +1,45 @@
+"""Builds the sender or receiver of a concrete transport by name."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from kv_transfer.config import DistRendezvous, TransferConfig
+from kv_transfer.connector import KVReceiver, KVSender
+from kv_transfer.pool import KVPoolView
+
+
+def _concrete(transport: str) -> str:
+    if transport == "auto":
+        raise ValueError("resolve 'auto' with kv_transfer.resolve_transport() before building a transport")
+    if transport == "ipc":
+        raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use nccl, gloo or grpc")
+    return transport
+
+
+def _need_rendezvous(transport: str, rendezvous: DistRendezvous | None) -> DistRendezvous:
+    if rendezvous is None:
+        raise ValueError(f"transport {transport!r} needs a DistRendezvous")
+    return rendezvous
+
+
+def create_sender(config: TransferConfig, pool: KVPoolView, transport: str,
+                  rendezvous: DistRendezvous | None = None) -> KVSender:
+    """A KVSender for gloo / nccl (needs rendezvous) or grpc."""
+    transport = _concrete(transport)
+    if transport == "grpc":
+        from kv_transfer.grpc_sender import GrpcSender
+        return GrpcSender(config, pool)
+    from kv_transfer.dist_transport import TorchDistSender
+    return TorchDistSender(config, pool, _need_rendezvous(transport, rendezvous), backend=transport)
+
+
+def create_receiver(config: TransferConfig, pool: KVPoolView, transport: str,
+                    rendezvous: DistRendezvous | None = None, peers: Sequence[int] = (),
+                    host: str = "127.0.0.1", port: int = 0) -> KVReceiver:
+    """A KVReceiver: gloo / nccl listen to the sender ranks in peers; grpc binds host:port (0 = free port)."""
+    transport = _concrete(transport)
+    if transport == "grpc":
+        from kv_transfer.grpc_receiver import GrpcReceiver
+        return GrpcReceiver(config, pool, host=host, port=port)
+    from kv_transfer.dist_transport import TorchDistReceiver
+    return TorchDistReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers, backend=transport)

@@ -1,0 +1,152 @@
+"""KVSender over the gRPC KVTransfer.Push stream (asyncio gRPC on a dedicated event-loop thread)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+
+import grpc
+
+from kv_transfer.config import ReceiverAddress, TransferConfig
+from kv_transfer.connector import KVSender
+from kv_transfer.device_sync import record_ready_event
+from kv_transfer.grpc_codec import PUSH_PATH, channel_options, encode_data_chunk, encode_manifest_chunk
+from kv_transfer.loop_thread import EventLoopThread
+from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
+from kv_transfer.pool import KVPoolView
+from kv_transfer.results import SendRequest, SendResult, TransferHandle
+from kv_transfer.staging import StagingPool
+from kv_transfer.status import KVTransferError, TransferStatus
+from proto import tandem_pb2
+
+_GRPC_TO_STATUS = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: TransferStatus.TIMEOUT,
+    grpc.StatusCode.CANCELLED: TransferStatus.CANCELLED,
+}
+
+
+class GrpcSender(KVSender):
+    """Each send() is one bidirectional Push stream: the manifest chunk, the server's verdict, the runs'
+    bytes in chunks of config.grpc_chunk_bytes, and the final KVAck saying whether the blocks were written."""
+
+    def __init__(self, config: TransferConfig, pool: KVPoolView):
+        self.config, self.pool = config, pool
+        self.staging = StagingPool("cpu", pin_memory=pool.device.type == "cuda", max_cached_bytes=config.staging_cache_bytes)
+        self._loop = EventLoopThread("kv-grpc-send")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
+        handle = TransferHandle(request.request_id)
+        ready = record_ready_event(self.pool.device)
+        with self._lock:
+            future = None if self.closed else self._loop.submit(self._transfer(peer.target, request, handle, ready))
+            if future is not None:
+                self._pending.add(future)
+        if future is None:
+            self.pool.free(request.block_ids)
+            handle.fail(TransferStatus.CANCELLED, "sender is closed")
+        else:
+            future.add_done_callback(self._forget)  # outside the lock: it may run right here
+        return handle
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    async def _transfer(self, target: str, request: SendRequest, handle: TransferHandle, ready) -> None:
+        """Runs one transfer to completion; always frees the sender blocks, then settles the handle."""
+        started, loop = time.monotonic(), asyncio.get_running_loop()
+        try:
+            if handle.cancel_requested.is_set():
+                raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
+            outgoing = await loop.run_in_executor(None, prepare_outgoing, self.pool, request, self.staging, ready,
+                                                  self.config.max_run_bytes)
+            try:
+                await self._push(target, outgoing, handle)
+            finally:
+                self.staging.release(outgoing.staging)
+            result: SendResult | KVTransferError = SendResult(
+                request.request_id, outgoing.manifest.total_nbytes, time.monotonic() - started)
+        except KVTransferError as exc:
+            result = exc
+        except Exception as exc:
+            result = KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", request.request_id)
+        self.pool.free(request.block_ids)
+        if isinstance(result, SendResult):
+            handle.succeed(result)
+        else:
+            handle.fail(result.status, result.message)
+
+    def _stub(self, target: str):
+        if target not in self._channels:
+            options = channel_options(self.config.grpc_max_message_bytes)
+            self._channels[target] = grpc.aio.insecure_channel(target, options=options)
+        return self._channels[target].stream_stream(
+            PUSH_PATH, request_serializer=None, response_deserializer=tandem_pb2.KVAck.FromString)
+
+    async def _push(self, target: str, outgoing: OutgoingTransfer, handle: TransferHandle) -> None:
+        """Manifest, wait for the verdict, stream the runs (stopping early if the server gives up), read the
+        final ack. Raises KVTransferError unless the receiver acked the written blocks."""
+        rid = outgoing.manifest.request_id
+        call = self._stub(target)(timeout=self.config.kv_transfer_timeout_s)
+        loop = asyncio.get_running_loop()
+        handle.on_cancel(lambda: loop.call_soon_threadsafe(call.cancel))
+        try:
+            await call.write(encode_manifest_chunk(outgoing.manifest_bytes))
+            ack = await self._read_ack(call, rid)
+            if ack.final:  # rejected: nothing more to send
+                await call.done_writing()
+            else:
+                final = asyncio.ensure_future(self._read_ack(call, rid))
+                await self._write_runs(call, outgoing, final)
+                await call.done_writing()
+                ack = await final
+        except asyncio.CancelledError:
+            raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender", rid) from None
+        except grpc.aio.AioRpcError as exc:
+            status = _GRPC_TO_STATUS.get(exc.code(), TransferStatus.PEER_FAILED)
+            raise KVTransferError(status, f"{exc.code().name}: {exc.details()}", rid) from None
+        if ack.status != tandem_pb2.KV_OK:
+            raise KVTransferError(TransferStatus(ack.status), ack.error or "receiver reported failure", rid)
+
+    @staticmethod
+    async def _read_ack(call, rid: str) -> tandem_pb2.KVAck:
+        ack = await call.read()
+        if ack is grpc.aio.EOF:
+            raise KVTransferError(TransferStatus.PEER_FAILED, "the receiver closed the stream without an ack", rid)
+        return ack
+
+    async def _write_runs(self, call, outgoing: OutgoingTransfer, final: asyncio.Future) -> None:
+        """Writes every run in chunks, then half-closes; stops as soon as the final ack has arrived."""
+        chunk, loop = self.config.grpc_chunk_bytes, asyncio.get_running_loop()
+        gathering = loop.run_in_executor(None, outgoing.gather, 0)
+        try:
+            for index, payload in enumerate(outgoing.run_payloads):
+                await gathering
+                if index + 1 < len(outgoing.run_payloads):  # gather the next run while this one streams
+                    gathering = loop.run_in_executor(None, outgoing.gather, index + 1)
+                view = memoryview(payload.numpy())
+                for offset in range(0, len(view), chunk):
+                    if final.done():
+                        return
+                    await call.write(encode_data_chunk(view[offset : offset + chunk]))
+        finally:  # staging is released after we return: no gather may still be writing into it
+            await asyncio.wait([gathering])
+
+    def close(self) -> None:
+        """Waits for transfers in flight (bounded by the transfer timeout), then closes channels and the loop."""
+        with self._lock:
+            self.closed = True
+            pending = list(self._pending)
+        for future in pending:
+            try:
+                future.result(self.config.kv_transfer_timeout_s + 5)
+            except Exception:
+                pass
+        for channel in self._channels.values():
+            self._loop.run(channel.close(), timeout=10)
+        self._loop.stop()

@@ -1,0 +1,134 @@
+"""Receiver side of one transfer: allocate, land bytes in staging, verify, scatter, or free on failure."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Executor, Future
+
+import numpy as np
+import torch
+
+from kv_transfer.checksum import checksum_blocks
+from kv_transfer.device_sync import copy_stream
+from kv_transfer.manifest import Manifest
+from kv_transfer.pool import KVPoolView
+from kv_transfer.results import ReceivedKV, ReceiveFailed
+from kv_transfer.runs import as_blocks, run_views, scatter_run, staging_offsets
+from kv_transfer.staging import StagingPool
+from kv_transfer.status import KVTransferError, TransferStatus
+
+
+class IncomingTransfer:
+    """Owns the receiver blocks of one transfer from accept() until exactly one of commit() (the blocks go
+    to the caller, written and verified) or fail() (the blocks go back to the pool) has run.
+
+    Each run is landed (checksum-verified, then scattered into this side's blocks) as soon as its bytes
+    are complete, on `lander` when given, so landing overlaps the arrival of the next run."""
+
+    def __init__(self, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool, block_ids: list[int],
+                 lander: Executor | None = None):
+        self.manifest, self.pool, self.block_ids = manifest, pool, tuple(block_ids)
+        self.started = time.monotonic()
+        self._staging_pool, self._lander = staging_pool, lander
+        self._staging: torch.Tensor | None = staging_pool.acquire(staging_offsets([r.nbytes for r in manifest.runs])[1])
+        self.payloads = run_views(self._staging, manifest.fingerprint, manifest.runs)  # flat uint8 per run
+        self._first_block = np.cumsum([0] + [r.num_blocks for r in manifest.runs]).tolist()
+        self._landings: list[Future | None] = []
+        self._cursor = (0, 0)  # (run index, byte offset in run) of the next streamed byte
+        self.bytes_written = 0
+        self._settle_lock = threading.Lock()
+        self._settled = False
+
+    @classmethod
+    def accept(cls, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool,
+               lander: Executor | None = None) -> "IncomingTransfer":
+        """Checks the manifest against this pool and allocates its blocks.
+        Raises KVTransferError (REJECTED_FINGERPRINT / REJECTED_NO_BLOCKS); nothing is held then."""
+        rid = manifest.request_id
+        diff = pool.fingerprint.mismatch(manifest.fingerprint)
+        if diff:
+            raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV layout differs: {diff}", rid)
+        block_ids = pool.allocate(manifest.num_blocks)
+        if block_ids is None:
+            raise KVTransferError(TransferStatus.REJECTED_NO_BLOCKS, f"no room for {manifest.num_blocks} blocks", rid)
+        try:
+            if len(block_ids) != manifest.num_blocks:
+                raise KVTransferError(TransferStatus.INTERNAL, "allocate returned the wrong number of blocks", rid)
+            return cls(manifest, pool, staging_pool, block_ids, lander)
+        except BaseException:
+            pool.free(block_ids)
+            raise
+
+    def land(self, index: int) -> None:
+        """Verifies run `index` in staging against its checksum, then writes it into this side's blocks."""
+        run, fp = self.manifest.runs[index], self.manifest.fingerprint
+        if checksum_blocks(as_blocks(self.payloads[index], fp, run.num_blocks)) != run.checksum:
+            raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"run {index} (sender blocks {run.start_block}.."
+                                  f"{run.start_block + run.num_blocks - 1}) failed its checksum", self.manifest.request_id)
+        first = self._first_block[index]
+        with copy_stream(self.pool.device):
+            scatter_run(self.pool.kv, self.payloads[index], fp, self.block_ids[first : first + run.num_blocks])
+
+    def landed(self, index: int) -> None:
+        """Run `index` is complete in staging: land it now, or on the lander thread."""
+        if self._lander is None:
+            self.land(index)
+            self._landings.append(None)
+        else:
+            self._landings.append(self._lander.submit(self.land, index))
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Appends streamed run bytes (runs concatenated in manifest order, no padding) to staging, landing
+        each run as it completes. Raises KVTransferError(LENGTH_MISMATCH) on bytes beyond the manifest."""
+        view, position = memoryview(data), 0
+        run_index, offset = self._cursor
+        while position < len(view):
+            if run_index >= len(self.payloads):
+                raise KVTransferError(TransferStatus.LENGTH_MISMATCH, "more bytes than the manifest announced",
+                                      self.manifest.request_id)
+            dst = self.payloads[run_index].numpy()
+            take = min(len(view) - position, dst.size - offset)
+            dst[offset : offset + take] = np.frombuffer(view[position : position + take], dtype=np.uint8)
+            position, offset = position + take, offset + take
+            if offset == dst.size:
+                self.landed(run_index)
+                run_index, offset = run_index + 1, 0
+        self._cursor = (run_index, offset)
+        self.bytes_written += len(view)
+
+    def commit(self) -> ReceivedKV:
+        """Waits for every run to have landed; on success the blocks belong to the caller. Raises
+        KVTransferError (LENGTH_MISMATCH, CHECKSUM_MISMATCH, ...) otherwise; the caller then calls fail()."""
+        rid = self.manifest.request_id
+        if len(self._landings) != len(self.manifest.runs):
+            raise KVTransferError(TransferStatus.LENGTH_MISMATCH, f"got {self.bytes_written} of "
+                                  f"{self.manifest.total_nbytes} bytes ({len(self._landings)} of "
+                                  f"{len(self.manifest.runs)} runs)", rid)
+        for landing in self._landings:
+            if landing is not None:
+                landing.result()
+        if not self._settle():
+            raise KVTransferError(TransferStatus.INTERNAL, "transfer already settled", rid)
+        self._release_staging()
+        return ReceivedKV(self.manifest, self.block_ids, self.manifest.total_nbytes, time.monotonic() - self.started)
+
+    def fail(self, status: TransferStatus, message: str) -> ReceiveFailed:
+        """Frees this transfer's blocks (once; a no-op after commit or an earlier fail) and describes why."""
+        if self._settle():
+            for landing in self._landings:  # nothing may still write into the blocks or read staging
+                if landing is not None:
+                    landing.exception()
+            self.pool.free(self.block_ids)
+            self._release_staging()
+        return ReceiveFailed(self.manifest.request_id, status, message)
+
+    def _settle(self) -> bool:
+        """True for the first caller only: that caller decides where the blocks go."""
+        with self._settle_lock:
+            first, self._settled = not self._settled, True
+            return first
+
+    def _release_staging(self) -> None:
+        if self._staging is not None:
+            self._staging_pool.release(self._staging)
+            self._staging = None

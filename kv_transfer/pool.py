@@ -1,0 +1,53 @@
+"""The data plane's view of an engine's paged KV pool: one tensor plus allocate/free callbacks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from kv_transfer.manifest import ModelFingerprint
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class KVPoolView:
+    """An engine's KV pool as the transfer plane sees it.
+
+    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K, 1 = V), on cpu or cuda.
+    allocate(n) returns n free block ids (any order, not necessarily contiguous) or None when there is no room.
+    free(ids) returns blocks to the pool. Both callbacks are called from transfer threads, so they must be
+    thread-safe; each block handed to the plane is freed through `free` exactly once.
+    """
+
+    kv: torch.Tensor
+    allocate: Callable[[int], list[int] | None]
+    free: Callable[[Sequence[int]], None]
+
+    def __post_init__(self) -> None:
+        if self.kv.dim() != 6 or self.kv.shape[1] != 2:
+            raise ValueError(f"kv must be [L, 2, num_blocks, block_size, H, D], got {tuple(self.kv.shape)}")
+        if self.kv.dtype not in DTYPE_NAMES:
+            raise ValueError(f"kv dtype {self.kv.dtype} not supported; use one of {list(DTYPE_NAMES)}")
+        if not self.kv.is_contiguous():
+            raise ValueError("kv must be contiguous")
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return fingerprint_of(self.kv)
+
+
+def fingerprint_of(kv: torch.Tensor) -> ModelFingerprint:
+    """The layout fingerprint of a KV pool tensor."""
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv.shape
+    return ModelFingerprint(num_layers, num_kv_heads, head_dim, DTYPE_NAMES[kv.dtype], block_size)

@@ -1,0 +1,138 @@
+"""What the two sides get back: a handle on a send, and delivered or failed receives in an inbox."""
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Union
+
+from kv_transfer.manifest import Manifest
+from kv_transfer.status import KVTransferError, TransferStatus
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """One request's KV to ship: its sender-side blocks, the number of valid tokens, the first token."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token: int
+
+
+@dataclass(frozen=True)
+class SendResult:
+    request_id: str
+    kv_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReceivedKV:
+    """A verified transfer written into the receiver's own blocks, which now belong to the caller."""
+
+    manifest: Manifest
+    block_ids: tuple[int, ...]
+    kv_bytes: int
+    seconds: float
+
+    @property
+    def request_id(self) -> str:
+        return self.manifest.request_id
+
+
+@dataclass(frozen=True)
+class ReceiveFailed:
+    """A transfer the receiver gave up on; any blocks it had allocated are already freed."""
+
+    request_id: str
+    status: TransferStatus
+    message: str
+
+
+ReceiveOutcome = Union[ReceivedKV, ReceiveFailed]
+
+
+class TransferHandle:
+    """Future-like handle on one send. The transfer owns the sender's blocks until it ends."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.future: Future[SendResult] = Future()
+        self.cancel_requested = threading.Event()
+        self._cancel_hooks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        """Asks the transfer to stop; it ends with CANCELLED (both sides free) unless already done."""
+        with self._lock:
+            self.cancel_requested.set()
+            hooks = list(self._cancel_hooks)
+        for hook in hooks:
+            hook()
+
+    def on_cancel(self, hook: Callable[[], None]) -> None:
+        """Transport side: hook runs (on the cancelling thread) when cancel() is called, or at once if it was."""
+        with self._lock:
+            self._cancel_hooks.append(hook)
+            cancelled = self.cancel_requested.is_set()
+        if cancelled:
+            hook()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout: float | None = None) -> SendResult:
+        """Blocks until the receiver acked; raises KVTransferError if the transfer failed."""
+        return self.future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[["TransferHandle"], None]) -> None:
+        self.future.add_done_callback(lambda _: fn(self))
+
+    def succeed(self, result: SendResult) -> None:
+        self.future.set_result(result)
+
+    def fail(self, status: TransferStatus, message: str) -> None:
+        self.future.set_exception(KVTransferError(status, message, self.request_id))
+
+
+class ReceiveInbox:
+    """Thread-safe hand-off of finished receives from transfer threads to the decode step loop."""
+
+    def __init__(self) -> None:
+        self._outcomes: queue.SimpleQueue[ReceiveOutcome] = queue.SimpleQueue()
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+
+    def put(self, outcome: ReceiveOutcome) -> None:
+        with self._lock:
+            self._cancelled.discard(outcome.request_id)
+        self._outcomes.put(outcome)
+
+    def poll(self) -> list[ReceiveOutcome]:
+        """All outcomes that finished since the last poll, without blocking."""
+        outcomes = []
+        while True:
+            try:
+                outcomes.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                return outcomes
+
+    def wait(self, timeout: float | None = None) -> ReceiveOutcome | None:
+        """The next outcome, or None after timeout seconds."""
+        try:
+            return self._outcomes.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def is_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancelled

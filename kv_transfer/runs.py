@@ -1,0 +1,79 @@
+"""Contiguous runs of block ids, and moving them between a KV pool and flat staging bytes.
+
+A run kv[:, :, start:start+n] is strided in the pool; it is gathered into one contiguous staging
+piece [num_layers, 2, n, block_size, H, D] (layer-major, K then V) and moved as one message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kv_transfer.manifest import ModelFingerprint, RunInfo
+from kv_transfer.pool import TORCH_DTYPES
+
+STAGING_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """num_blocks consecutive block ids starting at start."""
+
+    start: int
+    num_blocks: int
+
+
+def group_runs(block_ids: Sequence[int], max_blocks: int = 0) -> list[BlockRun]:
+    """Splits block ids, in order, into runs of consecutive ascending ids of at most max_blocks each
+    (0: unbounded). Bounded runs let gather, wire and scatter of neighbouring runs overlap."""
+    runs: list[BlockRun] = []
+    for block in block_ids:
+        last = runs[-1] if runs else None
+        if last and last.start + last.num_blocks == block and (not max_blocks or last.num_blocks < max_blocks):
+            runs[-1] = BlockRun(runs[-1].start, runs[-1].num_blocks + 1)
+        else:
+            runs.append(BlockRun(block, 1))
+    return runs
+
+
+def staging_offsets(nbytes_per_run: Sequence[int]) -> tuple[list[int], int]:
+    """Byte offset of each run in a staging buffer (64-byte aligned) and the buffer's total size."""
+    offsets, cursor = [], 0
+    for nbytes in nbytes_per_run:
+        offsets.append(cursor)
+        cursor += -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+    return offsets, cursor
+
+
+def run_shape(fp: ModelFingerprint, num_blocks: int) -> tuple[int, ...]:
+    return (fp.num_layers, 2, num_blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
+
+
+def run_views(staging: torch.Tensor, fp: ModelFingerprint, runs: Sequence[RunInfo]) -> list[torch.Tensor]:
+    """Flat uint8 views of each run inside a staging buffer laid out by staging_offsets."""
+    offsets, total = staging_offsets([run.nbytes for run in runs])
+    if staging.numel() < total:
+        raise ValueError(f"staging buffer of {staging.numel()} bytes is smaller than {total}")
+    return [staging[off : off + run.nbytes] for off, run in zip(offsets, runs)]
+
+
+def as_blocks(flat_u8: torch.Tensor, fp: ModelFingerprint, num_blocks: int) -> torch.Tensor:
+    """A flat uint8 run view reinterpreted as [L, 2, num_blocks, block_size, H, D] of the pool dtype."""
+    return flat_u8.view(TORCH_DTYPES[fp.dtype]).view(run_shape(fp, num_blocks))
+
+
+def gather_run(kv: torch.Tensor, run: BlockRun, out_flat_u8: torch.Tensor, fp: ModelFingerprint) -> None:
+    """Copies kv[:, :, run] (strided) into the contiguous staging view out_flat_u8."""
+    out = as_blocks(out_flat_u8, fp, run.num_blocks)  # [L, 2, n, bs, H, D]
+    out.copy_(kv[:, :, run.start : run.start + run.num_blocks], non_blocking=True)
+
+
+def scatter_run(kv: torch.Tensor, flat_u8: torch.Tensor, fp: ModelFingerprint, dst_block_ids: Sequence[int]) -> None:
+    """Writes one received run into the receiver's blocks dst_block_ids (any ids, in run order)."""
+    src = as_blocks(flat_u8, fp, len(dst_block_ids))  # [L, 2, n, bs, H, D]
+    position = 0
+    for dst in group_runs(dst_block_ids):
+        end = position + dst.num_blocks
+        kv[:, :, dst.start : dst.start + dst.num_blocks].copy_(src[:, :, position:end], non_blocking=True)
+        position = end

@@ -1,0 +1,1 @@
+"""Tandem wire schema: tandem.proto and its generated stubs (regenerate with proto/generate.sh)."""
