@@ -20,6 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine_parser = bench.add_parser("engine", help="engine.LLM vs transformers on a serving-like mix")
     bench_engine.add_arguments(engine_parser)
     engine_parser.set_defaults(run=bench_engine.run)
+    from kv_transfer import bench as bench_transfer
+    transfer_parser = bench.add_parser("transfer", help="KV transfer GB/s against a raw loopback socket")
+    bench_transfer.add_arguments(transfer_parser)
+    transfer_parser.set_defaults(run=bench_transfer.run)
     return parser
 
 

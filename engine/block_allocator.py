@@ -7,6 +7,7 @@ on block i means blocks 0..i all match.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -19,7 +20,11 @@ def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class BlockAllocator:
-    """Owns the ids 0..num_blocks-1 of one KV pool. Not thread-safe: one engine step loop uses it."""
+    """Owns the ids 0..num_blocks-1 of one KV pool.
+
+    Thread-safe: the engine's step loop and KV-transfer threads (which reserve blocks for incoming KV
+    and free blocks after a send is acknowledged) may call it concurrently.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
@@ -30,6 +35,7 @@ class BlockAllocator:
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._lock = threading.Lock()
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,15 +50,16 @@ class BlockAllocator:
 
     def allocate(self, num_blocks: int) -> list[int] | None:
         """Take num_blocks free blocks (ref count 1 each), evicting their cached hashes; None if short."""
-        if num_blocks > len(self._free):
-            return None
-        block_ids = []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
-            self._evict_hash(block_id)
-            self._ref_counts[block_id] = 1
-            block_ids.append(block_id)
-        return block_ids
+        with self._lock:
+            if num_blocks > len(self._free):
+                return None
+            block_ids = []
+            for _ in range(num_blocks):
+                block_id, _ = self._free.popitem(last=False)
+                self._evict_hash(block_id)
+                self._ref_counts[block_id] = 1
+                block_ids.append(block_id)
+            return block_ids
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the LRU queue, last first.
@@ -60,13 +67,15 @@ class BlockAllocator:
         Freeing in reverse order makes a sequence's tail blocks the first to be evicted, so shared
         prefixes stay cached longest.
         """
-        for block_id in reversed(block_ids):
-            count = self._ref_counts[block_id]
-            if count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than it was allocated")
-            self._ref_counts[block_id] = count - 1
-            if count == 1:
-                self._free[block_id] = None
+        with self._lock:
+            for block_id in block_ids:
+                if self._ref_counts[block_id] <= 0:
+                    raise RuntimeError(f"block {block_id} freed more often than it was allocated")
+            for block_id in reversed(block_ids):
+                count = self._ref_counts[block_id]
+                self._ref_counts[block_id] = count - 1
+                if count == 1:
+                    self._free[block_id] = None
 
     def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
         """Longest run of cached full blocks that prefixes token_ids, at most max_blocks of them.
@@ -76,17 +85,18 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return [], []
         block_ids, hashes, parent = [], [], None
-        for i in range(max_blocks):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = chain_hash(parent, tokens)
-            block_id = self._hash_to_block.get(block_hash)
-            if block_id is None or self._block_tokens[block_id] != tokens:
-                break
-            block_ids.append(block_id)
-            hashes.append(block_hash)
-            parent = block_hash
-        for block_id in block_ids:
-            self._take_reference(block_id)
+        with self._lock:
+            for i in range(max_blocks):
+                tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                block_hash = chain_hash(parent, tokens)
+                block_id = self._hash_to_block.get(block_hash)
+                if block_id is None or self._block_tokens[block_id] != tokens:
+                    break
+                block_ids.append(block_id)
+                hashes.append(block_hash)
+                parent = block_hash
+            for block_id in block_ids:
+                self._take_reference(block_id)
         return block_ids, hashes
 
     def register_full_block(self, block_id: int, parent_hash: int | None,
@@ -97,17 +107,19 @@ class BlockAllocator:
         """
         tokens = tuple(token_ids)
         block_hash = chain_hash(parent_hash, tokens)
-        if self.enable_prefix_caching and block_hash not in self._hash_to_block \
-                and self._block_hash[block_id] is NO_HASH:
-            self._hash_to_block[block_hash] = block_id
-            self._block_hash[block_id] = block_hash
-            self._block_tokens[block_id] = tokens
+        with self._lock:
+            if self.enable_prefix_caching and block_hash not in self._hash_to_block \
+                    and self._block_hash[block_id] is NO_HASH:
+                self._hash_to_block[block_hash] = block_id
+                self._block_hash[block_id] = block_hash
+                self._block_tokens[block_id] = tokens
         return block_hash
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use stay allocated)."""
-        for block_id in list(self._hash_to_block.values()):
-            self._evict_hash(block_id)
+        with self._lock:
+            for block_id in list(self._hash_to_block.values()):
+                self._evict_hash(block_id)
 
     def _take_reference(self, block_id: int) -> None:
         if self._ref_counts[block_id] == 0:

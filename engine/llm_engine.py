@@ -58,11 +58,13 @@ class LLMEngine:
         self.scheduler.add_waiting(seq)
 
     def reserve_blocks(self, num_blocks: int) -> list[int] | None:
-        """Allocate blocks for incoming KV (decode side of a transfer); None when the pool is short."""
+        """Allocate blocks for incoming KV (decode side of a transfer); None when the pool is short.
+        Safe to call from a transfer thread while another thread steps the engine."""
         return self.kv_cache.allocator.allocate(num_blocks)
 
     def free_blocks(self, block_ids: Seq[int]) -> None:
-        """Return reserved blocks that were never handed to add_prefilled_request."""
+        """Return blocks this caller owns: reserved ones never handed to add_prefilled_request, or
+        ones taken with take_prefilled_blocks. Safe to call from any thread."""
         self.kv_cache.allocator.free(block_ids)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
@@ -177,6 +179,17 @@ class LLMEngine:
         seq.status = SequenceStatus.FINISHED
         self._forget(request_id)
         return True
+
+    def take_prefilled_blocks(self, request_id: str) -> list[int]:
+        """Hand a prefill-only result's blocks to the caller (a KV transfer), which must free them
+        with free_blocks() once the receiver acknowledged. The request leaves the engine."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status != SequenceStatus.PREFILLED:
+            raise ValueError(f"request {request_id!r} has no prefilled KV blocks to hand over")
+        block_ids, seq.block_table = seq.block_table, []
+        seq.status = SequenceStatus.FINISHED
+        self._forget(request_id)
+        return block_ids
 
     def _forget(self, request_id: str) -> OutputText:
         """A request that ended leaves the engine; its id becomes reusable."""
