@@ -95,8 +95,12 @@ class LLMEngine:
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt token ids must be a list of ints, got {type(prompt).__name__}")
         if len(prompt) == 0:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt) > self.max_model_len:

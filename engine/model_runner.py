@@ -51,6 +51,7 @@ class ModelRunner:
         return seqs, tokens
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
+        """The step's flat batch: ids, positions, each token's pool slot and the attention metadata."""
         ordered = sorted(chunks, key=lambda c: c.num_new_tokens > 1)  # stable: single tokens first
         input_ids, positions, slots, sample_rows, sampled = [], [], [], [], []
         prefills, num_decode_rows, row = [], 0, 0
@@ -77,8 +78,7 @@ class ModelRunner:
         """Block tables and context lengths of the single-token rows (+ padded slots for torch)."""
         lengths = [c.seq.num_computed_tokens + 1 for c in chunks]
         max_blocks = -(-max(lengths) // self.block_size)
-        tables = [c.seq.block_table[:max_blocks] + [0] * (max_blocks - min(max_blocks, len(c.seq.block_table)))
-                  for c in chunks]
+        tables = [_padded(c.seq.block_table[:max_blocks], max_blocks) for c in chunks]
         table = torch.tensor(tables, dtype=torch.long)  # [B, max_blocks]
         context_lens = torch.tensor(lengths, dtype=torch.long)
         if self.use_decode_kernel:
@@ -102,3 +102,7 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _padded(values: list[int], width: int) -> list[int]:
+    return values + [0] * (width - len(values))

@@ -85,6 +85,12 @@ def test_bad_prompts_raise_and_engine_stays_usable(llm):
         assert_all_blocks_free(llm)
     with pytest.raises(ValueError, match="exactly one"):
         llm.generate()
+    with pytest.raises(ValueError, match="list of ints"):
+        llm.engine.add_request("bad", None, GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request("dup", [1, 2], GREEDY)
+        llm.engine.add_request("dup", [3], GREEDY)
+    assert llm.engine.abort("dup")
     assert llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)[0].outputs[0].token_ids
     assert_all_blocks_free(llm)
 
