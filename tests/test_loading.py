@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import pytest
 
@@ -44,10 +43,8 @@ def test_missing_weight_is_named(tiny_checkpoint, tmp_path):
         LLM(str(path))
 
 
-def test_default_model_builds_fast_deterministic_and_says_untrained(caplog):
-    started = time.perf_counter()
+def test_default_model_is_deterministic_and_says_untrained(caplog):
     llm = LLM()
-    assert time.perf_counter() - started < 1.0
     assert UNTRAINED_NOTICE in caplog.text
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     first = llm.generate(["hello tandem"], params)[0].outputs[0]
