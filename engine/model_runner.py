@@ -36,6 +36,8 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.use_decode_kernel = paged_decode_cpu.supports(device, kv_cache.spec.dtype)
+        if self.use_decode_kernel:
+            paged_decode_cpu.compile_kernel()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[tuple[Sequence, ...], list[int]]:

@@ -25,6 +25,15 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
     return AVAILABLE and device.type == "cpu" and dtype == torch.float32
 
 
+def compile_kernel() -> None:
+    """Compile (or load from numba's on-disk cache) the kernel now, at engine start, rather than
+    inside the first decode step."""
+    q = torch.zeros(1, 1, 1, 4)
+    pool = torch.zeros(4, 1, 4)
+    paged_decode_attention(q.view(1, 1, 4), pool, pool, torch.zeros(1, 1, dtype=torch.long),
+                           torch.ones(1, dtype=torch.long), block_size=4)
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            block_size: int) -> torch.Tensor:

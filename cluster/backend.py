@@ -1,0 +1,90 @@
+"""The contract between the front ends (gRPC, HTTP) and whatever generates tokens behind them.
+
+The front ends validate and translate wire requests into a GenerationRequest, iterate the chunks a
+Backend streams back, and translate those into wire responses. A Backend is either one engine in this
+process (LocalEngineBackend: the colocated single-worker case and the tests) or the coordinator of
+prefill and decode workers on Ray. Front ends never see engines, workers or Ray.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.sampling_params import SamplingParams
+
+
+class BackendOverloaded(Exception):
+    """The backend refuses new work for now (gRPC RESOURCE_EXHAUSTED, HTTP 429)."""
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot serve at all (no live workers): gRPC UNAVAILABLE, HTTP 503."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: token ids already encoded, sampling params already checked."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float  # time.perf_counter() when the front end received it
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-stage breakdown of one request, in milliseconds (gRPC `Timing`, HTTP `tandem_timing`).
+
+    ttft_ms runs from arrival at the front end to the first token handed back to it, KV transfer
+    included. In colocated serving transfer_ms and kv_bytes are 0."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    ttft_ms: float = 0.0
+    kv_bytes: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New tokens and stable text since the previous chunk; the last one has finish_reason
+    ("stop" or "length") and timing set."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+    timing: Timing | None = None
+
+
+@dataclass(frozen=True)
+class BackendHealth:
+    serving: bool
+    model: str
+    prefill_workers: int
+    decode_workers: int
+    details: dict = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    """What a front end needs. All methods are called from the front end's asyncio loop."""
+
+    model_name: str
+    max_model_len: int
+
+    @property
+    def tokenizer(self):
+        """The engine.tokenizer.Tokenizer of the served model (encode prompts, chat templates)."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's chunks. Raises BackendOverloaded / BackendUnavailable before the first
+        chunk if it cannot take the request, ValueError for input the engine rejects. If the consumer
+        stops iterating early (client cancel), the request is aborted and every block it held is freed."""
+
+    async def health(self) -> BackendHealth:
+        """Whether the backend serves, and what with."""
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, free all blocks, stop background threads."""
