@@ -1,7 +1,10 @@
 """SamplingParams: how one request picks its tokens and when it stops (mirrors vLLM's)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_TOP_K = 2 ** 31 - 1  # larger values mean "no cut" anyway; this keeps them inside int tensors
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,12 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got {self.top_k}")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not 0 <= self.seed < 2 ** 63:
+                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
 
@@ -51,8 +56,8 @@ def _check_int(name: str, value) -> None:
 
 
 def _check_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 def _normalize_stop(stop) -> tuple[str, ...]:

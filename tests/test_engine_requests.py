@@ -69,6 +69,10 @@ def test_eos_stops_unless_ignored(llm):
     (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
     (dict(stop=[""]), "stop"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(top_k=2 ** 63), "top_k"),
+    (dict(seed=-1), "seed"),
 ])
 def test_bad_sampling_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
