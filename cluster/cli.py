@@ -1,4 +1,4 @@
-"""The `tandem` command: demo and benchmarks (serving front ends arrive with the cluster)."""
+"""The `tandem` command: serve, client, demo, bench."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser("demo", help="generate for a few prompts and print tokens/s and TTFT")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(run=demo.run)
+
+    from cluster import client, serve
+    serve_parser = commands.add_parser("serve", help="gRPC + OpenAI-compatible HTTP front ends")
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve.run)
+    client_parser = commands.add_parser("client", help="stream a completion from a Tandem gRPC server")
+    client.add_arguments(client_parser)
+    client_parser.set_defaults(run=client.run)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from cluster import bench_engine
