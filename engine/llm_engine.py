@@ -77,6 +77,10 @@ class LLMEngine:
         otherwise decoding continues in the following steps.
         """
         self._validate(request_id, prompt_token_ids, params)
+        if isinstance(first_token, bool) or not isinstance(first_token, int) \
+                or not 0 <= first_token < self.model_config.vocab_size:
+            raise ValueError(f"first token {first_token!r} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
         needed = -(-len(prompt_token_ids) // self.config.block_size)
         if len(block_ids) < needed:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {len(prompt_token_ids)} prompt tokens")

@@ -4,7 +4,9 @@
 kv_transfer.bench ...`). This process receives; a spawned process sends. Per size and repeat it times
 one transfer (sender: send() -> ack, so gather, checksums, wire, verify, scatter and ack are all in)
 and, interleaved, the same number of bytes over a plain TCP socket on 127.0.0.1 (sendall ->
-recv_into a preallocated buffer -> 1-byte ack). Every transfer is checked byte for byte.
+recv_into a preallocated buffer -> 1-byte ack). Every transfer is checked byte for byte. With
+--compare-gathered, a third interleaved measurement sends the same run gathered into staging
+(direct_min_plane_bytes=None, the path before pool-to-pool planes) through a second sender/receiver pair.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import socket
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,12 +32,17 @@ from kv_transfer.testing import FreeListPool
 BENCH_FP = ModelFingerprint(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16)
 
 
+GATHERED = "gathered"  # the variant that gathers every run into staging
+VARIANT_NAMESPACES = {"": "tandem-kv", GATHERED: "tandem-kv-gathered"}
+
+
 @dataclass(frozen=True)
 class SenderSpec:
     config: TransferConfig
     num_blocks: int
     device: str
     store_port: int
+    variants: tuple[str, ...] = ("",)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class SendCmd:
     to: ReceiverAddress
     num_blocks: int
     seed: int
+    variant: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,7 @@ class TcpCmd:
 class Timed:
     seconds: float
     error: str = ""
+    cpu_seconds: float = 0.0  # the sender process's CPU time (all threads) over the same interval
 
 
 def fill_pattern(kv: torch.Tensor, num_blocks: int, seed: int) -> None:
@@ -78,12 +87,12 @@ def _send_one(sender, pool: FreeListPool, cmd: SendCmd) -> Timed:
     fill_pattern(pool.kv, cmd.num_blocks, cmd.seed)
     if pool.kv.is_cuda:
         torch.cuda.synchronize()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
         sender.send(cmd.to, SendRequest(f"bench-{cmd.seed}", blocks, cmd.num_blocks * BENCH_FP.block_size, 0)).result()
     except Exception as exc:
         return Timed(time.perf_counter() - started, str(exc))
-    return Timed(time.perf_counter() - started)
+    return Timed(time.perf_counter() - started, cpu_seconds=time.process_time() - cpu_started)
 
 
 def _tcp_send(cmd: TcpCmd, payload: memoryview) -> Timed:
@@ -95,15 +104,25 @@ def _tcp_send(cmd: TcpCmd, payload: memoryview) -> Timed:
         return Timed(time.perf_counter() - started)
 
 
+def variant_config(config: TransferConfig, variant: str) -> TransferConfig:
+    return replace(config, direct_min_plane_bytes=None) if variant == GATHERED else config
+
+
+def variant_rendezvous(store_port: int, rank: int, variant: str) -> DistRendezvous | None:
+    return DistRendezvous("127.0.0.1", store_port, rank, 2, VARIANT_NAMESPACES[variant]) if store_port else None
+
+
 def _sender_main(spec: SenderSpec, conn) -> None:
     pool = _resident_pool(spec.num_blocks, spec.device)
     transport = spec.config.transport
-    rdzv = DistRendezvous("127.0.0.1", spec.store_port, 1, 2) if transport != "grpc" else None
-    sender = create_sender(spec.config, pool.view(), transport, rdzv)
+    senders = {v: create_sender(variant_config(spec.config, v), pool.view(), transport,
+                                variant_rendezvous(spec.store_port, 1, v)) for v in spec.variants}
     payload = memoryview(torch.randint(0, 256, (spec.num_blocks * BENCH_FP.block_nbytes,), dtype=torch.uint8).numpy())
     while (cmd := conn.recv()) is not None:
-        conn.send(_send_one(sender, pool, cmd) if isinstance(cmd, SendCmd) else _tcp_send(cmd, payload))
-    sender.close()
+        is_send = isinstance(cmd, SendCmd)
+        conn.send(_send_one(senders[cmd.variant], pool, cmd) if is_send else _tcp_send(cmd, payload))
+    for sender in senders.values():
+        sender.close()
 
 
 class _TcpSink:
@@ -137,21 +156,32 @@ def _bit_exact(pool: FreeListPool, outcome, num_blocks: int, seed: int) -> bool:
     return torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
 
 
-def _measure_size(args, receiver, pool, sink, peer, num_blocks: int, seed0: int) -> dict:
+def _measure_size(args, receivers: dict, pool, sink, peer, num_blocks: int, seed0: int) -> dict:
+    """Per repeat: one transfer per variant, then the raw socket; medians per variant."""
     nbytes = num_blocks * BENCH_FP.block_nbytes
-    times, base, exact = [], [], True
+    times, cpus, base, exact = {v: [] for v in receivers}, {v: [] for v in receivers}, [], True
     for rep in range(args.repeats):
-        peer.send(SendCmd(receiver.address, num_blocks, seed0 + rep))
-        timed = peer.recv()
-        exact &= not timed.error and _bit_exact(pool, receiver.wait(60), num_blocks, seed0 + rep)
-        times.append(timed.seconds)
+        for variant, receiver in receivers.items():
+            seed = seed0 + rep + (500 if variant else 0)
+            cpu_started = time.process_time()  # this process idles while the sender fills its blocks
+            peer.send(SendCmd(receiver.address, num_blocks, seed, variant))
+            timed = peer.recv()
+            outcome = receiver.wait(60)
+            cpus[variant].append(time.process_time() - cpu_started + timed.cpu_seconds)
+            exact &= not timed.error and _bit_exact(pool, outcome, num_blocks, seed)
+            times[variant].append(timed.seconds)
         thread = sink.receive(nbytes)
         peer.send(TcpCmd(sink.port, nbytes))
         base.append(peer.recv().seconds)
         thread.join()
-    seconds, baseline = statistics.median(times), statistics.median(base)
-    return {"transport": args.transport, "size_bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
-            "baseline_gbps": nbytes / baseline / 1e9, "bit_exact": bool(exact)}
+    seconds, baseline = statistics.median(times[""]), statistics.median(base)
+    row = {"transport": args.transport, "size_bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+           "baseline_gbps": nbytes / baseline / 1e9, "cpu_seconds": statistics.median(cpus[""]),
+           "bit_exact": bool(exact)}
+    if GATHERED in times:
+        row["gathered_gbps"] = nbytes / statistics.median(times[GATHERED]) / 1e9
+        row["gathered_cpu_seconds"] = statistics.median(cpus[GATHERED])
+    return row
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +192,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--max-run-mib", type=float, default=TransferConfig.max_run_bytes / 2**20,
                         help="split runs above this size (pipelines gather / wire / scatter)")
+    parser.add_argument("--direct-min-plane-kib", type=float, default=TransferConfig.direct_min_plane_bytes / 2**10,
+                        help="runs with planes this large leave the sender pool without a gather (-1: never)")
+    parser.add_argument("--compare-gathered", action="store_true",
+                        help="also time the same transfers with every run gathered into staging, interleaved")
     parser.add_argument("--chunk-mib", type=float, default=TransferConfig.grpc_chunk_bytes / 2**20,
                         help="gRPC message size")
 
@@ -184,27 +218,32 @@ def run(args: argparse.Namespace) -> int:
     blocks = [max(1, (mib << 20) // BENCH_FP.block_nbytes) for mib in sizes]
     store = start_store("127.0.0.1", 0) if args.transport != "grpc" else None
     pool = _resident_pool(max(blocks), receiver_device)
+    direct_min = None if args.direct_min_plane_kib < 0 else int(args.direct_min_plane_kib * 2**10)
     config = TransferConfig(transport=args.transport, kv_transfer_timeout_s=args.timeout_s,
-                            max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20))
-    rdzv = DistRendezvous("127.0.0.1", store.port, 0, 2) if store else None
-    receiver = create_receiver(config, pool.view(), args.transport, rendezvous=rdzv, peers=[1])
+                            max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20),
+                            direct_min_plane_bytes=direct_min)
+    store_port = store.port if store else 0
+    variants = ("", GATHERED) if args.compare_gathered else ("",)
+    receivers = {v: create_receiver(variant_config(config, v), pool.view(), args.transport,
+                                    rendezvous=variant_rendezvous(store_port, 0, v), peers=[1]) for v in variants}
     sink = _TcpSink(max(blocks) * BENCH_FP.block_nbytes)
     ctx = mp.get_context("spawn")
     peer, child = ctx.Pipe()
-    spec = SenderSpec(config, max(blocks), sender_device, store.port if store else 0)
+    spec = SenderSpec(config, max(blocks), sender_device, store_port, variants)
     process = ctx.Process(target=_sender_main, args=(spec, child), daemon=True)
     process.start()
     rows = []
     try:
         for i, num_blocks in enumerate(blocks):
-            rows.append(_measure_size(args, receiver, pool, sink, peer, num_blocks, 1000 * i))
+            rows.append(_measure_size(args, receivers, pool, sink, peer, num_blocks, 1000 * i))
             _print_row(rows[-1])
     finally:
         peer.send(None)
         process.join(60)
         if process.is_alive():
             process.kill()
-        receiver.close()
+        for receiver in receivers.values():
+            receiver.close()
         sink.listener.close()
     if args.json:
         with open(args.json, "w") as out:
@@ -214,9 +253,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_row(row: dict) -> None:
     ratio = row["gbps"] / row["baseline_gbps"]
+    gathered = ""
+    if "gathered_gbps" in row:
+        gathered = (f"  gathered: ratio {row['gathered_gbps'] / row['baseline_gbps']:5.2f} "
+                    f"cpu {row['gathered_cpu_seconds'] * 1e3:6.1f} ms")
     print(f"{row['transport']:5s} {row['size_bytes'] / 2**20:7.0f} MiB  {row['seconds'] * 1e3:9.2f} ms  "
           f"{row['gbps']:6.2f} GB/s  raw socket {row['baseline_gbps']:6.2f} GB/s  ratio {ratio:5.2f}  "
-          f"bit_exact={row['bit_exact']}", flush=True)
+          f"cpu {row['cpu_seconds'] * 1e3:6.1f} ms{gathered}  bit_exact={row['bit_exact']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,19 @@ class TransferConfig:
     grpc_max_concurrent_transfers: int = 8
     staging_cache_bytes: int = 1 << 30
     max_run_bytes: int = 16 << 20  # longer runs are split so gather / wire / scatter pipeline
+    # A run whose per-(layer, K/V) plane has at least this many bytes goes straight from the sender's pool
+    # (no gather; gloo sends 2 * num_layers messages, each costing ~25 us) when the pool is on the wire's
+    # device; smaller runs are gathered into one message. None: every run is gathered. The receiver takes a
+    # direct run (gloo/nccl) or any run (gRPC) straight into its blocks when their ids are consecutive.
+    direct_min_plane_bytes: int | None = 256 << 10
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; expected one of {TRANSPORTS}")
         if self.kv_transfer_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.direct_min_plane_bytes is not None and self.direct_min_plane_bytes < 0:
+            raise ValueError("direct_min_plane_bytes must be >= 0 or None")
         if not 0 < self.grpc_chunk_bytes < self.grpc_max_message_bytes:
             raise ValueError("grpc_chunk_bytes must be positive and below grpc_max_message_bytes")
 

@@ -107,8 +107,13 @@ class PairChannel:
 
     def recv(self, tensor: torch.Tensor, deadline: float) -> None:
         """Receives the other end's next message into tensor (same size); raises KVTransferError."""
+        self.wait(self.post_recv(tensor), deadline, "recv")
+
+    def post_recv(self, tensor: torch.Tensor) -> dist.Work:
+        """Starts receiving the other end's next message into tensor (untouched until wait() on the work).
+        Posted receives are matched to the other end's sends in posting order."""
         group = self._live_group()
-        self.wait(self._post(lambda: group.recv([tensor], self.peer, 0), "recv"), deadline, "recv")
+        return self._post(lambda: group.recv([tensor], self.peer, 0), "recv")
 
     def post_send(self, tensor: torch.Tensor) -> dist.Work:
         """Starts sending tensor (which must stay untouched until wait() on the returned work)."""

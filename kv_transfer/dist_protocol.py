@@ -5,6 +5,7 @@
   int64 manifest length, uint8 manifest ---> decode, check fingerprint, allocate blocks
                      <---------------------- int64 accept code (OK or why not; nothing more follows)
   per run: int64 NEXT_RUN, run bytes ------> recv into staging
+      or: int64 NEXT_PLANES, 2L planes ----> recv into own blocks (contiguous) or staging
   int64 COMMIT (or ABORT at any run) ------> verify length + checksum per run, scatter into own blocks
                      <---------------------- int64 final status (OK / CHECKSUM_MISMATCH / CANCELLED / ...)
   frees its blocks                            delivers (manifest, own block ids) or frees its blocks
@@ -27,7 +28,7 @@ from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox, Receive
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 
-COMMIT, NEXT_RUN, ABORT = 0, 1, 2
+COMMIT, NEXT_RUN, ABORT, NEXT_PLANES = 0, 1, 2, 3
 
 
 def send_manifest(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float) -> None:
@@ -40,21 +41,26 @@ def send_manifest(channel: PairChannel, outgoing: OutgoingTransfer, deadline: fl
         raise KVTransferError(TransferStatus(accepted), "receiver declined the transfer", outgoing.manifest.request_id)
 
 
+def _post_run(channel: PairChannel, outgoing: OutgoingTransfer, index: int) -> list:
+    """Posts run `index`: NEXT_PLANES + its 2 * num_layers pool planes (direct), or NEXT_RUN + its
+    gathered staging piece. Returns the works to wait for."""
+    control = NEXT_PLANES if outgoing.direct[index] else NEXT_RUN
+    return [channel.post_send(channel.code_tensor(control))] + [channel.post_send(p) for p in outgoing.pieces(index)]
+
+
 def send_runs(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float, cancel: threading.Event) -> bool:
-    """Sends every run, each announced by NEXT_RUN, gathering run i+1 while run i is on the wire; stops
-    with ABORT if cancel is set. True if all runs went."""
-    payloads = outgoing.run_payloads
+    """Sends every run, each announced by its control word, gathering run i+1 (unless direct) while run i
+    is on the wire; stops with ABORT if cancel is set. True if all runs went."""
     outgoing.gather(0)
-    for index, payload in enumerate(payloads):
+    for index in range(len(outgoing.runs)):
         if cancel.is_set():
             channel.send_code(ABORT, deadline)
             return False
-        control = channel.post_send(channel.code_tensor(NEXT_RUN))
-        work = channel.post_send(payload)
-        if index + 1 < len(payloads):
+        works = _post_run(channel, outgoing, index)
+        if index + 1 < len(outgoing.runs):
             outgoing.gather(index + 1)
-        channel.wait(control, deadline, "send")
-        channel.wait(work, deadline, "send")
+        for work in works:
+            channel.wait(work, deadline, "send")
     commit = not cancel.is_set()
     channel.send_code(COMMIT if commit else ABORT, deadline)
     return commit
@@ -94,19 +100,33 @@ def _receive_manifest(channel: PairChannel, pool: KVPoolView, staging: StagingPo
     return incoming
 
 
+def _receive_run(channel: PairChannel, incoming: IncomingTransfer, index: int, control: int, deadline: float) -> None:
+    """Receives run `index` as announced by control (one staging piece, or its planes: straight into this
+    side's blocks when they are contiguous), then lands it."""
+    if control == NEXT_RUN:
+        channel.recv(incoming.payloads[index], deadline)
+        incoming.landed(index)
+        return
+    targets, in_place = incoming.plane_targets(index, channel.device)
+    works = [channel.post_recv(target) for target in targets]
+    for work in works:
+        channel.wait(work, deadline, "recv")
+    incoming.landed(index, in_place=in_place)
+
+
 def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: float) -> bool:
-    """Receives runs into staging (landing each as it completes) until COMMIT (True) or ABORT (False)."""
-    for index, payload in enumerate(incoming.payloads):
+    """Receives runs (landing each as it completes) until COMMIT (True) or ABORT (False)."""
+    rid = incoming.manifest.request_id
+    for index in range(len(incoming.manifest.runs)):
         control = channel.recv_code(deadline)
         if control == ABORT:
             return False
-        if control != NEXT_RUN:
-            raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {control}", incoming.manifest.request_id)
-        channel.recv(payload, deadline)
-        incoming.landed(index)
+        if control not in (NEXT_RUN, NEXT_PLANES):
+            raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {control}", rid)
+        _receive_run(channel, incoming, index, control, deadline)
     control = channel.recv_code(deadline)
     if control not in (COMMIT, ABORT):
-        raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {control}", incoming.manifest.request_id)
+        raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {control}", rid)
     return control == COMMIT
 
 

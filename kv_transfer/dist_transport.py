@@ -68,7 +68,8 @@ class _SenderLink:
         try:
             if handle.cancel_requested.is_set() or owner.closed:
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
-            outgoing = prepare_outgoing(owner.pool, request, owner.staging, ready, owner.config.max_run_bytes)
+            outgoing = prepare_outgoing(owner.pool, request, owner.staging, ready, owner.config.max_run_bytes,
+                                        owner.config.direct_min_plane_bytes)
             try:
                 self._ship(outgoing, handle)
             finally:

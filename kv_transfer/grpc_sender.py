@@ -64,7 +64,7 @@ class GrpcSender(KVSender):
             if handle.cancel_requested.is_set():
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
             outgoing = await loop.run_in_executor(None, prepare_outgoing, self.pool, request, self.staging, ready,
-                                                  self.config.max_run_bytes)
+                                                  self.config.max_run_bytes, self.config.direct_min_plane_bytes)
             try:
                 await self._push(target, outgoing, handle)
             finally:
@@ -125,15 +125,16 @@ class GrpcSender(KVSender):
         chunk, loop = self.config.grpc_chunk_bytes, asyncio.get_running_loop()
         gathering = loop.run_in_executor(None, outgoing.gather, 0)
         try:
-            for index, payload in enumerate(outgoing.run_payloads):
+            for index in range(len(outgoing.runs)):
                 await gathering
-                if index + 1 < len(outgoing.run_payloads):  # gather the next run while this one streams
+                if index + 1 < len(outgoing.runs):  # gather the next run while this one streams
                     gathering = loop.run_in_executor(None, outgoing.gather, index + 1)
-                view = memoryview(payload.numpy())
-                for offset in range(0, len(view), chunk):
-                    if final.done():
-                        return
-                    await call.write(encode_data_chunk(view[offset : offset + chunk]))
+                for piece in outgoing.pieces(index):  # pool planes (direct) or the staging piece
+                    view = memoryview(piece.numpy())
+                    for offset in range(0, len(view), chunk):
+                        if final.done():
+                            return
+                        await call.write(encode_data_chunk(view[offset : offset + chunk]))
         finally:  # staging is released after we return: no gather may still be writing into it
             await asyncio.wait([gathering])
 

@@ -1,4 +1,4 @@
-"""Receiver side of one transfer: allocate, land bytes in staging, verify, scatter, or free on failure."""
+"""Receiver side of one transfer: allocate, take bytes into its blocks or staging, verify, scatter, or free."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,7 @@ from kv_transfer.device_sync import copy_stream
 from kv_transfer.manifest import Manifest
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed
-from kv_transfer.runs import as_blocks, run_views, scatter_run, staging_offsets
+from kv_transfer.runs import as_blocks, block_planes, run_views, scatter_run, staging_offsets
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 
@@ -22,8 +22,9 @@ class IncomingTransfer:
     """Owns the receiver blocks of one transfer from accept() until exactly one of commit() (the blocks go
     to the caller, written and verified) or fail() (the blocks go back to the pool) has run.
 
-    Each run is landed (checksum-verified, then scattered into this side's blocks) as soon as its bytes
-    are complete, on `lander` when given, so landing overlaps the arrival of the next run."""
+    A run's bytes arrive straight in this side's blocks when their ids are consecutive (plane_targets),
+    else in staging. Each run is landed (checksum-verified, then scattered from staging if it came that way)
+    as soon as its bytes are complete, on `lander` when given, so landing overlaps the next run's arrival."""
 
     def __init__(self, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool, block_ids: list[int],
                  lander: Executor | None = None):
@@ -34,7 +35,8 @@ class IncomingTransfer:
         self.payloads = run_views(self._staging, manifest.fingerprint, manifest.runs)  # flat uint8 per run
         self._first_block = np.cumsum([0] + [r.num_blocks for r in manifest.runs]).tolist()
         self._landings: list[Future | None] = []
-        self._cursor = (0, 0)  # (run index, byte offset in run) of the next streamed byte
+        self._cursor = (0, 0, 0)  # (run index, target piece, byte offset in it) of the next streamed byte
+        self._stream_targets: tuple[list[np.ndarray], bool] | None = None  # pieces of the streamed run
         self.bytes_written = 0
         self._settle_lock = threading.Lock()
         self._settled = False
@@ -59,41 +61,74 @@ class IncomingTransfer:
             pool.free(block_ids)
             raise
 
-    def land(self, index: int) -> None:
-        """Verifies run `index` in staging against its checksum, then writes it into this side's blocks."""
+    def land(self, index: int, in_place: bool = False) -> None:
+        """Verifies run `index` against its checksum, then writes it into this side's blocks: from staging
+        (scatter), or, in_place, it is already there and only the blocks are verified."""
         run, fp = self.manifest.runs[index], self.manifest.fingerprint
-        if checksum_blocks(as_blocks(self.payloads[index], fp, run.num_blocks)) != run.checksum:
-            raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"run {index} (sender blocks {run.start_block}.."
-                                  f"{run.start_block + run.num_blocks - 1}) failed its checksum", self.manifest.request_id)
         first = self._first_block[index]
+        dst = self.block_ids[first : first + run.num_blocks]
         with copy_stream(self.pool.device):
-            scatter_run(self.pool.kv, self.payloads[index], fp, self.block_ids[first : first + run.num_blocks])
+            if in_place:
+                landed = self.pool.kv[:, :, dst[0] : dst[0] + run.num_blocks]  # [L, 2, n, bs, H, D]
+            else:
+                landed = as_blocks(self.payloads[index], fp, run.num_blocks)
+            if checksum_blocks(landed) != run.checksum:
+                last = run.start_block + run.num_blocks - 1
+                raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"run {index} (sender blocks "
+                                      f"{run.start_block}..{last}) failed its checksum", self.manifest.request_id)
+            if not in_place:
+                scatter_run(self.pool.kv, self.payloads[index], fp, dst)
 
-    def landed(self, index: int) -> None:
-        """Run `index` is complete in staging: land it now, or on the lander thread."""
+    def landed(self, index: int, in_place: bool = False) -> None:
+        """Run `index` is complete (in staging, or in place in this side's blocks): land it now, or on the
+        lander thread."""
         if self._lander is None:
-            self.land(index)
+            self.land(index, in_place)
             self._landings.append(None)
         else:
-            self._landings.append(self._lander.submit(self.land, index))
+            self._landings.append(self._lander.submit(self.land, index, in_place))
+
+    def plane_targets(self, index: int, wire_device: torch.device) -> tuple[list[torch.Tensor], bool]:
+        """Where the 2 * num_layers plane messages of run `index` go: straight into this side's blocks when
+        they are consecutive ids and the pool lives on the wire's device (True), else into the run's staging
+        piece (False). The blocks belong to this transfer, so unverified bytes may land in them."""
+        run, first = self.manifest.runs[index], self._first_block[index]
+        dst = self.block_ids[first : first + run.num_blocks]
+        consecutive = dst == tuple(range(dst[0], dst[0] + len(dst)))
+        if consecutive and self.pool.device == torch.device(wire_device):
+            return block_planes(self.pool.kv[:, :, dst[0] : dst[0] + len(dst)]), True
+        return block_planes(as_blocks(self.payloads[index], self.manifest.fingerprint, run.num_blocks)), False
+
+    def _stream_pieces(self, index: int) -> tuple[list[np.ndarray], bool]:
+        """Where a streamed run's bytes go, in order: its planes in this side's blocks (in place), or its
+        whole staging piece."""
+        planes, in_place = self.plane_targets(index, torch.device("cpu"))
+        pieces = planes if in_place else [self.payloads[index]]
+        return [piece.numpy() for piece in pieces], in_place
 
     def write(self, data: bytes | memoryview) -> None:
-        """Appends streamed run bytes (runs concatenated in manifest order, no padding) to staging, landing
-        each run as it completes. Raises KVTransferError(LENGTH_MISMATCH) on bytes beyond the manifest."""
+        """Appends streamed run bytes (runs concatenated in manifest order, no padding), straight into this
+        side's blocks where plane_targets allows, else into staging; lands each run as it completes.
+        Raises KVTransferError(LENGTH_MISMATCH) on bytes beyond the manifest."""
         view, position = memoryview(data), 0
-        run_index, offset = self._cursor
+        run_index, piece, offset = self._cursor
         while position < len(view):
             if run_index >= len(self.payloads):
                 raise KVTransferError(TransferStatus.LENGTH_MISMATCH, "more bytes than the manifest announced",
                                       self.manifest.request_id)
-            dst = self.payloads[run_index].numpy()
+            if self._stream_targets is None:
+                self._stream_targets = self._stream_pieces(run_index)
+            targets, in_place = self._stream_targets
+            dst = targets[piece]
             take = min(len(view) - position, dst.size - offset)
             dst[offset : offset + take] = np.frombuffer(view[position : position + take], dtype=np.uint8)
             position, offset = position + take, offset + take
             if offset == dst.size:
-                self.landed(run_index)
-                run_index, offset = run_index + 1, 0
-        self._cursor = (run_index, offset)
+                piece, offset = piece + 1, 0
+            if piece == len(targets):
+                self.landed(run_index, in_place=in_place)
+                run_index, piece, self._stream_targets = run_index + 1, 0, None
+        self._cursor = (run_index, piece, offset)
         self.bytes_written += len(view)
 
     def commit(self) -> ReceivedKV:

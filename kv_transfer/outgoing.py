@@ -10,26 +10,29 @@ from kv_transfer.device_sync import copy_stream
 from kv_transfer.manifest import Manifest, RunInfo, encode_manifest
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import SendRequest
-from kv_transfer.runs import BlockRun, gather_run, group_runs, staging_offsets
+from kv_transfer.runs import BlockRun, block_planes, gather_run, group_runs, staging_offsets
 from kv_transfer.staging import StagingPool
 
 
 @dataclass
 class OutgoingTransfer:
-    """A transfer ready for the wire. run_payloads[i] (flat uint8 in staging) holds the bytes of
-    manifest.runs[i] once gather(i) has run; the manifest's checksums were taken from the pool."""
+    """A transfer ready for the wire. Run i travels either as its pool planes (direct[i]: planes(i), no
+    copy) or gathered: run_payloads[i] (flat uint8 in staging) holds its bytes once gather(i) has run.
+    The manifest's checksums were taken from the pool."""
 
     manifest: Manifest
     manifest_bytes: bytes
     pool: KVPoolView
     runs: list[BlockRun]
     staging: torch.Tensor
-    run_payloads: list[torch.Tensor]
+    run_payloads: list[torch.Tensor | None]  # None for a direct run
     gathered: list[bool]
+    direct: list[bool]
 
     def gather(self, index: int) -> None:
-        """Copies run `index` from the pool into its staging piece once (complete on return)."""
-        if self.gathered[index]:
+        """Copies run `index` from the pool into its staging piece once (complete on return); a no-op
+        for a direct run."""
+        if self.gathered[index] or self.direct[index]:
             return
         with copy_stream(self.pool.device):
             gather_run(self.pool.kv, self.runs[index], self.run_payloads[index], self.manifest.fingerprint)
@@ -39,12 +42,26 @@ class OutgoingTransfer:
         for index in range(len(self.runs)):
             self.gather(index)
 
+    def pieces(self, index: int) -> list[torch.Tensor]:
+        """Run `index`'s bytes in wire order as flat uint8 tensors: its pool planes (direct) or its staging
+        piece (gathered: call gather(index) first)."""
+        return self.planes(index) if self.direct[index] else [self.run_payloads[index]]
+
+    def planes(self, index: int) -> list[torch.Tensor]:
+        """The 2 * num_layers pool planes of direct run `index` (flat uint8 views into the pool, in
+        staging order). They must stay untouched until the transfer ends; the sender owns the blocks."""
+        run = self.runs[index]
+        return block_planes(self.pool.kv[:, :, run.start : run.start + run.num_blocks])
+
 
 def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: StagingPool,
-                     ready_event: "torch.cuda.Event | None" = None, max_run_bytes: int = 0) -> OutgoingTransfer:
+                     ready_event: "torch.cuda.Event | None" = None, max_run_bytes: int = 0,
+                     direct_min_plane_bytes: int | None = None) -> OutgoingTransfer:
     """Splits request.block_ids into runs (at most max_run_bytes each, 0: unbounded), checksums each
     run straight from the pool and builds the manifest; reserves staging but gathers nothing yet.
-    Reads the pool, changes nothing in it."""
+    A run is direct (sent as its pool planes) when direct_min_plane_bytes is set, the pool lives on the
+    staging device (the wire's device) and each plane has at least that many bytes; the other runs get
+    staging. Reads the pool, changes nothing in it."""
     fp = pool.fingerprint
     runs = group_runs(request.block_ids, max(1, max_run_bytes // fp.block_nbytes) if max_run_bytes else 0)
     with copy_stream(pool.device, after=ready_event):
@@ -52,7 +69,10 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     infos = tuple(RunInfo(r.start, r.num_blocks, r.num_blocks * fp.block_nbytes, s) for r, s in zip(runs, sums))
     manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
                         block_ids=tuple(request.block_ids), first_token=request.first_token, runs=infos)
-    offsets, total = staging_offsets([info.nbytes for info in infos])
+    direct_ok = direct_min_plane_bytes is not None and staging_pool.device == pool.device
+    direct = [direct_ok and info.nbytes // (2 * fp.num_layers) >= direct_min_plane_bytes for info in infos]
+    offsets, total = staging_offsets([0 if d else info.nbytes for d, info in zip(direct, infos)])
     staging = staging_pool.acquire(total)
-    payloads = [staging[off : off + info.nbytes] for off, info in zip(offsets, infos)]
-    return OutgoingTransfer(manifest, encode_manifest(manifest), pool, runs, staging, payloads, [False] * len(runs))
+    payloads = [None if d else staging[off : off + info.nbytes] for d, off, info in zip(direct, offsets, infos)]
+    return OutgoingTransfer(manifest, encode_manifest(manifest), pool, runs, staging, payloads,
+                            [False] * len(runs), direct)

@@ -63,6 +63,20 @@ def as_blocks(flat_u8: torch.Tensor, fp: ModelFingerprint, num_blocks: int) -> t
     return flat_u8.view(TORCH_DTYPES[fp.dtype]).view(run_shape(fp, num_blocks))
 
 
+def block_planes(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """The 2 * num_layers planes of blocks [L, 2, n, bs, H, D], in staging order (layer-major, K then V),
+    each a flat uint8 view of blocks[l, kv] sharing its memory. Each plane must be contiguous: true for a
+    run of a contiguous pool (kv[:, :, s:s+n]) and for a staging piece; ValueError otherwise."""
+    planes = []
+    for layer in range(blocks.shape[0]):
+        for kind in range(2):
+            plane = blocks[layer, kind]  # [n, bs, H, D]
+            if not plane.is_contiguous():
+                raise ValueError("a KV plane must be contiguous to travel without a copy")
+            planes.append(plane.view(-1).view(torch.uint8))
+    return planes
+
+
 def gather_run(kv: torch.Tensor, run: BlockRun, out_flat_u8: torch.Tensor, fp: ModelFingerprint) -> None:
     """Copies kv[:, :, run] (strided) into the contiguous staging view out_flat_u8."""
     out = as_blocks(out_flat_u8, fp, run.num_blocks)  # [L, 2, n, bs, H, D]

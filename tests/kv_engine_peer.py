@@ -31,6 +31,8 @@ class PrefillPeerSpec:
     rank: int = 1
     world_size: int = 2
     max_run_bytes: int = 16 << 10  # small runs: a long prompt travels as several pipelined runs
+    direct_min_plane_bytes: int | None = 0  # every run goes pool to pool as planes (the gathered path
+                                            # is what tests/kv_peer.py's tiny pools exercise)
     timeout_s: float = 20.0
 
 
@@ -97,7 +99,8 @@ class _PrefillPeer:
         self.spec = spec
         self.engine = LLM(spec.model, block_size=spec.block_size, num_kv_blocks=spec.num_kv_blocks).engine
         self.config = TransferConfig(kv_transfer_timeout_s=spec.timeout_s, connect_timeout_s=30,
-                                     max_run_bytes=spec.max_run_bytes)
+                                     max_run_bytes=spec.max_run_bytes,
+                                     direct_min_plane_bytes=spec.direct_min_plane_bytes)
         self.senders: dict[tuple[str, str], object] = {}
         self.handles: dict[str, object] = {}
 

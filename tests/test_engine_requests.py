@@ -147,6 +147,10 @@ def test_prefill_engine_hands_kv_to_decode_engine(ckpt):
         for d in decode.engine.step():
             tokens[d.request_id] += d.new_token_ids
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected
+    spare = decode.engine.reserve_blocks(1)
+    with pytest.raises(ValueError, match="first token"):
+        decode.engine.add_prefilled_request("bad", [1, 2], 10 ** 6, GREEDY, spare)
+    decode.engine.free_blocks(spare)  # a rejected admission leaves the blocks with the caller
     decode.engine.free_blocks(offset)
     for llm in (prefill, decode, colocated):
         assert_all_blocks_free(llm)

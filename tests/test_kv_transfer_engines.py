@@ -1,5 +1,5 @@
 """Disaggregated prefill/decode with real engines: prefill_only on an engine in a spawned process (A),
-KV over real gloo or gRPC on 127.0.0.1, decode on an engine in the pytest process (B).
+KV over real gloo or gRPC on 127.0.0.1 (runs as pool planes), decode on an engine in the pytest process (B).
 
 B's greedy tokens must equal a colocated LLM.generate of the same prompts, token for token; B's blocks
 must hold A's prompt KV bit for bit; every block is free on both sides at the end.
@@ -131,14 +131,14 @@ def test_decode_engine_continues_prefill_engine(transport, seed, store, prefill_
     expected = {rid: out.outputs[0].token_ids for rid, out in zip(prompts, outs)}
     receiver = make_receiver(transport, store, decode_engine)
     loop = DecodeLoop(decode_engine, receiver, prompts)
-    ship = lambda wave: Ship(tuple(wave), receiver.address, namespace=f"engines-{transport}")
+    namespace = f"engines-{transport}"
     try:
         prefilled = {p.request_id: p for p in prefill_peer.call(as_command(wave1))}
-        prefill_peer.call(ship(wave1))                # five transfers in flight at once
+        prefill_peer.call(Ship(tuple(wave1), receiver.address, namespace))   # five transfers in flight at once
         prefill_peer.post(as_command(wave2))          # A prefills wave 2 while B admits and decodes wave 1
         loop.run(until=lambda: set(wave1) <= set(loop.received))
         prefilled.update({p.request_id: p for p in prefill_peer.reply()})
-        prefill_peer.call(ship(wave2))
+        prefill_peer.call(Ship(tuple(wave2), receiver.address, namespace))
         loop.run(until=lambda: loop.finished == set(prompts))
         shipped = prefill_peer.call(AwaitShipped(tuple(prompts)))
     finally:

@@ -1,0 +1,111 @@
+"""Glue between an engine (engine.LLMEngine) and the transfer plane, for prefill and decode workers.
+
+kv_transfer does not import engine/: an engine is anything with the few methods of `PagedEngine`.
+
+Prefill side (the thread that steps the engine):
+    delta = ...                                  # last delta of a prefill_only request: kv_block_ids set
+    handle = ship_prefilled(engine, sender, peer, request_id)    # the transfer now owns the blocks
+Decode side (the thread that steps the engine):
+    for outcome in receiver.poll():
+        if isinstance(outcome, ReceivedKV):
+            first = admit_received(engine, outcome, prompt_token_ids, params)   # the engine owns the blocks
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kv_transfer.config import ReceiverAddress
+from kv_transfer.connector import KVSender
+from kv_transfer.pool import KVPoolView
+from kv_transfer.results import ReceivedKV, SendRequest, TransferHandle
+
+
+class PagedEngine(Protocol):
+    """What the glue needs from an engine (engine.LLMEngine has all of it)."""
+
+    kv_cache: Any  # .kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    model_config: Any  # .vocab_size
+
+    def reserve_blocks(self, num_blocks: int) -> list[int] | None: ...
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None: ...
+
+    def get_sequence(self, request_id: str) -> Any: ...
+
+    def take_prefilled_blocks(self, request_id: str) -> list[int]: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], first_token: int,
+                              params: Any, block_ids: Sequence[int], arrival_time: float | None = None) -> Any: ...
+
+
+def engine_pool_view(engine: PagedEngine) -> KVPoolView:
+    """The engine's KV pool as the transfer plane sees it. allocate/free are the engine's thread-safe
+    reserve_blocks/free_blocks, so sender and receiver threads may call them while another thread
+    steps the engine. The view changes nothing by itself."""
+    return KVPoolView(engine.kv_cache.kv, engine.reserve_blocks, engine.free_blocks)
+
+
+def take_prefilled(engine: PagedEngine, request_id: str) -> SendRequest:
+    """Takes a finished prefill-only request out of the engine and describes its KV for a transfer.
+
+    The request must be PREFILLED (its last delta carried kv_block_ids); ValueError otherwise, and
+    nothing changes. On return the caller owns the blocks: it passes the SendRequest to
+    KVSender.send (the transfer frees them) or frees them with engine.free_blocks. num_tokens is the
+    prompt length (the first token has no KV yet); first_token is the token the prefill sampled.
+    Call it on the thread that steps the engine.
+    """
+    seq = engine.get_sequence(request_id)
+    if seq is None or seq.num_output_tokens != 1:
+        raise ValueError(f"request {request_id!r} is not a prefilled request with exactly one sampled token")
+    num_tokens, first_token = seq.num_prompt_tokens, seq.token_ids[-1]
+    block_ids = engine.take_prefilled_blocks(request_id)
+    return SendRequest(request_id, tuple(block_ids), num_tokens, first_token)
+
+
+def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress, request_id: str) -> TransferHandle:
+    """take_prefilled + sender.send: the request leaves the engine and its blocks go to the transfer,
+    which frees them exactly once when it ends (handle resolved or failed). If send() itself raises
+    (e.g. a bad peer address) the blocks are freed here before the exception propagates."""
+    request = take_prefilled(engine, request_id)
+    try:
+        return sender.send(peer, request)
+    except BaseException:
+        engine.free_blocks(request.block_ids)
+        raise
+
+
+def admit_received(engine: PagedEngine, received: ReceivedKV, prompt_token_ids: Sequence[int], params: Any,
+                   arrival_time: float | None = None) -> Any:
+    """Admits a delivered transfer as a prefilled request; returns the first token's StepDelta.
+
+    The prompt must be the one the manifest describes (same length); the first token comes from the
+    manifest. On success the engine's sequence owns received.block_ids (freed when it ends). On any
+    error (ValueError: a length mismatch, a bad or duplicate request) the blocks are freed here and
+    the exception propagates, so no path leaks them. Call it on the thread that steps the engine.
+    """
+    manifest = received.manifest
+    try:
+        if len(prompt_token_ids) != manifest.num_tokens:
+            raise ValueError(f"request {manifest.request_id!r}: the prompt has {len(prompt_token_ids)} tokens, "
+                             f"the transferred KV holds {manifest.num_tokens}")
+        if not 0 <= manifest.first_token < engine.model_config.vocab_size:
+            raise ValueError(f"request {manifest.request_id!r}: first token {manifest.first_token} is outside "
+                             f"the vocabulary")
+        return engine.add_prefilled_request(manifest.request_id, prompt_token_ids, manifest.first_token, params,
+                                            received.block_ids, arrival_time=arrival_time)
+    except BaseException:
+        _release_after_failed_admission(engine, manifest.request_id, received.block_ids)
+        raise
+
+
+def _release_after_failed_admission(engine: PagedEngine, request_id: str, block_ids: Sequence[int]) -> None:
+    """Frees the blocks once: through abort if the engine already holds a sequence built on them,
+    directly otherwise (a same-named request with other blocks is left alone)."""
+    seq = engine.get_sequence(request_id)
+    if seq is not None and list(seq.block_table[:len(block_ids)]) == list(block_ids):
+        engine.abort(request_id)
+    else:
+        engine.free_blocks(block_ids)
