@@ -8,6 +8,7 @@ decode step time at several batch sizes against the time to read the weights onc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import subprocess
@@ -44,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-peer", default=None, metavar="RUNNER",
                         help="also run the workload on vLLM through RUNNER (e.g. ../shared/peers/vllm-cpu.sh)")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the engine's run with torch.profiler and print the top operators")
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -63,18 +66,27 @@ def make_workload(num_requests: int, prompt_range, output_range, vocab_size: int
     return Workload(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
 
-def run_engine(llm, workload: Workload) -> float:
+def run_engine(llm, workload: Workload, profile: bool = False) -> float:
     """Seconds for engine.LLM to generate the whole workload in one generate() call."""
     from engine import SamplingParams
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
     llm.generate(prompt_token_ids=workload.prompts[:2], sampling_params=params[:2])  # warm-up
-    started = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params)
-    elapsed = time.perf_counter() - started
+    profiler = _cpu_profiler() if profile else contextlib.nullcontext()
+    with profiler:
+        started = time.perf_counter()
+        outputs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params)
+        elapsed = time.perf_counter() - started
+    if profile:  # time outside torch operators (the numba kernel, Python) is wall minus their sum
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != workload.useful_tokens:
         raise RuntimeError(f"engine produced {produced} tokens, expected {workload.useful_tokens}")
     return elapsed
+
+
+def _cpu_profiler():
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU])
 
 
 def run_transformers(model_dir: Path, workload: Workload, device: str) -> float:
@@ -130,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
               f"{args.output_len}, {workload.useful_tokens} useful output tokens; model {model_dir.name} "
               f"on {llm.engine.device} {llm.engine.dtype}")
         results = {"num_requests": args.num_requests, "useful_tokens": workload.useful_tokens}
-        engine_s = run_engine(llm, workload)
+        engine_s = run_engine(llm, workload, args.profile)
         results["engine_tok_s"] = workload.useful_tokens / engine_s
         print(f"engine.LLM      : {engine_s:7.2f} s  {results['engine_tok_s']:8.1f} useful tok/s")
         if not args.skip_transformers:
