@@ -167,3 +167,13 @@ def test_chat_uses_the_template_without_a_double_bos(tiny_checkpoint):
     assert out.prompt_token_ids.count(tokenizer.bos_token_id) == 1
     assert len(out.outputs[0].token_ids) == 4
     assert_all_blocks_free(llm)
+
+
+def test_generation_stops_at_the_context_limit(ckpt):
+    llm = LLM(ckpt, max_model_len=32)
+    prompt = random_prompts([30], 300, seed=11)[0]
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].outputs[0]
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="context"):
+        llm.generate(prompt_token_ids=[prompt + [1, 2, 3]], sampling_params=GREEDY)
+    assert_all_blocks_free(llm)
