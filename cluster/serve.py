@@ -1,8 +1,11 @@
 """`tandem serve`: the gRPC and OpenAI-compatible HTTP front ends over a backend, until SIGTERM/SIGINT.
 
-Today the backend is one engine in this process (colocated serving: the same engine prefills and
-decodes, with chunked prefill). Disaggregated serving over Ray-placed prefill and decode workers plugs
-in behind the same Backend contract (cluster/backend.py); until it lands, asking for it is an error.
+colocated: one engine in this process prefills and decodes (chunked prefill).
+disaggregated: prefill and decode worker actors placed on Ray (a local Ray on 127.0.0.1 started here,
+or the cluster at --address), driven by the Coordinator; the KV of each prompt travels from its prefill
+worker to its decode worker over --transport. Both sit behind the same Backend contract
+(cluster/backend.py). On SIGTERM everything this command started is stopped: front ends, requests in
+flight, workers, placement group, and the local Ray.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import asyncio
 import signal
 from dataclasses import dataclass
 
+from cluster.backend import Backend
+from cluster.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.http_server import HttpServerConfig, start_http_server
 from cluster.local_backend import LocalBackendConfig, LocalEngineBackend
@@ -30,6 +35,9 @@ class ServeConfig:
     http_port: int
     api_key: str | None
     max_pending_requests: int
+    transport: str = "auto"
+    address: str | None = None
+    placement_strategy: str = "PACK"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,10 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
-    parser.add_argument("--prefill-workers", type=int, default=0)
+    parser.add_argument("--prefill-workers", type=int, default=0,
+                        help="prefill worker actors (disaggregated; default 1)")
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc", "ipc"])
     parser.add_argument("--address", default=None, help="Ray cluster address (disaggregated mode)")
+    parser.add_argument("--placement-strategy", default="PACK", choices=list(PLACEMENT_STRATEGIES),
+                        help="how Ray places the workers (disaggregated mode)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=8000)
@@ -49,14 +60,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    if args.mode == "disaggregated" or args.prefill_workers:
-        raise ValueError("disaggregated serving needs the Ray-placed prefill/decode workers, which are "
-                         "not in this build yet; run --mode colocated")
-    if args.decode_workers != 1:
-        raise ValueError("colocated serving runs one engine in this process: use --decode-workers 1")
-    return ServeConfig(args.model, args.dtype, args.device, args.mode, args.prefill_workers,
-                       args.decode_workers, args.host, args.grpc_port, args.http_port, args.api_key,
-                       args.max_pending_requests)
+    """ValueError names the first inconsistent flag."""
+    prefill_workers = args.prefill_workers
+    if args.mode == "colocated":
+        if prefill_workers or args.decode_workers != 1:
+            raise ValueError("colocated serving runs one engine in this process: use --decode-workers 1 "
+                             "and no --prefill-workers, or --mode disaggregated")
+        if args.address is not None:
+            raise ValueError("--address (a Ray cluster) needs --mode disaggregated")
+    else:
+        prefill_workers = prefill_workers or 1
+        if prefill_workers < 1 or args.decode_workers < 1:
+            raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
+        if args.transport == "ipc":
+            raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use auto, nccl, gloo or grpc")
+    return ServeConfig(args.model, args.dtype, args.device, args.mode, prefill_workers, args.decode_workers,
+                       args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
+                       args.transport, args.address, args.placement_strategy)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,20 +85,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def start_backend(config: ServeConfig) -> Backend:
+    """The colocated engine, or the disaggregated cluster (blocks until every worker is loaded)."""
+    if config.mode == "colocated":
+        from engine import LLM
+        engine = LLM(model=config.model, dtype=config.dtype, device=config.device).engine
+        return LocalEngineBackend(engine, LocalBackendConfig(
+            model_name=config.model or "tandem-default", max_pending_requests=config.max_pending_requests))
+    from cluster.cluster_start import start_cluster
+    cluster = ClusterConfig(model=config.model, dtype=config.dtype, device=config.device,
+                            num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
+                            transport=config.transport, placement_strategy=config.placement_strategy)
+    return start_cluster(cluster, address=config.address)
+
+
 async def serve(config: ServeConfig) -> None:
     """Start the backend and both front ends, print where they listen, run until SIGTERM/SIGINT,
-    then stop the front ends, abort what is in flight and stop the engine thread."""
-    from engine import LLM
-    engine = LLM(model=config.model, dtype=config.dtype, device=config.device).engine
-    name = config.model or "tandem-default"
-    backend = LocalEngineBackend(engine, LocalBackendConfig(
-        model_name=name, max_pending_requests=config.max_pending_requests))
+    then stop the front ends, abort what is in flight and stop the backend."""
+    backend = start_backend(config)
+    try:
+        await _serve_until_signalled(backend, config)
+    finally:
+        await backend.shutdown()
+
+
+async def _serve_until_signalled(backend: Backend, config: ServeConfig) -> None:
     metrics = ServingMetrics()
     grpc_server, grpc_port = await start_grpc_server(
         backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics)
     http_runner, http_port = await start_http_server(
         backend, HttpServerConfig(host=config.host, port=config.http_port, api_key=config.api_key), metrics)
-    print(f"tandem serving {name} ({config.mode}): gRPC {config.host}:{grpc_port}, "
+    workers = "" if config.mode == "colocated" else \
+        f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
+    print(f"tandem serving {backend.model_name} ({config.mode}{workers}): gRPC {config.host}:{grpc_port}, "
           f"HTTP http://{config.host}:{http_port}/v1", flush=True)
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -90,4 +129,3 @@ async def serve(config: ServeConfig) -> None:
         print("tandem: shutting down", flush=True)
         await grpc_server.stop(grace=2.0)
         await http_runner.cleanup()
-        await backend.shutdown()

@@ -65,8 +65,11 @@ class GrpcSender(KVSender):
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
             outgoing = await loop.run_in_executor(None, prepare_outgoing, self.pool, request, self.staging, ready,
                                                   self.config.max_run_bytes, self.config.direct_min_plane_bytes)
-            try:
-                await self._push(target, outgoing, handle)
+            try:  # wait_for runs the push as its own task: a cancel or the deadline stops only it
+                await asyncio.wait_for(self._push(target, outgoing, handle), self.config.kv_transfer_timeout_s)
+            except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
+                raise KVTransferError(TransferStatus.TIMEOUT, "no ack within kv_transfer_timeout_s",
+                                      request.request_id) from None
             finally:
                 self.staging.release(outgoing.staging)
             result: SendResult | KVTransferError = SendResult(
@@ -93,8 +96,14 @@ class GrpcSender(KVSender):
         final ack. Raises KVTransferError unless the receiver acked the written blocks."""
         rid = outgoing.manifest.request_id
         call = self._stub(target)(timeout=self.config.kv_transfer_timeout_s)
-        loop = asyncio.get_running_loop()
-        handle.on_cancel(lambda: loop.call_soon_threadsafe(call.cancel))
+        loop, push_task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def stop_push() -> None:
+            # Cancelling only the call can leave a write that was posted before the call's first metadata
+            # waiting forever; cancelling the push task always ends it.
+            call.cancel()
+            push_task.cancel()
+        handle.on_cancel(lambda: loop.call_soon_threadsafe(stop_push))
         try:
             await call.write(encode_manifest_chunk(outgoing.manifest_bytes))
             ack = await self._read_ack(call, rid)
@@ -106,6 +115,8 @@ class GrpcSender(KVSender):
                 await call.done_writing()
                 ack = await final
         except asyncio.CancelledError:
+            if not handle.cancel_requested.is_set():
+                raise  # the deadline (wait_for) cancelled us: reported as TIMEOUT by the caller
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender", rid) from None
         except grpc.aio.AioRpcError as exc:
             status = _GRPC_TO_STATUS.get(exc.code(), TransferStatus.PEER_FAILED)

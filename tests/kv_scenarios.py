@@ -152,6 +152,21 @@ def cancelled_half_way(rig: Rig, side: str) -> Outcome:
     return sent
 
 
+def cancelled_at_once(rig: Rig, side: str) -> None:
+    """A cancel right behind the send (before the transfer's call is even set up) still ends it, and
+    frees both sides, whichever way the race goes."""
+    s = rig.sides[side]
+    start = rig.start("cancel-at-once", side, range(100, 140), seed=6)
+    assert rig.peer.call(start).ok
+    assert rig.peer.call(Cancel(start.key)).ok
+    sent = rig.peer.call(Wait(start.key))
+    assert sent.ok or sent.status == "CANCELLED", sent
+    outcome = s.receiver.wait(3)
+    if isinstance(outcome, ReceivedKV):  # the transfer won the race: the blocks are ours to free
+        s.pool.free(outcome.block_ids)
+    rig.assert_all_free()
+
+
 def receiver_cancel(rig: Rig, side: str) -> None:
     start = rig.start("unwanted", side, range(60, 64), seed=4)
     rig.sides[side].receiver.cancel(start.key)

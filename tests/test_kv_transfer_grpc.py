@@ -48,6 +48,10 @@ def test_sender_cancels_half_way(rig):
     sc.cancelled_half_way(rig, "float32")
 
 
+def test_sender_cancels_at_once(rig):
+    sc.cancelled_at_once(rig, "float32")
+
+
 def test_receiver_cancels(rig):
     sc.receiver_cancel(rig, "float32")
 

@@ -1,21 +1,26 @@
 """`tandem serve` and `tandem client` as users run them: real processes, loopback, SIGTERM shutdown."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 TANDEM = [sys.executable, "-m", "cluster.cli"]
 
 
-@pytest.fixture
-def server():
-    proc = subprocess.Popen([*TANDEM, "serve", "--grpc-port", "0", "--http-port", "0"],
+@contextlib.contextmanager
+def start_serve(*args: str):
+    """Runs `tandem serve ... --grpc-port 0 --http-port 0` and yields (process, gRPC port, HTTP port) once
+    it listens; SIGTERMs it at the end if it still runs."""
+    proc = subprocess.Popen([*TANDEM, "serve", "--grpc-port", "0", "--http-port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         banner = ""
@@ -30,7 +35,39 @@ def server():
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
+
+
+@pytest.fixture
+def server():
+    with start_serve() as serving:
+        yield serving
+
+
+def complete_over_http(http_port: int, max_tokens: int) -> dict:
+    body = json.dumps({"prompt": [104, 105], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
 
 
 def test_serve_answers_grpc_and_http_then_stops_on_sigterm(server):
@@ -39,18 +76,55 @@ def test_serve_answers_grpc_and_http_then_stops_on_sigterm(server):
                              "--max-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=60)
     assert client.returncode == 0, client.stderr
     assert "[length] ttft" in client.stdout
-    body = json.dumps({"prompt": [104, 105], "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-                       "return_token_ids": True}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    reply = json.loads(urllib.request.urlopen(request, timeout=30).read())
+    reply = complete_over_http(http_port, 5)
     assert len(reply["choices"][0]["token_ids"]) == 5 and reply["choices"][0]["finish_reason"] == "length"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert "shutting down" in proc.stdout.read()
 
 
-def test_serve_rejects_disaggregated_until_workers_exist():
-    done = subprocess.run([*TANDEM, "serve", "--mode", "disaggregated", "--grpc-port", "0", "--http-port", "0"],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "colocated" in done.stderr
+def test_serve_disaggregated_streams_with_timing_and_sigterm_stops_ray_and_workers():
+    # --transport auto: gloo between two CPU workers on one host (the coordinator tests cover grpc)
+    with start_serve("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1") \
+            as (proc, grpc_port, http_port):
+        started = check_disaggregated_serving(proc, grpc_port, http_port)
+    deadline = time.monotonic() + 20
+    while started & _alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not started & _alive(), "processes tandem serve started outlived it"
+
+
+def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_port: int) -> set[int]:
+    """Serves over HTTP and gRPC, then stops on SIGTERM; returns the processes it had started."""
+    started = descendants(proc.pid)
+    assert started, "no Ray processes under tandem serve"
+    reply = complete_over_http(http_port, 6)
+    choice = reply["choices"][0]
+    assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
+    timing = reply["tandem_timing"]
+    assert timing["prefill_worker"] == "prefill-0" and timing["decode_worker"] == "decode-0"
+    assert timing["kv_bytes"] > 0 and timing["ttft_ms"] >= timing["transfer_ms"] > 0
+    client = subprocess.run([*TANDEM, "client", "hello", "--target", f"127.0.0.1:{grpc_port}",
+                             "--max-tokens", "4", "--ignore-eos"], capture_output=True, text=True, timeout=60)
+    assert client.returncode == 0 and "[length] ttft" in client.stdout, client.stderr
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    assert "shutting down" in proc.stdout.read()
+    return started
+
+
+def _alive() -> set[int]:
+    alive = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(int(stat.parent.name))
+        except OSError:
+            continue
+    return alive
+
+
+def test_serve_rejects_inconsistent_modes():
+    done = subprocess.run([*TANDEM, "serve", "--mode", "colocated", "--prefill-workers", "2", "--grpc-port", "0",
+                           "--http-port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "disaggregated" in done.stderr

@@ -1,0 +1,60 @@
+"""ClusterConfig: everything start_cluster needs to place prefill and decode workers on Ray (frozen)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from kv_transfer.config import TRANSPORTS, TransferConfig
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """model: an HF checkpoint directory (absolute, or relative to the caller's cwd), None for the
+    embedded default model. device: auto = one GPU per worker when the Ray cluster has enough GPUs,
+    else CPU. transport: auto = kv_transfer.resolve_transport's choice (gloo on one CPU host, nccl
+    between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement group spreads the
+    workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
+    bundle reserves and its torch thread count. kv_host: the address decode workers' gRPC KV receivers
+    bind and the gloo/nccl rendezvous store listens on (127.0.0.1 on one machine; a routable address
+    across nodes)."""
+
+    model: str | None = None
+    model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    transport: str = "auto"
+    placement_strategy: str = "PACK"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    cpu_threads_per_worker: int = 1
+    kv_host: str = "127.0.0.1"
+    max_live_per_decode_worker: int = 256
+    expect_timeout_s: float = 60.0
+    worker_start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
+            raise ValueError("disaggregated serving needs at least one prefill and one decode worker")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "ipc":
+            raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use auto, nccl, gloo or grpc")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.cpu_threads_per_worker < 1:
+            raise ValueError("cpu_threads_per_worker must be >= 1")
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill_workers + self.num_decode_workers
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.model or "tandem-default"

@@ -1,0 +1,209 @@
+"""Coordinator: the Backend of disaggregated serving, over prefill and decode worker actors on Ray.
+
+Per request (on the front end's asyncio loop): pick a decode worker (cluster.routing), open its stream
+(the worker accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then let a
+RequestFlow drive prefill -> KV transfer -> decode and stream the chunks back. The coordinator keeps the
+load accounting, and stops routing to a worker as soon as any call finds it dead.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError
+
+from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk,
+                             GenerationRequest)
+from cluster.cluster_config import ClusterConfig
+from cluster.ray_workers import WorkerInfo
+from cluster.request_flow import FlowHooks, RequestFlow, WorkerRef
+from cluster.routing import Router
+from decode_worker import ExpectedRequest
+
+logger = logging.getLogger("tandem.cluster.coordinator")
+
+STATS_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A started worker actor and what it said about itself."""
+
+    info: WorkerInfo
+    actor: object
+
+    @property
+    def ref(self) -> WorkerRef:
+        return WorkerRef(self.info.name, self.actor)
+
+
+@dataclass(frozen=True)
+class ClusterResources:
+    """What start_cluster set up and shutdown() releases: the placement group, the gloo/nccl store
+    (None for grpc) and whether start_cluster called ray.init (then shutdown() calls ray.shutdown(),
+    which stops a local Ray it started, or disconnects from the cluster it joined)."""
+
+    placement_group: object
+    store: object | None
+    owns_ray: bool
+
+
+class Coordinator:
+    """Implements cluster.backend.Backend. Use from one asyncio loop; built by start_cluster()."""
+
+    def __init__(self, config: ClusterConfig, tokenizer, workers: list[Worker], resources: ClusterResources) -> None:
+        self.model_name = config.served_name
+        self.max_model_len = min(w.info.max_model_len for w in workers)
+        self._tokenizer, self._config, self._resources = tokenizer, config, resources
+        self._workers = {w.info.name: w for w in workers}
+        decode_blocks = {w.info.name: w.info.total_blocks for w in workers if w.info.role == "decode"}
+        self._router = Router([w.info.name for w in workers if w.info.role == "prefill"], decode_blocks,
+                              workers[0].info.block_size)
+        self._numbers = itertools.count()
+        self._closed = False
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def workers(self) -> dict[str, WorkerInfo]:
+        return {name: worker.info for name, worker in self._workers.items()}
+
+    def is_alive(self, name: str) -> bool:
+        return self._router.is_alive(name)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """See Backend.generate. BackendUnavailable when no prefill or decode worker is alive,
+        BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
+        mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed."""
+        if self._closed:
+            raise BackendUnavailable("the coordinator is shut down")
+        if self._router.alive_counts()[0] == 0:
+            raise BackendUnavailable("no prefill worker is alive")
+        request_id = f"{request.request_id}#{next(self._numbers)}"
+        prompt_tokens = len(request.prompt_token_ids)
+        blocks = self._router.decode_blocks_for(min(prompt_tokens + request.params.max_tokens, self.max_model_len))
+        decode, stream = await self._open_decode(request, request_id, blocks)
+        prefill_name = self._router.pick_prefill(request.prompt_token_ids)
+        if prefill_name is None:  # the last one died while the decode worker was asked
+            decode.actor.cancel.remote(request_id)
+            self._router.decode_done(decode.info.name, blocks)
+            raise BackendUnavailable("no prefill worker is alive")
+        prefill = self._workers[prefill_name]
+        self._router.claim_prefill(prefill.info.name, prompt_tokens)
+        release_prefill = _once(lambda: self._router.prefill_done(prefill.info.name, prompt_tokens))
+        hooks = FlowHooks(self._worker_lost, self._router.is_alive, release_prefill)
+        flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, stream, hooks)
+        try:
+            async with aclosing(flow.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            release_prefill()
+            self._router.decode_done(decode.info.name, blocks)
+
+    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int):
+        """The first decode worker (in routing order) that accepts the request, and its open stream. The
+        request's blocks are claimed on that worker (the caller releases them with decode_done)."""
+        expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params)
+        refusals = []
+        for name in self._router.decode_order():
+            worker = self._workers[name]
+            self._router.claim_decode(name, blocks)
+            stream = worker.actor.stream.options(num_returns="streaming").remote(expected)
+            try:
+                admission = await (await stream.__anext__())
+            except RayActorError as error:
+                admission = None
+                self._worker_lost(name, error)
+            except BaseException:  # the consumer left meanwhile: drop what the worker may have accepted
+                worker.actor.cancel.remote(request_id)
+                self._router.decode_done(name, blocks)
+                raise
+            if admission is not None and admission.accepted:
+                return worker, stream
+            self._router.decode_done(name, blocks)
+            if admission is not None:
+                refusals.append(f"{name}: {admission.reason}")
+        if not refusals:
+            raise BackendUnavailable("no decode worker is alive")
+        raise BackendOverloaded("every decode worker refused the request: " + "; ".join(refusals))
+
+    def _worker_lost(self, name: str, error: BaseException | None = None) -> None:
+        if self._router.mark_dead(name):
+            logger.error("worker %s is gone (%s); no longer routing to it", name, error)
+
+    async def worker_stats(self) -> dict:
+        """PrefillStats / DecodeStats of every alive worker, by name (a worker that does not answer
+        because it died is marked dead and left out). Changes nothing on the workers."""
+        names = [name for name in self._workers if self._router.is_alive(name)]
+        refs = [self._workers[name].actor.stats.remote() for name in names]
+        results = await asyncio.gather(*(asyncio.wait_for(_awaited(ref), STATS_TIMEOUT_S) for ref in refs),
+                                       return_exceptions=True)
+        stats = {}
+        for name, result in zip(names, results):
+            if isinstance(result, RayActorError):
+                self._worker_lost(name, result)
+            elif not isinstance(result, BaseException):
+                stats[name] = result
+        return stats
+
+    async def health(self) -> BackendHealth:
+        """Serving while at least one prefill and one decode worker are alive; details sum the decode
+        workers' load (the keys ServingMetrics reads) and list the dead workers."""
+        stats = await self.worker_stats()
+        num_prefill, num_decode = self._router.alive_counts()
+        decode = [s for name, s in stats.items() if self._workers[name].info.role == "decode"]
+        details = {"mode": "disaggregated", "running_requests": sum(s.running for s in decode),
+                   "waiting_requests": sum(s.waiting for s in decode),
+                   "free_kv_blocks": sum(s.free_blocks for s in decode),
+                   "total_kv_blocks": sum(s.total_blocks for s in decode),
+                   "dead_workers": sorted(n for n in self._workers if not self._router.is_alive(n))}
+        serving = not self._closed and num_prefill > 0 and num_decode > 0
+        return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
+
+    async def shutdown(self) -> None:
+        """Stop every worker (requests in flight end; transfers finish or fail and free their blocks),
+        kill the actors, remove the placement group, and stop Ray if start_cluster started it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        alive = [w for name, w in self._workers.items() if self._router.is_alive(name)]
+        stops = [_awaited(w.actor.stop.remote()) for w in alive]
+        if stops:
+            await asyncio.wait([asyncio.ensure_future(s) for s in stops], timeout=STOP_TIMEOUT_S)
+        await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
+
+
+def release_cluster(actors: list, resources: ClusterResources) -> None:
+    """Kill the actors, remove the placement group, drop the store, stop Ray if this process owns it."""
+    from ray.util.placement_group import remove_placement_group
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone
+            pass
+    remove_placement_group(resources.placement_group)
+    if resources.owns_ray:
+        ray.shutdown()
+
+
+async def _awaited(ref):
+    return await ref
+
+
+def _once(action):
+    done = []
+
+    def run() -> None:
+        if not done:
+            done.append(True)
+            action()
+    return run

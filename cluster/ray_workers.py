@@ -1,0 +1,151 @@
+"""Thin Ray actor wrappers around PrefillWorker and DecodeWorker, and their placement.
+
+An actor builds its engine in its own process (on the GPU Ray gave it, or on CPU with a fixed thread
+count), wraps the plain worker, and turns its calls into async actor methods: a prefill is one awaited
+call returning the PrefillReport; a decode is a streaming generator (Admission first, then the request's
+DecodeChunk / DecodeEnded events). Everything that crosses a process is a typed dataclass.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from decode_worker import DecodeWorker, DecodeWorkerConfig, ExpectedRequest, is_final
+from engine.config import EngineConfig
+from kv_transfer.config import ReceiverAddress
+from prefill_worker import PrefillTask, PrefillWorker, PrefillWorkerConfig
+
+logger = logging.getLogger("tandem.cluster.workers")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How a worker builds its engine, in its own process."""
+
+    model: str | None
+    dtype: str
+    device: str              # "cpu" or "cuda" (the one GPU Ray gave the actor)
+    engine: EngineConfig
+    cpu_threads: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a started worker reports about itself."""
+
+    name: str
+    role: str                # "prefill" | "decode"
+    device: str
+    node_id: str
+    pid: int
+    accelerator_ids: tuple[str, ...]
+    max_model_len: int
+    block_size: int
+    total_blocks: int
+    kv_address: ReceiverAddress | None  # decode workers: where prefill workers send KV
+
+
+def _build_engine(spec: EngineSpec):
+    import torch
+
+    from engine.builder import build_engine
+    torch.set_num_threads(spec.cpu_threads)
+    return build_engine(spec.model, spec.engine, dtype=spec.dtype, device=spec.device)
+
+
+def _info(name: str, role: str, engine, kv_address: ReceiverAddress | None) -> WorkerInfo:
+    context = ray.get_runtime_context()
+    gpu_ids = tuple(str(i) for i in context.get_accelerator_ids().get("GPU", []))
+    return WorkerInfo(name, role, str(engine.device), context.get_node_id(), os.getpid(), gpu_ids,
+                      engine.max_model_len, engine.config.block_size, engine.num_total_blocks, kv_address)
+
+
+@ray.remote(max_restarts=0)
+class PrefillActor:
+    """A PrefillWorker in a Ray actor process."""
+
+    def __init__(self, spec: EngineSpec, config: PrefillWorkerConfig) -> None:
+        engine = _build_engine(spec)
+        self._worker = PrefillWorker(engine, config)
+        self._info = _info(config.name, "prefill", engine, None)
+
+    async def info(self) -> WorkerInfo:
+        return self._info
+
+    async def prefill(self, task: PrefillTask):
+        """The task's PrefillReport, once its KV is acknowledged (or the task ended otherwise)."""
+        return await asyncio.wrap_future(self._worker.submit(task))
+
+    async def cancel(self, request_id: str) -> None:
+        self._worker.cancel(request_id)
+
+    async def stats(self):
+        return self._worker.stats()
+
+    async def stop(self) -> None:
+        """Cancel everything, wait for transfers in flight, stop the threads."""
+        await asyncio.to_thread(self._worker.stop)
+
+
+@ray.remote(max_restarts=0)
+class DecodeActor:
+    """A DecodeWorker (with its KV receiver) in a Ray actor process."""
+
+    def __init__(self, spec: EngineSpec, config: DecodeWorkerConfig) -> None:
+        engine = _build_engine(spec)
+        self._worker = DecodeWorker(engine, config)
+        self._info = _info(config.name, "decode", engine, self._worker.address)
+
+    async def info(self) -> WorkerInfo:
+        return self._info
+
+    async def stream(self, request: ExpectedRequest):
+        """Streaming generator: the Admission, then (if accepted) the request's events, the last final."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        admission = self._worker.expect(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        yield admission
+        if not admission.accepted:
+            return
+        while True:
+            event = await events.get()
+            yield event
+            if is_final(event):
+                return
+
+    async def cancel(self, request_id: str) -> None:
+        self._worker.cancel(request_id)
+
+    async def stats(self):
+        return self._worker.stats()
+
+    async def stop(self) -> None:
+        """End every request (SHUTDOWN), wait for transfers in flight, stop the threads."""
+        await asyncio.to_thread(self._worker.stop)
+
+
+def create_placement_group(num_workers: int, use_gpu: bool, cpu_threads: int, strategy: str,
+                           timeout_s: float) -> PlacementGroup:
+    """One bundle per worker ({GPU: 1, CPU: threads} or {CPU: threads}); waits until it is placed."""
+    bundle = {"CPU": cpu_threads, "GPU": 1} if use_gpu else {"CPU": cpu_threads}
+    group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except Exception:
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(f"Ray could not place {num_workers} workers of {bundle} ({strategy}) within "
+                           f"{timeout_s}s; cluster resources: {ray.cluster_resources()}") from None
+    return group
+
+
+def start_actor(actor_class, group: PlacementGroup, bundle_index: int, use_gpu: bool, cpu_threads: int,
+                *args):
+    """Starts `actor_class(*args)` in bundle `bundle_index` of `group` (returns at once)."""
+    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index)
+    return actor_class.options(num_cpus=cpu_threads, num_gpus=1 if use_gpu else 0,
+                               scheduling_strategy=strategy).remote(*args)

@@ -1,0 +1,112 @@
+"""Where a request goes: the coordinator's view of its workers' load, and the routing policies.
+
+Decode first: the alive decode worker with the most free KV blocks, then the fewest running requests.
+Prefill then: the alive prefill worker with the shortest queue (prompt tokens dispatched and not yet
+reported), except that prompts sharing their first block of tokens go to the same prefill worker (its
+prefix cache holds that block) unless that worker's queue is longer than the shortest by more than
+`affinity_slack_tokens`.
+
+The load is the coordinator's own accounting (it is the only client of its workers): a decode worker's
+free blocks are its pool minus an estimate of what the requests routed there may hold (prompt + max
+tokens); the workers themselves refuse what they cannot take (backpressure), and the coordinator then
+tries the next one. Used from one asyncio loop: no locks.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeLoad:
+    name: str
+    total_blocks: int
+    claimed_blocks: int = 0
+    running: int = 0
+    alive: bool = True
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - self.claimed_blocks
+
+
+@dataclass
+class PrefillLoad:
+    name: str
+    queued_tokens: int = 0
+    alive: bool = True
+
+
+class Router:
+    """Load accounting and the two policies (see the module docstring)."""
+
+    def __init__(self, prefill_names: list[str], decode_blocks: dict[str, int], block_size: int,
+                 affinity_slack_tokens: int = 4096, affinity_capacity: int = 65536) -> None:
+        self._prefill = {name: PrefillLoad(name) for name in prefill_names}
+        self._decode = {name: DecodeLoad(name, total) for name, total in decode_blocks.items()}
+        self._block_size = block_size
+        self._slack, self._capacity = affinity_slack_tokens, affinity_capacity
+        self._affinity: OrderedDict[int, str] = OrderedDict()  # hash of a first block -> prefill worker
+
+    def decode_order(self) -> list[str]:
+        """Alive decode workers, best first (most free blocks, then fewest running, then name)."""
+        alive = [load for load in self._decode.values() if load.alive]
+        return [load.name for load in sorted(alive, key=lambda d: (-d.free_blocks, d.running, d.name))]
+
+    def pick_prefill(self, prompt_token_ids: tuple[int, ...]) -> str | None:
+        """The prefill worker for this prompt (None if none is alive); remembers the prefix's worker."""
+        alive = [load for load in self._prefill.values() if load.alive]
+        if not alive:
+            return None
+        shortest = min(alive, key=lambda p: (p.queued_tokens, p.name))
+        if len(prompt_token_ids) <= self._block_size:  # no full block before the last token: nothing to share
+            return shortest.name
+        key = hash(tuple(prompt_token_ids[:self._block_size]))  # a collision only misplaces a hint
+        preferred = self._prefill.get(self._affinity.get(key, ""))
+        if preferred is not None and preferred.alive \
+                and preferred.queued_tokens <= shortest.queued_tokens + self._slack:
+            self._affinity.move_to_end(key)
+            return preferred.name
+        self._affinity[key] = shortest.name
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self._capacity:
+            self._affinity.popitem(last=False)
+        return shortest.name
+
+    def decode_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    def claim_decode(self, decode: str, blocks: int) -> None:
+        """A request goes to `decode` (claimed before its admission is known, so that concurrent requests
+        see it); decode_done undoes it."""
+        self._decode[decode].claimed_blocks += blocks
+        self._decode[decode].running += 1
+
+    def decode_done(self, decode: str, blocks: int) -> None:
+        self._decode[decode].claimed_blocks -= blocks
+        self._decode[decode].running -= 1
+
+    def claim_prefill(self, prefill: str, prompt_tokens: int) -> None:
+        self._prefill[prefill].queued_tokens += prompt_tokens
+
+    def prefill_done(self, prefill: str, prompt_tokens: int) -> None:
+        """The prefill worker reported (or the request ended before it did): its queue shrinks."""
+        self._prefill[prefill].queued_tokens -= prompt_tokens
+
+    def mark_dead(self, name: str) -> bool:
+        """Stop routing to `name`; True if it was alive."""
+        load = self._prefill.get(name) or self._decode.get(name)
+        if load is None or not load.alive:
+            return False
+        load.alive = False
+        for key in [k for k, worker in self._affinity.items() if worker == name]:
+            del self._affinity[key]
+        return True
+
+    def is_alive(self, name: str) -> bool:
+        load = self._prefill.get(name) or self._decode.get(name)
+        return load is not None and load.alive
+
+    def alive_counts(self) -> tuple[int, int]:
+        """(alive prefill workers, alive decode workers)."""
+        return (sum(p.alive for p in self._prefill.values()), sum(d.alive for d in self._decode.values()))

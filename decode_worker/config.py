@@ -1,0 +1,37 @@
+"""DecodeWorkerConfig: naming, the KV receiver, admission limits (frozen, picklable)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kv_transfer.config import IMPLEMENTED_TRANSPORTS, DistRendezvous, TransferConfig
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    """name: shows up in Timing.decode_worker. transport: a concrete kv_transfer transport; grpc binds
+    `host`:0 (a free port), gloo/nccl need `rendezvous` (this worker's receiver rank) and `peer_ranks`
+    (the prefill workers' sender ranks).
+
+    Admission (backpressure): expect() refuses a request when `max_live_requests` are live, or when the
+    free blocks minus those promised to expected requests cannot hold its prompt plus `headroom_blocks`.
+    An expected request whose KV has not arrived after `expect_timeout_s` ends with TIMEOUT."""
+
+    name: str = "decode-0"
+    transport: str = "grpc"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    rendezvous: DistRendezvous | None = None
+    peer_ranks: tuple[int, ...] = ()
+    max_live_requests: int = 256
+    headroom_blocks: int = 1
+    expect_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a decode worker needs a name")
+        if self.transport not in IMPLEMENTED_TRANSPORTS:
+            raise ValueError(f"transport must be one of {IMPLEMENTED_TRANSPORTS}, got {self.transport!r}")
+        if self.transport != "grpc" and self.rendezvous is None:
+            raise ValueError(f"transport {self.transport!r} needs a DistRendezvous")
+        if self.max_live_requests < 1 or self.headroom_blocks < 0 or self.expect_timeout_s <= 0:
+            raise ValueError("max_live_requests >= 1, headroom_blocks >= 0, expect_timeout_s > 0")

@@ -1,0 +1,77 @@
+"""What goes into a decode worker (ExpectedRequest) and what comes out (Admission, DecodeChunk,
+DecodeEnded, DecodeStats). Frozen dataclasses: they cross process boundaries as they are."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Union
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ExpectedRequest:
+    """A request whose prompt KV a prefill worker is about to send here (same request_id)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The answer to expect(): accepted, or refused (backpressure: retry elsewhere or later)."""
+
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """New tokens and stable text of one request; the first one carries the prefill's first token, the
+    last one has finish_reason ("stop" | "length")."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None
+
+
+class DecodeStatus(str, Enum):
+    CANCELLED = "cancelled"            # cancel() ended it
+    TIMEOUT = "timeout"                # its KV did not arrive within expect_timeout_s
+    TRANSFER_FAILED = "transfer_failed"  # the receiver gave up on its KV (message says why)
+    INVALID = "invalid"                # admission rejected the KV (e.g. prompt length mismatch)
+    FAILED = "failed"                  # an engine step failed
+    SHUTDOWN = "shutdown"              # the worker stopped
+
+
+@dataclass(frozen=True)
+class DecodeEnded:
+    """The request ended without a finish_reason; everything it held is freed."""
+
+    request_id: str
+    status: DecodeStatus
+    message: str = ""
+
+
+DecodeEvent = Union[DecodeChunk, DecodeEnded]
+EmitEvent = Callable[[DecodeEvent], None]
+
+
+def is_final(event: DecodeEvent) -> bool:
+    """Whether `event` is the last one of its request."""
+    return isinstance(event, DecodeEnded) or event.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    """A snapshot the step thread publishes after every iteration (plus the admission counters)."""
+
+    name: str
+    running: int            # admitted into the engine (decoding)
+    waiting: int            # expected, KV not yet admitted
+    engine_requests: int    # requests the engine itself holds
+    free_blocks: int
+    total_blocks: int
+    promised_blocks: int    # prompt blocks promised to expected requests

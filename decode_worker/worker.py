@@ -1,0 +1,265 @@
+"""DecodeWorker: receives prompt KV from prefill workers and decodes with continuous batching.
+
+Threads:
+- the step thread owns the engine: it registers expected requests, admits delivered KV
+  (kv_transfer.engine_pool.admit_received), steps the engine and emits each request's events;
+- the inbox pump forwards the KV receiver's outcomes into the step thread's command queue, so the step
+  thread sleeps on one queue while idle;
+- the receiver's own threads (kv_transfer) allocate blocks for incoming KV and land it.
+expect() / cancel() / stats() may be called from any thread. Every accepted request gets exactly one
+final event (a DecodeChunk with finish_reason, or a DecodeEnded); whatever way it ends, its blocks are
+freed: a delivery for a request that is no longer expected (cancelled, timed out) is freed on arrival.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from decode_worker.admission import AdmissionControl
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,
+                                    EmitEvent, ExpectedRequest)
+from engine.llm_engine import LLMEngine
+from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, create_receiver
+from kv_transfer.engine_pool import admit_received, engine_pool_view
+
+logger = logging.getLogger("tandem.decode_worker")
+
+INBOX_POLL_S = 0.2  # how often the pump notices stop(); deliveries wake it at once
+
+
+@dataclass(frozen=True)
+class _Expect:
+    request: ExpectedRequest
+    emit: EmitEvent
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Delivered:
+    outcome: ReceiveOutcome
+
+
+class _Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """An expected request whose KV has not been admitted yet."""
+
+    request: ExpectedRequest
+    emit: EmitEvent
+    deadline: float  # time.monotonic()
+
+
+class DecodeWorker:
+    """Owns `engine` from construction until stop(); starts its KV receiver and threads at once."""
+
+    def __init__(self, engine: LLMEngine, config: DecodeWorkerConfig) -> None:
+        self.name, self._engine, self._config = config.name, engine, config
+        self._receiver = create_receiver(config.transfer, engine_pool_view(engine), config.transport,
+                                         rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
+        self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
+                                           config.max_live_requests, config.headroom_blocks)
+        self._commands: queue.Queue = queue.Queue()
+        self._waiting: dict[str, _Waiting] = {}
+        self._running: dict[str, EmitEvent] = {}
+        self._stats = self._snapshot()
+        self._pump_stop = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
+        self._pump = threading.Thread(target=self._pump_inbox, name=f"{self.name}-inbox", daemon=True)
+        self._thread.start()
+        self._pump.start()
+
+    # ---- any thread ----------------------------------------------------------------------------
+    @property
+    def address(self) -> ReceiverAddress:
+        """Where prefill workers send this worker's KV."""
+        return self._receiver.address
+
+    def expect(self, request: ExpectedRequest, emit: EmitEvent) -> Admission:
+        """Register a request before its KV arrives. Refused (nothing registered, emit never called)
+        when the worker is full or stopping; accepted: `emit` then receives the request's events on the
+        step thread (it must not block), the last one final (messages.is_final)."""
+        admission = self._admission.reserve(request.request_id, len(request.prompt_token_ids))
+        if admission.accepted:
+            self._commands.put(_Expect(request, emit))
+        return admission
+
+    def cancel(self, request_id: str) -> None:
+        """Queue a cancel: the request leaves the engine (blocks freed) or stops waiting (KV arriving
+        later is freed on delivery); it gets DecodeEnded(CANCELLED). No-op once it ended."""
+        self._commands.put(_Cancel(request_id))
+
+    def stats(self) -> DecodeStats:
+        """The load as of the step thread's last iteration. Changes nothing."""
+        return self._stats
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """End every request (DecodeEnded(SHUTDOWN)), wait for transfers in flight, free whatever they
+        delivered, join the threads. Blocks; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._admission.close()
+        self._commands.put(_Stop())
+        self._thread.join()
+        self._receiver.close()
+        self._pump_stop.set()
+        self._pump.join()
+        self._settle_leftovers(self._drain_commands() + [_Delivered(o) for o in self._receiver.poll()])
+        self._stats = self._snapshot()
+
+    # ---- the inbox pump --------------------------------------------------------------------------
+    def _pump_inbox(self) -> None:
+        while not self._pump_stop.is_set():
+            outcome = self._receiver.wait(INBOX_POLL_S)
+            if outcome is not None:
+                self._commands.put(_Delivered(outcome))
+
+    # ---- the step thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._apply(self._next_commands()):
+                self._expire(time.monotonic())
+                if self._engine.has_unfinished_requests():
+                    self._step()
+                self._stats = self._snapshot()
+        finally:
+            self._end_all(DecodeStatus.SHUTDOWN, "the decode worker is stopping")
+            self._stats = self._snapshot()
+
+    def _next_commands(self) -> list:
+        """While the engine is idle, sleeps until a command arrives or the next wait deadline."""
+        commands = []
+        if not self._engine.has_unfinished_requests():
+            timeout = None
+            if self._waiting:
+                timeout = max(0.0, min(w.deadline for w in self._waiting.values()) - time.monotonic())
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return []
+        return commands + self._drain_commands()
+
+    def _drain_commands(self) -> list:
+        commands = []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list) -> bool:
+        for command in commands:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Expect):
+                deadline = time.monotonic() + self._config.expect_timeout_s
+                self._waiting[command.request.request_id] = _Waiting(command.request, command.emit, deadline)
+            elif isinstance(command, _Cancel):
+                self._cancel(command.request_id)
+            else:
+                self._deliver(command.outcome)
+        return True
+
+    def _cancel(self, request_id: str) -> None:
+        if request_id in self._running:
+            self._engine.abort(request_id)
+            self._end(request_id, self._running.pop(request_id), DecodeStatus.CANCELLED, "cancelled")
+        elif request_id in self._waiting:
+            self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.CANCELLED, "cancelled")
+
+    def _deliver(self, outcome: ReceiveOutcome) -> None:
+        waiting = self._waiting.pop(outcome.request_id, None)
+        if not isinstance(outcome, ReceivedKV):  # ReceiveFailed: the receiver freed everything
+            if waiting is not None:
+                message = f"{outcome.status.name}: {outcome.message}"
+                self._end(outcome.request_id, waiting.emit, DecodeStatus.TRANSFER_FAILED, message)
+            return
+        if waiting is None:  # cancelled or timed out meanwhile: nobody wants these blocks
+            self._engine.free_blocks(outcome.block_ids)
+            return
+        request = waiting.request
+        try:  # on failure admit_received frees the blocks itself
+            delta = admit_received(self._engine, outcome, request.prompt_token_ids, request.params,
+                                   arrival_time=time.perf_counter())
+        except ValueError as error:
+            self._end(request.request_id, waiting.emit, DecodeStatus.INVALID, str(error))
+            return
+        self._admission.kv_admitted(request.request_id)
+        self._running[request.request_id] = waiting.emit
+        self._emit_chunk(DecodeChunk(request.request_id, delta.new_token_ids, delta.new_text, delta.finish_reason))
+
+    def _expire(self, now: float) -> None:
+        for request_id in [rid for rid, w in self._waiting.items() if w.deadline <= now]:
+            message = f"its KV did not arrive within {self._config.expect_timeout_s}s"
+            self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.TIMEOUT, message)
+
+    def _step(self) -> None:
+        try:
+            deltas = self._engine.step()
+        except Exception as error:
+            logger.exception("%s: engine step failed; ending every running request", self.name)
+            for request_id, emit in list(self._running.items()):
+                self._engine.abort(request_id)
+                self._end(request_id, emit, DecodeStatus.FAILED, f"engine step failed: {error}")
+            self._running.clear()
+            return
+        for delta in deltas:
+            if delta.request_id in self._running:
+                self._emit_chunk(DecodeChunk(delta.request_id, delta.new_token_ids, delta.new_text,
+                                             delta.finish_reason))
+
+    def _emit_chunk(self, chunk: DecodeChunk) -> None:
+        emit = self._running[chunk.request_id]
+        if chunk.finish_reason is not None:  # the engine already freed the request's blocks
+            del self._running[chunk.request_id]
+            self._admission.release(chunk.request_id)
+        _safe_emit(emit, chunk)
+
+    def _end(self, request_id: str, emit: EmitEvent, status: DecodeStatus, message: str) -> None:
+        self._admission.release(request_id)
+        _safe_emit(emit, DecodeEnded(request_id, status, message))
+
+    def _end_all(self, status: DecodeStatus, message: str) -> None:
+        for request_id, emit in list(self._running.items()):
+            self._engine.abort(request_id)
+            self._end(request_id, emit, status, message)
+        for request_id, waiting in list(self._waiting.items()):
+            self._end(request_id, waiting.emit, status, message)
+        self._running.clear()
+        self._waiting.clear()
+
+    def _settle_leftovers(self, commands: list) -> None:
+        """After the step thread ended: free what was delivered, end what was accepted meanwhile."""
+        for command in commands:
+            if isinstance(command, _Delivered) and isinstance(command.outcome, ReceivedKV):
+                self._engine.free_blocks(command.outcome.block_ids)
+            elif isinstance(command, _Expect):
+                self._end(command.request.request_id, command.emit, DecodeStatus.SHUTDOWN, "the decode worker stopped")
+
+    def _snapshot(self) -> DecodeStats:
+        engine = self._engine
+        return DecodeStats(self.name, len(self._running), len(self._waiting), engine.num_live_requests,
+                           engine.num_free_blocks, engine.num_total_blocks, self._admission.promised_blocks)
+
+
+def _safe_emit(emit: EmitEvent, event: DecodeEvent) -> None:
+    try:
+        emit(event)
+    except Exception:  # a broken consumer must not take the step thread down
+        logger.exception("emitting %s failed", type(event).__name__)

@@ -1,0 +1,87 @@
+"""What goes into a prefill worker (PrefillTask) and what comes out (PrefillReport, PrefillStats).
+
+Plain frozen dataclasses: they cross process boundaries as they are (pickled by Ray or a pipe).
+Times are the worker's own `time.time()` seconds; only differences taken inside one report are meaningful
+to another process (queue_ms, prefill_ms, transfer_ms).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from engine.sampling_params import SamplingParams
+from kv_transfer.config import ReceiverAddress
+
+
+class PrefillStatus(str, Enum):
+    SHIPPED = "shipped"              # first token sampled, KV acknowledged by the decode worker
+    FINISHED = "finished"            # the first token ended the request (max_tokens=1, EOS, stop): nothing shipped
+    INVALID = "invalid"              # the engine rejected the input (error says why); nothing was admitted
+    CANCELLED = "cancelled"          # cancel() or stop() ended it; everything it held is freed
+    TRANSFER_FAILED = "transfer_failed"  # the KV did not reach the decode worker; the blocks are freed
+    FAILED = "failed"                # an engine step failed
+
+
+@dataclass(frozen=True)
+class PrefillTask:
+    """Prefill `prompt_token_ids`, sample the first token with `params`, ship the KV to `decode_address`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    decode_address: ReceiverAddress
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """The one answer to a PrefillTask. first_token / text are set once the prefill sampled (SHIPPED,
+    FINISHED, and a TRANSFER_FAILED or CANCELLED after sampling); finish_reason only for FINISHED."""
+
+    request_id: str
+    status: PrefillStatus
+    worker: str
+    received_at: float
+    first_token: int | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    prefill_started: float | None = None
+    prefill_ended: float | None = None
+    transfer_started: float | None = None
+    transfer_ended: float | None = None
+    kv_bytes: int = 0
+    num_cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def queue_ms(self) -> float:
+        """Received -> first scheduled in a step."""
+        return _ms(self.received_at, self.prefill_started)
+
+    @property
+    def prefill_ms(self) -> float:
+        """First scheduled -> first token sampled."""
+        return _ms(self.prefill_started, self.prefill_ended)
+
+    @property
+    def transfer_ms(self) -> float:
+        """send() -> the decode worker's final acknowledgement (or the failure)."""
+        return _ms(self.transfer_started, self.transfer_ended)
+
+
+def _ms(start: float | None, end: float | None) -> float:
+    if start is None or end is None:
+        return 0.0
+    return max(0.0, end - start) * 1e3
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    """A snapshot the step thread publishes after every iteration."""
+
+    name: str
+    queued_tokens: int         # prompt tokens admitted and not yet computed
+    live_requests: int         # tasks not yet reported (queued, prefilling or shipping)
+    transfers_in_flight: int
+    engine_requests: int       # requests the engine itself still holds
+    free_blocks: int
+    total_blocks: int

@@ -1,0 +1,296 @@
+"""PrefillWorker: an LLMEngine that only prefills, and ships each prompt's KV to a decode worker.
+
+One step thread owns the engine; other threads talk to it through a command queue (submit, cancel,
+stop). Each step packs every queued prompt the token budget allows (the engine's packed, chunked prefill,
+logits only for the last prompt token), samples the first token, and hands the request's KV blocks to the
+transfer plane (kv_transfer.engine_pool.ship_prefilled), which frees them once the decode worker
+acknowledged them or the transfer failed. The engine keeps its prefix cache across requests. Every
+task's future resolves exactly once, with a PrefillReport.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import StepDelta
+from kv_transfer import KVTransferError, TransferHandle, create_sender
+from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.messages import PrefillReport, PrefillStats, PrefillStatus, PrefillTask
+from prefill_worker.transfer_slots import TransferSlots
+
+logger = logging.getLogger("tandem.prefill_worker")
+
+
+@dataclass(frozen=True)
+class _Submit:
+    task: PrefillTask
+    future: Future
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _TransferDone:
+    request_id: str
+    handle: TransferHandle
+    ended_at: float
+
+
+class _Stop:
+    pass
+
+
+@dataclass
+class _Live:
+    """Step-thread bookkeeping of one task until its report goes out."""
+
+    task: PrefillTask
+    future: Future
+    report: PrefillReport               # filled in as the task advances
+    handle: TransferHandle | None = None   # set while its KV is on the wire
+    cancelled: bool = False
+    waiting_for_slot: bool = False          # prefilled, KV still in the engine, waiting for a transfer slot
+
+
+class PrefillWorker:
+    """Owns `engine` from construction until stop(); starts its step thread at once."""
+
+    def __init__(self, engine: LLMEngine, config: PrefillWorkerConfig) -> None:
+        self.name, self._engine, self._config = config.name, engine, config
+        self._sender = create_sender(config.transfer, engine_pool_view(engine), config.transport,
+                                     config.rendezvous)
+        self._commands: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}
+        self._slots = TransferSlots(config.transfer_slots_per_peer)
+        self._stopped = threading.Event()
+        self._stats = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
+        self._thread.start()
+
+    # ---- any thread ----------------------------------------------------------------------------
+    def submit(self, task: PrefillTask) -> Future:
+        """Queue a task; the returned Future resolves with its PrefillReport (never raises). The report
+        is INVALID if the engine rejects the input, CANCELLED if the worker stops first."""
+        future: Future = Future()
+        if self._stopped.is_set():
+            future.set_result(PrefillReport(task.request_id, PrefillStatus.CANCELLED, self.name, time.time(),
+                                            error="the prefill worker is stopped"))
+        else:
+            self._commands.put(_Submit(task, future))
+        return future
+
+    def cancel(self, request_id: str) -> None:
+        """Queue a cancel: a queued, prefilling or slot-waiting task leaves the engine (blocks freed) and
+        is reported CANCELLED at once. A transfer already on the wire runs to its end (the decode worker
+        frees a delivery nobody expects; the transfer frees the sender's blocks) and is then reported
+        CANCELLED. (TransferHandle.cancel() is not used: a grpc.aio call cancelled before its initial
+        metadata went out leaves the sender's pending write waiting forever, blocks held.) No-op once
+        reported."""
+        self._commands.put(_Cancel(request_id))
+
+    def stats(self) -> PrefillStats:
+        """The load as of the step thread's last iteration. Changes nothing."""
+        return self._stats
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Cancel every task (reports CANCELLED), wait for transfers in flight to end (they free their
+        blocks), join the thread. Blocks; idempotent."""
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self._commands.put(_Stop())
+        self._thread.join()
+        self._sender.close()
+        self._stats = self._snapshot()
+
+    # ---- the step thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._apply(self._next_commands()):
+                if self._engine.has_unfinished_requests():
+                    self._step()
+                self._stats = self._snapshot()
+        finally:
+            self._end_all("the prefill worker is stopping")
+            self._stats = self._snapshot()
+
+    def _next_commands(self) -> list:
+        """Blocks for a command while the engine is idle; otherwise takes whatever is queued."""
+        commands = [] if self._engine.has_unfinished_requests() else [self._commands.get()]
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list) -> bool:
+        for command in commands:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Submit):
+                self._admit(command)
+            elif isinstance(command, _Cancel):
+                self._cancel(command.request_id)
+            else:
+                self._transfer_done(command)
+        return True
+
+    def _admit(self, command: _Submit) -> None:
+        task, received = command.task, time.time()
+        report = PrefillReport(task.request_id, PrefillStatus.SHIPPED, self.name, received)
+        if task.request_id in self._live:
+            command.future.set_result(_failed(report, PrefillStatus.INVALID, "request id already in use"))
+            return
+        try:
+            self._engine.add_request(task.request_id, task.prompt_token_ids, task.params, prefill_only=True,
+                                     arrival_time=time.perf_counter())
+        except ValueError as error:
+            command.future.set_result(_failed(report, PrefillStatus.INVALID, str(error)))
+            return
+        self._live[task.request_id] = _Live(task, command.future, report)
+
+    def _cancel(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None or live.cancelled:
+            return
+        live.cancelled = True
+        if live.handle is not None:  # reported CANCELLED when the transfer ends (it frees the blocks)
+            return
+        self._drop(request_id, live)
+        self._resolve(request_id, PrefillStatus.CANCELLED, "cancelled")
+
+    def _drop(self, request_id: str, live: _Live) -> None:
+        """Frees what a task not on the wire holds: queued, prefilling, or prefilled waiting for a slot."""
+        if live.waiting_for_slot:
+            self._slots.discard(live.task.decode_address, request_id)
+        self._engine.abort(request_id)
+
+    def _step(self) -> None:
+        started = time.time()
+        try:
+            deltas = self._engine.step()
+        except Exception as error:
+            logger.exception("%s: engine step failed; failing every request in the engine", self.name)
+            self._fail_unshipped(PrefillStatus.FAILED, f"engine step failed: {error}")
+            return
+        ended = time.time()
+        self._mark_started(started)
+        for delta in deltas:
+            self._prefilled(delta, ended)
+
+    def _mark_started(self, step_started: float) -> None:
+        """A task's prefill started in this step if it has computed tokens now (or left the engine)."""
+        for request_id, live in self._live.items():
+            if live.report.prefill_started is None:
+                seq = self._engine.get_sequence(request_id)
+                if seq is None or seq.num_computed_tokens > 0:
+                    live.report = dataclasses.replace(live.report, prefill_started=step_started)
+
+    def _prefilled(self, delta: StepDelta, now: float) -> None:
+        live = self._live.get(delta.request_id)
+        if live is None:
+            return
+        cached = delta.metrics.num_cached_tokens if delta.metrics is not None else 0
+        live.report = dataclasses.replace(live.report, first_token=delta.new_token_ids[0], text=delta.new_text,
+                                          prefill_ended=now, num_cached_tokens=cached)
+        if delta.kv_block_ids is None:  # the first token ended the request; the engine freed its blocks
+            live.report = dataclasses.replace(live.report, finish_reason=delta.finish_reason)
+            self._resolve(delta.request_id, PrefillStatus.FINISHED)
+            return
+        if self._slots.acquire(live.task.decode_address, delta.request_id):
+            self._ship(delta.request_id)
+        else:
+            live.waiting_for_slot = True
+
+    def _ship(self, request_id: str) -> None:
+        """Sends a prefilled request's KV (it holds a transfer slot); a send that fails at once passes
+        the slot on."""
+        while request_id is not None:
+            live = self._live[request_id]
+            live.waiting_for_slot = False
+            live.report = dataclasses.replace(live.report, transfer_started=time.time())
+            try:
+                live.handle = ship_prefilled(self._engine, self._sender, live.task.decode_address, request_id)
+            except Exception as error:  # ship_prefilled freed the blocks
+                self._resolve(request_id, PrefillStatus.TRANSFER_FAILED, f"send failed: {error}")
+                request_id = self._slots.release(live.task.decode_address)
+                continue
+            handle = live.handle
+            handle.add_done_callback(lambda h, rid=request_id: self._commands.put(_TransferDone(rid, h, time.time())))
+            return
+
+    def _transfer_done(self, done: _TransferDone) -> None:
+        live = self._live.get(done.request_id)
+        if live is None or live.handle is not done.handle:
+            return
+        live.report = dataclasses.replace(live.report, transfer_ended=done.ended_at)
+        self._settle_transfer(done, live)
+        next_request = self._slots.release(live.task.decode_address)
+        if next_request is not None:
+            self._ship(next_request)
+
+    def _settle_transfer(self, done: _TransferDone, live: _Live) -> None:
+        error = done.handle.exception(timeout=0)
+        if error is None:
+            live.report = dataclasses.replace(live.report, kv_bytes=done.handle.result(timeout=0).kv_bytes)
+        if live.cancelled:
+            self._resolve(done.request_id, PrefillStatus.CANCELLED, "cancelled")
+        elif error is None:
+            self._resolve(done.request_id, PrefillStatus.SHIPPED)
+        else:
+            message = str(error) if isinstance(error, KVTransferError) else f"{type(error).__name__}: {error}"
+            self._resolve(done.request_id, PrefillStatus.TRANSFER_FAILED, message)
+
+    def _resolve(self, request_id: str, status: PrefillStatus, error: str = "") -> None:
+        live = self._live.pop(request_id)
+        live.future.set_result(dataclasses.replace(live.report, status=status, error=error))
+
+    def _fail_unshipped(self, status: PrefillStatus, message: str) -> None:
+        """Ends every task the engine still holds (not those whose KV is on the wire)."""
+        for request_id, live in list(self._live.items()):
+            if live.handle is None:
+                self._drop(request_id, live)
+                self._resolve(request_id, status, message)
+
+    def _end_all(self, message: str) -> None:
+        """Stop: tasks in the engine are aborted; transfers in flight run to their end (they free their
+        blocks; sender.close() waits for that). Every report goes out now, CANCELLED."""
+        for request_id, live in list(self._live.items()):
+            if live.handle is None:
+                self._drop(request_id, live)
+            self._resolve(request_id, PrefillStatus.CANCELLED, message)
+        while True:  # tasks submitted after the stop command
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Submit):
+                report = PrefillReport(command.task.request_id, PrefillStatus.CANCELLED, self.name, time.time())
+                command.future.set_result(_failed(report, PrefillStatus.CANCELLED, message))
+
+    def _snapshot(self) -> PrefillStats:
+        engine, queued = self._engine, 0
+        for request_id, live in self._live.items():
+            seq = engine.get_sequence(request_id) if live.handle is None else None
+            if seq is not None:
+                queued += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        shipping = sum(1 for live in self._live.values() if live.handle is not None)
+        return PrefillStats(self.name, queued, len(self._live), shipping, engine.num_live_requests,
+                            engine.num_free_blocks, engine.num_total_blocks)
+
+
+def _failed(report: PrefillReport, status: PrefillStatus, error: str) -> PrefillReport:
+    return dataclasses.replace(report, status=status, error=error)
