@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from cluster.backend import BackendUnavailable, GenerationChunk, GenerationRequest, Timing
+from engine.command_queue import take_commands
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepDelta
 
@@ -118,12 +119,7 @@ class EngineLoop:
 
     def _next_commands(self) -> list:
         """Waits for a command while the engine is idle; otherwise takes whatever is queued."""
-        commands = [] if self._engine.has_unfinished_requests() else [self._commands.get()]
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        return take_commands(self._commands, block=not self._engine.has_unfinished_requests())
 
     def _apply(self, commands: list) -> bool:
         """Runs the commands in order; False once a stop command was seen."""
@@ -208,11 +204,7 @@ class EngineLoop:
         self._unscheduled.clear()
 
     def _reject_queued(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in take_commands(self._commands, block=False):
             if isinstance(command, _Submit):
                 command.sink.put(BackendUnavailable("the backend is shutting down"))
 

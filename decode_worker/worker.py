@@ -22,6 +22,7 @@ from decode_worker.admission import AdmissionControl
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,
                                     EmitEvent, ExpectedRequest)
+from engine.command_queue import take_commands
 from engine.llm_engine import LLMEngine
 from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, create_receiver
 from kv_transfer.engine_pool import admit_received, engine_pool_view
@@ -120,7 +121,8 @@ class DecodeWorker:
         self._receiver.close()
         self._pump_stop.set()
         self._pump.join()
-        self._settle_leftovers(self._drain_commands() + [_Delivered(o) for o in self._receiver.poll()])
+        leftovers = take_commands(self._commands, block=False)
+        self._settle_leftovers(leftovers + [_Delivered(o) for o in self._receiver.poll()])
         self._stats = self._snapshot()
 
     # ---- the inbox pump --------------------------------------------------------------------------
@@ -144,24 +146,10 @@ class DecodeWorker:
 
     def _next_commands(self) -> list:
         """While the engine is idle, sleeps until a command arrives or the next wait deadline."""
-        commands = []
-        if not self._engine.has_unfinished_requests():
-            timeout = None
-            if self._waiting:
-                timeout = max(0.0, min(w.deadline for w in self._waiting.values()) - time.monotonic())
-            try:
-                commands.append(self._commands.get(timeout=timeout))
-            except queue.Empty:
-                return []
-        return commands + self._drain_commands()
-
-    def _drain_commands(self) -> list:
-        commands = []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        timeout = None
+        if self._waiting:
+            timeout = max(0.0, min(w.deadline for w in self._waiting.values()) - time.monotonic())
+        return take_commands(self._commands, block=not self._engine.has_unfinished_requests(), timeout=timeout)
 
     def _apply(self, commands: list) -> bool:
         for command in commands:

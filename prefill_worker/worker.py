@@ -17,6 +17,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from engine.command_queue import take_commands
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepDelta
 from kv_transfer import KVTransferError, TransferHandle, create_sender
@@ -129,12 +130,7 @@ class PrefillWorker:
 
     def _next_commands(self) -> list:
         """Blocks for a command while the engine is idle; otherwise takes whatever is queued."""
-        commands = [] if self._engine.has_unfinished_requests() else [self._commands.get()]
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        return take_commands(self._commands, block=not self._engine.has_unfinished_requests())
 
     def _apply(self, commands: list) -> bool:
         for command in commands:
@@ -272,11 +268,7 @@ class PrefillWorker:
             if live.handle is None:
                 self._drop(request_id, live)
             self._resolve(request_id, PrefillStatus.CANCELLED, message)
-        while True:  # tasks submitted after the stop command
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        for command in take_commands(self._commands, block=False):  # submitted after the stop command
             if isinstance(command, _Submit):
                 report = PrefillReport(command.task.request_id, PrefillStatus.CANCELLED, self.name, time.time())
                 command.future.set_result(_failed(report, PrefillStatus.CANCELLED, message))
