@@ -38,7 +38,8 @@ def connect_ray(address: str | None, config: ClusterConfig) -> bool:
         ray.init(address=address, include_dashboard=False)
         return True
     num_cpus = max(os.cpu_count() or 1, config.num_workers * config.cpu_threads_per_worker)
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus)
+    # address="local": always a new Ray of our own, even if another one runs on this machine
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus)
     return True
 
 

@@ -73,6 +73,9 @@ class DecodeWorker:
         self._commands: queue.Queue = queue.Queue()
         self._waiting: dict[str, _Waiting] = {}
         self._running: dict[str, EmitEvent] = {}
+        # Ray may run an actor's cancel() before the expect() that it follows: such a cancel is kept
+        # (until the expect timeout) so that the late expect ends at once instead of waiting for KV.
+        self._early_cancels: dict[str, float] = {}
         self._stats = self._snapshot()
         self._pump_stop = threading.Event()
         self._stopped = False
@@ -156,13 +159,20 @@ class DecodeWorker:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Expect):
-                deadline = time.monotonic() + self._config.expect_timeout_s
-                self._waiting[command.request.request_id] = _Waiting(command.request, command.emit, deadline)
+                self._register(command)
             elif isinstance(command, _Cancel):
                 self._cancel(command.request_id)
             else:
                 self._deliver(command.outcome)
         return True
+
+    def _register(self, command: _Expect) -> None:
+        request_id = command.request.request_id
+        if self._early_cancels.pop(request_id, None) is not None:
+            self._end(request_id, command.emit, DecodeStatus.CANCELLED, "cancelled before it was registered")
+            return
+        deadline = time.monotonic() + self._config.expect_timeout_s
+        self._waiting[request_id] = _Waiting(command.request, command.emit, deadline)
 
     def _cancel(self, request_id: str) -> None:
         if request_id in self._running:
@@ -170,6 +180,8 @@ class DecodeWorker:
             self._end(request_id, self._running.pop(request_id), DecodeStatus.CANCELLED, "cancelled")
         elif request_id in self._waiting:
             self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.CANCELLED, "cancelled")
+        else:  # not registered yet (or already ended): remember it for a late expect
+            self._early_cancels[request_id] = time.monotonic() + self._config.expect_timeout_s
 
     def _deliver(self, outcome: ReceiveOutcome) -> None:
         waiting = self._waiting.pop(outcome.request_id, None)
@@ -193,6 +205,8 @@ class DecodeWorker:
         self._emit_chunk(DecodeChunk(request.request_id, delta.new_token_ids, delta.new_text, delta.finish_reason))
 
     def _expire(self, now: float) -> None:
+        for request_id in [rid for rid, until in self._early_cancels.items() if until <= now]:
+            del self._early_cancels[request_id]
         for request_id in [rid for rid, w in self._waiting.items() if w.deadline <= now]:
             message = f"its KV did not arrive within {self._config.expect_timeout_s}s"
             self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.TIMEOUT, message)

@@ -17,7 +17,8 @@ SMALL_ENGINE = EngineConfig(kv_cache_memory=POOL_BYTES)
 
 
 def start_local_ray() -> None:
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8, log_to_driver=False)
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8,
+             log_to_driver=False)
 
 
 def cluster_config(num_prefill: int, num_decode: int, transport: str = "grpc") -> ClusterConfig:

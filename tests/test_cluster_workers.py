@@ -64,6 +64,16 @@ def test_decode_worker_refuses_when_its_pool_is_promised_and_times_out_missing_k
     wait_for(lambda: idle(decode))
 
 
+def test_cancel_that_overtakes_its_expect_still_cancels_it(decode):
+    """Ray may run an actor's cancel() before the stream call whose expect() it follows."""
+    events: queue.Queue = queue.Queue()
+    decode.cancel("early")
+    assert decode.expect(ExpectedRequest("early", (1, 2, 3), GREEDY), events.put).accepted
+    ended = events.get(timeout=5)
+    assert isinstance(ended, DecodeEnded) and ended.status is DecodeStatus.CANCELLED, ended
+    wait_for(lambda: idle(decode))
+
+
 def test_decode_worker_refuses_past_its_live_request_limit(decode):
     events: queue.Queue = queue.Queue()
     accepted = [decode.expect(ExpectedRequest(f"n{i}", (1, 2), GREEDY), events.put).accepted for i in range(4)]
