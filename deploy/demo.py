@@ -1,7 +1,10 @@
-"""Offline demo: one engine in this process generates for a handful of prompts.
+"""`tandem demo`: the single-node demo.
 
-Prints each request's time to first token and the output, then the overall tokens/s. With no
---model it runs the embedded (untrained) default model, so the text is gibberish by design.
+--mode serving (default): deploy/serving_demo.py, a mixed workload through the gRPC front end,
+disaggregated (prefill + decode workers on a local Ray, every local GPU) and colocated, side by side.
+--mode offline: one engine in this process generates for a handful of prompts; prints each request's
+time to first token and the output, then the overall tokens/s.
+With no --model both run the embedded (untrained) default model, so the text is gibberish by design.
 """
 from __future__ import annotations
 
@@ -22,11 +25,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: embedded model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--mode", default="serving", choices=["serving", "offline"],
+                        help="serving: disaggregated vs colocated through gRPC (default); offline: engine.LLM")
+    parser.add_argument("--requests", type=int, default=12, help="serving mode: concurrent requests per mode")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (offline 48, serving 24)")
     parser.add_argument("--temperature", type=float, default=0.0)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the chosen demo; 0 when it finished and every KV pool ended empty."""
+    if args.mode == "serving":
+        from deploy.serving_demo import run_serving
+        if args.max_tokens is None:
+            args.max_tokens = 24
+        return run_serving(args)
+    if args.max_tokens is None:
+        args.max_tokens = 48
+    return run_offline(args)
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    """The offline demo: engine.LLM in this process."""
     from engine import LLM, SamplingParams
     started = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
