@@ -43,7 +43,8 @@ def colocated() -> LLM:
 
 
 def prompts_with_shared_prefixes(seed: int) -> list[list[int]]:
-    lengths = [1, 5, 16, 17, 40, 3, 90, 33, 8, 64, 21, 2]
+    lengths = [1, 5, 16, 17, 40, 3, 90, 33, 8, 64, 21, 2,
+               7, 12, 25, 31, 47, 9, 4, 60, 15, 28, 11, 36, 6, 19, 44, 13, 26, 10]  # 32 with the two below
     prompts = random_prompts(lengths, VOCAB, seed=seed)
     prompts.append(prompts[6][:48] + prompts[1])     # shares 3 blocks with the 90-token prompt
     prompts.append(list(prompts[9]))                 # the 64-token prompt again

@@ -87,8 +87,8 @@ def test_greedy_streams_what_the_offline_llm_generates(served, reference):
 
 
 def test_concurrent_requests_all_complete_correctly(served, reference):
-    prompts = [[65 + i, 66 + (i * 7) % 50, 67, 68 + i % 5] * (1 + i % 3) for i in range(24)]
-    lengths = [4 + i % 6 for i in range(24)]
+    prompts = [[65 + i, 66 + (i * 7) % 50, 67, 68 + i % 5] * (1 + i % 3) for i in range(32)]
+    lengths = [4 + i % 6 for i in range(32)]
     params = [greedy(n) for n in lengths]
     expected = [o.outputs[0].token_ids for o in reference.generate(prompt_token_ids=prompts, sampling_params=params)]
 
