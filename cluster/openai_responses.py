@@ -5,6 +5,8 @@ JSON objects OpenAI's clients expect, plus Tandem's `tandem_timing` on the last 
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import dataclasses
 
 from cluster.backend import GenerationChunk, Timing
@@ -19,7 +21,7 @@ def timing_dict(timing: Timing | None) -> dict | None:
     return None if timing is None else dataclasses.asdict(timing)
 
 
-class ResponseShape:
+class ResponseShape(ABC):
     """Common envelope of one request's response objects. Subclasses shape the choices."""
 
     object_name = ""
@@ -66,11 +68,13 @@ class ResponseShape:
         response["usage"] = usage(prompt_tokens, completion_tokens)
         return response
 
+    @abstractmethod
     def _full_choice(self, text: str, finish_reason: str | None) -> dict:
-        raise NotImplementedError
+        """One choice of a whole (non-streamed) response."""
 
+    @abstractmethod
     def _delta_choice(self, text: str, finish_reason: str | None) -> dict:
-        raise NotImplementedError
+        """One choice of a streamed chunk."""
 
 
 class CompletionShape(ResponseShape):
