@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine_parser = bench.add_parser("engine", help="engine.LLM vs transformers on a serving-like mix")
     bench_engine.add_arguments(engine_parser)
     engine_parser.set_defaults(run=bench_engine.run)
+    from cluster import bench_serve
+    serve_bench_parser = bench.add_parser("serve", help="load a running server; vLLM's serving metrics")
+    bench_serve.add_arguments(serve_bench_parser)
+    serve_bench_parser.set_defaults(run=bench_serve.run)
     from kv_transfer import bench as bench_transfer
     transfer_parser = bench.add_parser("transfer", help="KV transfer GB/s against a raw loopback socket")
     bench_transfer.add_arguments(transfer_parser)

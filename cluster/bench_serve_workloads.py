@@ -1,0 +1,131 @@
+"""Workloads and arrival times for `tandem bench serve`, after `vllm bench serve`'s datasets.
+
+Prompts are lists of token ids drawn uniformly in [0, vocab_size); every generator takes a seed so a
+workload is reproducible. Arrival gaps are gamma distributed like vLLM's: shape = burstiness,
+scale = 1 / (rate * burstiness), so the mean gap is 1 / rate and burstiness 1 is a Poisson process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRequest:
+    """One benchmark request: the prompt's token ids and how many tokens to generate."""
+
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomWorkload:
+    """vLLM's `random` dataset: lengths uniform in [L(1-r), L(1+r)] (r = range_ratio; 0 = fixed)."""
+
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixRepetitionWorkload:
+    """vLLM's `prefix-repetition` dataset: num_prefixes shared prefixes, each request one of them
+    (round robin) followed by a unique random suffix."""
+
+    prefix_len: int
+    suffix_len: int
+    num_prefixes: int
+    output_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedWorkload:
+    """A share `long_fraction` of long prompts (long_len tokens) among short ones (short_len)."""
+
+    long_fraction: float
+    long_len: int
+    short_len: int
+    output_len: int
+
+
+Workload = RandomWorkload | PrefixRepetitionWorkload | MixedWorkload
+
+
+def _length_range(length: int, range_ratio: float) -> tuple[int, int]:
+    low, high = int(length * (1 - range_ratio)), int(length * (1 + range_ratio))
+    return max(low, 1), max(high, 1)
+
+
+def _token_ids(rng: np.random.Generator, count: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(int(token) for token in rng.integers(0, vocab_size, size=count))
+
+
+def validate_workload(workload: Workload, vocab_size: int) -> None:
+    """Raises ValueError on lengths, shares or a vocabulary that cannot make a workload."""
+    if vocab_size < 1:
+        raise ValueError("--vocab-size must be at least 1")
+    if workload.output_len < 1:
+        raise ValueError("output length must be at least 1")
+    if isinstance(workload, RandomWorkload):
+        if workload.input_len < 1 or not 0 <= workload.range_ratio < 1:
+            raise ValueError("--random-input-len must be >= 1 and --random-range-ratio in [0, 1)")
+    elif isinstance(workload, PrefixRepetitionWorkload):
+        if workload.num_prefixes < 1 or workload.prefix_len < 0 or workload.suffix_len < 0 \
+                or workload.prefix_len + workload.suffix_len < 1:
+            raise ValueError("prefix repetition needs >= 1 prefix and a non-empty prompt")
+    elif not 0 <= workload.long_fraction <= 1 or min(workload.long_len, workload.short_len) < 1:
+        raise ValueError("--mixed-long-fraction must be in [0, 1] and lengths >= 1")
+
+
+def generate_requests(workload: Workload, num_prompts: int, vocab_size: int, seed: int) -> list[SampleRequest]:
+    """`num_prompts` requests of `workload`; the same seed gives the same requests."""
+    validate_workload(workload, vocab_size)
+    rng = np.random.default_rng(seed)
+    if isinstance(workload, RandomWorkload):
+        return _random_requests(workload, num_prompts, vocab_size, rng)
+    if isinstance(workload, PrefixRepetitionWorkload):
+        return _prefix_requests(workload, num_prompts, vocab_size, rng)
+    return _mixed_requests(workload, num_prompts, vocab_size, rng)
+
+
+def _random_requests(workload: RandomWorkload, num_prompts: int, vocab_size: int,
+                     rng: np.random.Generator) -> list[SampleRequest]:
+    in_low, in_high = _length_range(workload.input_len, workload.range_ratio)
+    out_low, out_high = _length_range(workload.output_len, workload.range_ratio)
+    input_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
+    output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
+    return [SampleRequest(_token_ids(rng, int(input_len), vocab_size), int(output_len))
+            for input_len, output_len in zip(input_lens, output_lens)]
+
+
+def _prefix_requests(workload: PrefixRepetitionWorkload, num_prompts: int, vocab_size: int,
+                     rng: np.random.Generator) -> list[SampleRequest]:
+    prefixes = [_token_ids(rng, workload.prefix_len, vocab_size) for _ in range(workload.num_prefixes)]
+    requests = [SampleRequest(prefixes[index % workload.num_prefixes]
+                              + _token_ids(rng, workload.suffix_len, vocab_size), workload.output_len)
+                for index in range(num_prompts)]
+    order = rng.permutation(num_prompts)
+    return [requests[int(index)] for index in order]
+
+
+def _mixed_requests(workload: MixedWorkload, num_prompts: int, vocab_size: int,
+                    rng: np.random.Generator) -> list[SampleRequest]:
+    num_long = round(workload.long_fraction * num_prompts)
+    is_long = np.zeros(num_prompts, dtype=bool)
+    is_long[:num_long] = True
+    rng.shuffle(is_long)
+    return [SampleRequest(_token_ids(rng, workload.long_len if long else workload.short_len, vocab_size),
+                          workload.output_len) for long in is_long]
+
+
+def arrival_gaps(count: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
+    """Seconds to wait before each of `count` requests; all 0 when the rate is infinite."""
+    if request_rate <= 0 or burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be positive")
+    if math.isinf(request_rate):
+        return [0.0] * count
+    rng = np.random.default_rng(seed)
+    scale = 1.0 / (request_rate * burstiness)
+    return [float(gap) for gap in rng.gamma(shape=burstiness, scale=scale, size=count)]

@@ -1,0 +1,55 @@
+"""`tandem bench serve` as users run it: against a real `tandem serve` on loopback, and a closed port."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import pytest
+
+from tests.test_serve_cli import TANDEM, start_serve
+
+LABELS = ("============ Serving Benchmark Result ============", "Successful requests:", "Benchmark duration (s):",
+          "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
+          "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+          "---------------Time to First Token----------------", "Mean TTFT (ms):", "Median TTFT (ms):",
+          "P99 TTFT (ms):", "Mean TPOT (ms):", "P99 TPOT (ms):", "Mean ITL (ms):", "P99 ITL (ms):",
+          "Mean E2EL (ms):", "Disaggregation", "P50 KV transfer (ms):")
+
+
+def test_bench_serve_against_tandem_serve(tmp_path):
+    result_file = tmp_path / "result.json"
+    with start_serve() as (_, _, http_port):
+        done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{http_port}",
+                               "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8",
+                               "--goodput", "ttft:60000", "--result-json", str(result_file)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for label in LABELS:
+        assert label in done.stdout, label
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_input_tokens"] == 8 * 32 and result["total_output_tokens"] == 64
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            assert result[f"{stat}_{metric}_ms"] >= 0
+    assert 0 < result["mean_ttft_ms"] <= result["mean_e2el_ms"]
+    assert result["request_throughput"] > 0 and result["goodput"] == result["request_throughput"]
+    assert result["output_throughput"] * result["duration"] == pytest.approx(64)
+    assert result["disagg"]["requests_with_timing"] == 8 and result["disagg"]["transfer_ms_p50"] == 0
+
+
+def test_bench_serve_against_a_closed_port_fails_clearly():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{closed_port}",
+                           "--num-prompts", "2"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"cannot reach a Tandem/OpenAI server at http://127.0.0.1:{closed_port}" in done.stderr
+
+
+def test_bench_serve_rejects_invalid_flags():
+    done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", "http://127.0.0.1:1", "--goodput", "foo:1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--goodput" in done.stderr
