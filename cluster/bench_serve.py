@@ -22,6 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags, named as `vllm bench serve` names them where it has them."""
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once")
+    add_workload_arguments(parser)
+    parser.add_argument("--result-json", default=None, help="write vLLM-style result JSON here")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to send and how (every flag but the server and the rate); shared with `bench compare`."""
     parser.add_argument("--dataset-name", choices=("random", "prefix-repetition", "mixed"), default="random")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
@@ -38,14 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-long-fraction", type=float, default=0.1)
     parser.add_argument("--mixed-long-len", type=int, default=2048)
     parser.add_argument("--mixed-short-len", type=int, default=128)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="generate exactly the output length (default on, so runs compare)")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
-    parser.add_argument("--result-json", default=None, help="write vLLM-style result JSON here")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
 
 
@@ -60,7 +65,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return RandomWorkload(args.random_input_len, args.random_output_len, args.random_range_ratio)
 
 
-def _check_counts(args: argparse.Namespace) -> None:
+def check_counts(args: argparse.Namespace) -> None:
     if args.num_prompts < 1 or args.num_warmups < 0:
         raise ValueError("--num-prompts must be >= 1 and --num-warmups >= 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -70,7 +75,7 @@ def _check_counts(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark; 0 when it ran (even with failed requests), 1 if the server is unreachable,
     ValueError (exit 2 from the CLI) on invalid flags."""
-    _check_counts(args)
+    check_counts(args)
     slos = parse_goodput(args.goodput)
     workload = workload_from_args(args)
     samples = generate_requests(workload, args.num_prompts, args.vocab_size, args.seed)

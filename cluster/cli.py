@@ -7,7 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster import bench_engine, bench_serve, client, serve
+    from cluster import bench_compare, bench_engine, bench_serve, client, serve
     from deploy import demo
     from kv_transfer import bench as bench_transfer
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_command(bench, "engine", bench_engine, "engine.LLM vs transformers on a serving-like mix")
     _add_command(bench, "serve", bench_serve, "load a running server; vLLM's serving metrics")
+    _add_command(bench, "compare", bench_compare, "every serving mode on the same workload: table and plots")
     _add_command(bench, "transfer", bench_transfer, "KV transfer GB/s against a raw loopback socket")
     return parser
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.backend import Backend
 from cluster.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
@@ -20,6 +20,7 @@ from cluster.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.http_server import HttpServerConfig, start_http_server
 from cluster.local_backend import LocalBackendConfig, LocalEngineBackend
 from cluster.metrics import ServingMetrics
+from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class ServeConfig:
     transport: str = "auto"
     address: str | None = None
     placement_strategy: str = "PACK"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cpu_threads: int | None = None
+    kv_host: str = "127.0.0.1"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +61,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require this key on gRPC and HTTP requests")
     parser.add_argument("--max-pending-requests", type=int, default=256)
+    parser.add_argument("--kv-host", default="127.0.0.1",
+                        help="address the decode workers' KV receivers and the gloo/nccl store bind "
+                             "(disaggregated; a routable address when workers span nodes)")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch threads of the colocated engine (default: all cores) or of each CPU "
+                             "worker (default: 1)")
+    _add_engine_arguments(parser.add_argument_group("engine (every worker's engine)"))
+
+
+def _add_engine_arguments(group) -> None:
+    defaults = EngineConfig()
+    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                       help="token budget of one engine step")
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    group.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_chunked_prefill,
+                       help="split long prompts across steps (off: max-num-batched-tokens >= max-model-len)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults.enable_prefix_caching)
+    group.add_argument("--block-size", type=int, default=defaults.block_size)
+    group.add_argument("--kv-cache-memory-mib", type=int, default=None,
+                       help="KV pool size per engine in MiB (CPU default 1024; GPU default: a share of free memory)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the engine flags describe (its own checks raise ValueError)."""
+    if args.kv_cache_memory_mib is not None and args.kv_cache_memory_mib < 1:
+        raise ValueError("--kv-cache-memory-mib must be >= 1")
+    memory = None if args.kv_cache_memory_mib is None else args.kv_cache_memory_mib << 20
+    return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        enable_chunked_prefill=args.enable_chunked_prefill,
+                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -74,9 +112,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
         if args.transport == "ipc":
             raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use auto, nccl, gloo or grpc")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise ValueError("--cpu-threads must be >= 1")
     return ServeConfig(args.model, args.dtype, args.device, args.mode, prefill_workers, args.decode_workers,
                        args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
-                       args.transport, args.address, args.placement_strategy)
+                       args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
+                       args.cpu_threads, args.kv_host)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,14 +129,19 @@ def run(args: argparse.Namespace) -> int:
 def start_backend(config: ServeConfig) -> Backend:
     """The colocated engine, or the disaggregated cluster (blocks until every worker is loaded)."""
     if config.mode == "colocated":
-        from engine import LLM
-        engine = LLM(model=config.model, dtype=config.dtype, device=config.device).engine
+        from engine.builder import build_engine
+        if config.cpu_threads is not None:
+            import torch
+            torch.set_num_threads(config.cpu_threads)
+        engine = build_engine(config.model, config.engine, dtype=config.dtype, device=config.device)
         return LocalEngineBackend(engine, LocalBackendConfig(
             model_name=config.model or "tandem-default", max_pending_requests=config.max_pending_requests))
     from cluster.cluster_start import start_cluster
     cluster = ClusterConfig(model=config.model, dtype=config.dtype, device=config.device,
                             num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
-                            transport=config.transport, placement_strategy=config.placement_strategy)
+                            transport=config.transport, placement_strategy=config.placement_strategy,
+                            engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
+                            kv_host=config.kv_host)
     return start_cluster(cluster, address=config.address)
 
 
