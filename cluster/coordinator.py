@@ -3,7 +3,8 @@
 Per request (on the front end's asyncio loop): pick a decode worker (cluster.routing), open its stream
 (the worker accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then let a
 RequestFlow drive prefill -> KV transfer -> decode and stream the chunks back. The coordinator keeps the
-load accounting, and stops routing to a worker as soon as any call finds it dead.
+load accounting, and stops routing to a worker as soon as any call finds it dead. A request whose prefill
+worker dies before the request delivered anything starts over on a surviving prefill worker.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailabl
                              GenerationRequest)
 from cluster.cluster_config import ClusterConfig
 from cluster.ray_workers import WorkerInfo
-from cluster.request_flow import FlowHooks, RequestFlow, WorkerRef
+from cluster.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
 from cluster.routing import Router
 from decode_worker import ExpectedRequest
 
@@ -82,9 +83,32 @@ class Coordinator:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """See Backend.generate. BackendUnavailable when no prefill or decode worker is alive,
         BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
-        mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed."""
+        mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed.
+
+        If the request's prefill worker dies before any chunk was delivered (queued, prefilling or
+        shipping on it, or it was dead before the coordinator knew), the request starts over, with a new
+        decode admission, on another alive prefill worker: the consumer sees nothing of it but a longer
+        TTFT. Each retry follows a prefill worker being marked dead, so there are fewer retries than
+        prefill workers; WorkerLost once none is left, or once a chunk was delivered."""
         if self._closed:
             raise BackendUnavailable("the coordinator is shut down")
+        while True:
+            delivered = False
+            try:
+                async with aclosing(self._attempt(request)) as chunks:
+                    async for chunk in chunks:
+                        delivered = True
+                        yield chunk
+                return
+            except WorkerLost as lost:
+                if delivered or lost.role != "prefill" or self._router.alive_counts()[0] == 0:
+                    raise
+                logger.warning("request %s: %s; starting it over on another prefill worker",
+                               request.request_id, lost)
+
+    async def _attempt(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """One try at the request under a new internal id: decode admission, prefill, transfer, decode.
+        Whatever way it ends, the router's claims for it are released and neither worker keeps it."""
         if self._router.alive_counts()[0] == 0:
             raise BackendUnavailable("no prefill worker is alive")
         request_id = f"{request.request_id}#{next(self._numbers)}"

@@ -4,9 +4,11 @@ The decode worker has already accepted the request (its stream's Admission came 
 sends the PrefillTask to the prefill worker and merges two sources into one event queue: the prefill
 worker's PrefillReport (first token, timings, KV bytes, or why it failed) and the decode worker's stream
 (DecodeChunk / DecodeEnded). Decode chunks go to the consumer as they arrive; the final one waits for the
-report, whose timings it carries. A worker that dies ends the request with WorkerLost; any other failure
-with RequestFailed (or ValueError for input a worker rejected); either way the other worker is told to
-cancel. A consumer that stops early cancels the request on both workers.
+report, whose timings it carries. A worker that dies ends the request with WorkerLost (its `role` says
+which side), except a prefill worker that dies after the KV landed (the decode worker already streams):
+the request then goes on and ends without prefill timings. Any other failure ends it with RequestFailed
+(or ValueError for input a worker rejected); either way the other worker is told to cancel. A consumer
+that stops early cancels the request on both workers.
 """
 from __future__ import annotations
 
@@ -20,13 +22,18 @@ from typing import Any, Callable
 from ray.exceptions import RayActorError
 
 from cluster.backend import BackendUnavailable, GenerationChunk, GenerationRequest, Timing
-from decode_worker import DecodeChunk, DecodeEnded, DecodeStatus, is_final
+from decode_worker import DecodeChunk, DecodeStatus, is_final
 from kv_transfer.config import ReceiverAddress
 from prefill_worker import PrefillReport, PrefillStatus, PrefillTask
 
 
 class WorkerLost(BackendUnavailable):
-    """A worker serving the request died; the coordinator no longer routes to it."""
+    """A worker serving the request died; the coordinator no longer routes to it. `role`: "prefill" or
+    "decode", the side that died."""
+
+    def __init__(self, message: str, role: str) -> None:
+        super().__init__(message)
+        self.role = role
 
 
 class RequestFailed(RuntimeError):
@@ -115,16 +122,16 @@ class RequestFlow:
             return self._on_report(event)
         if isinstance(event, DecodeChunk):
             return self._on_decoded(event)
-        self._ended = True
-        if isinstance(event, DecodeEnded):
-            self._decode_ended = True
-            self._cancel_prefill()
-            if event.status is DecodeStatus.INVALID:
-                raise ValueError(event.message)
-            if event.status is DecodeStatus.SHUTDOWN:
-                raise BackendUnavailable(f"decode worker {self._decode.name} stopped: {event.message}")
-            raise RequestFailed(f"decode worker {self._decode.name}: {event.status.value}: {event.message}")
-        return self._on_broken(event)
+        if isinstance(event, _Broken):
+            return self._on_broken(event)
+        self._ended = True  # a DecodeEnded: the decode worker ended the request
+        self._decode_ended = True
+        self._cancel_prefill()
+        if event.status is DecodeStatus.INVALID:
+            raise ValueError(event.message)
+        if event.status is DecodeStatus.SHUTDOWN:
+            raise BackendUnavailable(f"decode worker {self._decode.name} stopped: {event.message}")
+        raise RequestFailed(f"decode worker {self._decode.name}: {event.status.value}: {event.message}")
 
     def _on_report(self, report: PrefillReport) -> GenerationChunk | None:
         self._report = report
@@ -152,7 +159,15 @@ class RequestFlow:
             return None
         return self._final(chunk)
 
-    def _on_broken(self, broken: _Broken) -> None:
+    def _on_broken(self, broken: _Broken) -> GenerationChunk | None:
+        """A worker call failed: ends the request (raises), unless the prefill worker died after its KV
+        landed (see the module docstring): then returns the held final chunk, if any, or None."""
+        if broken.lost:
+            self._hooks.worker_lost(broken.worker)
+        if broken.role == "prefill" and broken.lost and self._decoded_any:
+            self._report = _no_report(self._rid, broken.worker)
+            return self._final(self._held_final) if self._held_final is not None else None
+        self._ended = True
         if broken.role == "decode":
             self._decode_ended = True
             self._cancel_prefill()
@@ -160,8 +175,7 @@ class RequestFlow:
             self._report = self._report or _no_report(self._rid, broken.worker)
             self._cancel_decode()
         if broken.lost:
-            self._hooks.worker_lost(broken.worker)
-            raise WorkerLost(f"{broken.role} worker {broken.worker} died: {broken.error}")
+            raise WorkerLost(f"{broken.role} worker {broken.worker} died: {broken.error}", broken.role)
         raise RequestFailed(f"{broken.role} worker {broken.worker} failed: {broken.error}")
 
     def _final(self, chunk: DecodeChunk) -> GenerationChunk:
