@@ -1,8 +1,9 @@
 """Coordinator: the Backend of disaggregated serving, over prefill and decode worker actors on Ray.
 
-Per request (on the front end's asyncio loop): pick a decode worker (cluster.routing), open its stream
-(the worker accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then let a
-RequestFlow drive prefill -> KV transfer -> decode and stream the chunks back. The coordinator keeps the
+Per request (on the front end's asyncio loop): pick a decode worker (cluster.routing), ask it to expect
+the request (it accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then let
+a RequestFlow drive prefill -> KV transfer -> decode and stream the chunks back. Decode events come back
+on one stream per decode worker (cluster/decode_events.py), routed to per-request mailboxes. The coordinator keeps the
 load accounting, and stops routing to a worker as soon as any call finds it dead. A request whose prefill
 worker dies before the request delivered anything starts over on a surviving prefill worker.
 """
@@ -21,6 +22,7 @@ from ray.exceptions import RayActorError
 from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk,
                              GenerationRequest)
 from cluster.cluster_config import ClusterConfig
+from cluster.decode_events import DecodeEventPump
 from cluster.ray_workers import WorkerInfo
 from cluster.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
 from cluster.routing import Router
@@ -67,6 +69,7 @@ class Coordinator:
         self._router = Router([w.info.name for w in workers if w.info.role == "prefill"], decode_blocks,
                               workers[0].info.block_size)
         self._numbers = itertools.count()
+        self._pumps: dict[str, DecodeEventPump] = {}
         self._closed = False
 
     @property
@@ -114,17 +117,18 @@ class Coordinator:
         request_id = f"{request.request_id}#{next(self._numbers)}"
         prompt_tokens = len(request.prompt_token_ids)
         blocks = self._router.decode_blocks_for(min(prompt_tokens + request.params.max_tokens, self.max_model_len))
-        decode, stream = await self._open_decode(request, request_id, blocks)
+        decode, mailbox = await self._open_decode(request, request_id, blocks)
         prefill_name = self._router.pick_prefill(request.prompt_token_ids)
         if prefill_name is None:  # the last one died while the decode worker was asked
             decode.actor.cancel.remote(request_id)
             self._router.decode_done(decode.info.name, blocks)
+            self._pumps[decode.info.name].close(request_id)
             raise BackendUnavailable("no prefill worker is alive")
         prefill = self._workers[prefill_name]
         self._router.claim_prefill(prefill.info.name, prompt_tokens)
         release_prefill = _once(lambda: self._router.prefill_done(prefill.info.name, prompt_tokens))
         hooks = FlowHooks(self._worker_lost, self._router.is_alive, release_prefill)
-        flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, stream, hooks)
+        flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, mailbox, hooks)
         try:
             async with aclosing(flow.chunks()) as chunks:
                 async for chunk in chunks:
@@ -132,33 +136,51 @@ class Coordinator:
         finally:
             release_prefill()
             self._router.decode_done(decode.info.name, blocks)
+            self._pumps[decode.info.name].close(request_id)
 
     async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int):
-        """The first decode worker (in routing order) that accepts the request, and its open stream. The
-        request's blocks are claimed on that worker (the caller releases them with decode_done)."""
+        """The first decode worker (in routing order) that accepts the request, and the request's
+        mailbox on that worker's event stream. The request's blocks are claimed on that worker (the
+        caller releases them with decode_done and closes the mailbox with _close_mailbox)."""
         expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params)
         refusals = []
         for name in self._router.decode_order():
-            worker = self._workers[name]
+            worker, pump = self._workers[name], self._pump(name)
             self._router.claim_decode(name, blocks)
-            stream = worker.actor.stream.options(num_returns="streaming").remote(expected)
+            mailbox = pump.open(request_id)
             try:
-                admission = await (await stream.__anext__())
+                admission = await worker.actor.expect.remote(expected)
             except RayActorError as error:
                 admission = None
                 self._worker_lost(name, error)
             except BaseException:  # the consumer left meanwhile: drop what the worker may have accepted
                 worker.actor.cancel.remote(request_id)
                 self._router.decode_done(name, blocks)
+                pump.close(request_id)
                 raise
             if admission is not None and admission.accepted:
-                return worker, stream
+                return worker, mailbox
             self._router.decode_done(name, blocks)
+            pump.close(request_id)
             if admission is not None:
                 refusals.append(f"{name}: {admission.reason}")
         if not refusals:
             raise BackendUnavailable("no decode worker is alive")
         raise BackendOverloaded("every decode worker refused the request: " + "; ".join(refusals))
+
+    def _pump(self, name: str) -> DecodeEventPump:
+        """The reader of decode worker `name`'s event stream on the running loop, started on first use
+        (a new one subscribes in place of the old if the caller's loop changed, as in tests that call
+        asyncio.run per test)."""
+        pump = self._pumps.get(name)
+        if pump is None or not pump.on_running_loop():  # first use, or the caller moved to a new loop
+            stream = self._workers[name].actor.events.options(num_returns="streaming").remote()
+            pump = self._pumps[name] = DecodeEventPump(name, stream, self._stream_lost)
+        return pump
+
+    def _stream_lost(self, name: str, error: BaseException) -> None:
+        if not self._closed:
+            self._worker_lost(name, error)
 
     def _worker_lost(self, name: str, error: BaseException | None = None) -> None:
         if self._router.mark_dead(name):
@@ -203,6 +225,8 @@ class Coordinator:
         stops = [_awaited(w.actor.stop.remote()) for w in alive]
         if stops:
             await asyncio.wait([asyncio.ensure_future(s) for s in stops], timeout=STOP_TIMEOUT_S)
+        for pump in self._pumps.values():  # the stopped workers already ended every request
+            pump.stop()
         await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
 
 

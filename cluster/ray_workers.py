@@ -2,8 +2,8 @@
 
 An actor builds its engine in its own process (on the GPU Ray gave it, or on CPU with a fixed thread
 count), wraps the plain worker, and turns its calls into async actor methods: a prefill is one awaited
-call returning the PrefillReport; a decode is a streaming generator (Admission first, then the request's
-DecodeChunk / DecodeEnded events). Everything that crosses a process is a typed dataclass.
+call returning the PrefillReport; a decode is an expect() call returning the Admission, after which the
+request's DecodeChunk / DecodeEnded events come on the worker's one events() stream. Everything that crosses a process is a typed dataclass.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from decode_worker import DecodeWorker, DecodeWorkerConfig, ExpectedRequest, is_final
+from cluster.decode_events import EventBatcher
+from decode_worker import Admission, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
 from engine.config import EngineConfig
 from kv_transfer.config import ReceiverAddress
 from prefill_worker import PrefillTask, PrefillWorker, PrefillWorkerConfig
@@ -101,22 +102,26 @@ class DecodeActor:
         engine = _build_engine(spec)
         self._worker = DecodeWorker(engine, config)
         self._info = _info(config.name, "decode", engine, self._worker.address)
+        self._batcher: EventBatcher | None = None
 
     async def info(self) -> WorkerInfo:
         return self._info
 
-    async def stream(self, request: ExpectedRequest):
-        """Streaming generator: the Admission, then (if accepted) the request's events, the last final."""
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        admission = self._worker.expect(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-        yield admission
-        if not admission.accepted:
-            return
-        while True:
-            event = await events.get()
-            yield event
-            if is_final(event):
-                return
+    def _outbox(self) -> EventBatcher:
+        """The batcher behind events(), made on first use on the actor's event loop."""
+        if self._batcher is None:
+            self._batcher = EventBatcher(asyncio.get_running_loop())
+        return self._batcher
+
+    async def expect(self, request: ExpectedRequest) -> Admission:
+        """Accept (the request's events will come on events()) or refuse (backpressure)."""
+        return self._worker.expect(request, self._outbox().put)
+
+    async def events(self):
+        """Streaming generator, one per worker: lists of the DecodeChunk / DecodeEnded events of every
+        accepted request, in order, batched (about one list per engine step); ends after stop()."""
+        async for batch in self._outbox().batches():
+            yield batch
 
     async def cancel(self, request_id: str) -> None:
         self._worker.cancel(request_id)
@@ -125,8 +130,9 @@ class DecodeActor:
         return self._worker.stats()
 
     async def stop(self) -> None:
-        """End every request (SHUTDOWN), wait for transfers in flight, stop the threads."""
+        """End every request (SHUTDOWN), wait for transfers in flight, stop the threads, end events()."""
         await asyncio.to_thread(self._worker.stop)
+        self._outbox().close()
 
 
 def create_placement_group(num_workers: int, use_gpu: bool, cpu_threads: int, strategy: str,

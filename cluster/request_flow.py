@@ -1,9 +1,9 @@
 """RequestFlow: one request across processes, driven from the coordinator's asyncio loop.
 
-The decode worker has already accepted the request (its stream's Admission came back). The flow then
-sends the PrefillTask to the prefill worker and merges two sources into one event queue: the prefill
-worker's PrefillReport (first token, timings, KV bytes, or why it failed) and the decode worker's stream
-(DecodeChunk / DecodeEnded). Decode chunks go to the consumer as they arrive; the final one waits for the
+The decode worker has already accepted the request (its expect() answered with an Admission). The flow
+then sends the PrefillTask to the prefill worker and merges two sources into one event queue: the prefill
+worker's PrefillReport (first token, timings, KV bytes, or why it failed) and the request's mailbox on
+the decode worker's event stream (DecodeChunk / DecodeEnded, cluster/decode_events.py). Decode chunks go to the consumer as they arrive; the final one waits for the
 report, whose timings it carries. A worker that dies ends the request with WorkerLost (its `role` says
 which side), except a prefill worker that dies after the KV landed (the decode worker already streams):
 the request then goes on and ends without prefill timings. Any other failure ends it with RequestFailed
@@ -22,6 +22,7 @@ from typing import Any, Callable
 from ray.exceptions import RayActorError
 
 from cluster.backend import BackendUnavailable, GenerationChunk, GenerationRequest, Timing
+from cluster.decode_events import WorkerStreamLost
 from decode_worker import DecodeChunk, DecodeStatus, is_final
 from kv_transfer.config import ReceiverAddress
 from prefill_worker import PrefillReport, PrefillStatus, PrefillTask
@@ -67,9 +68,11 @@ class _Broken:
 
 class RequestFlow:
     def __init__(self, request: GenerationRequest, request_id: str, prefill: WorkerRef, decode: WorkerRef,
-                 decode_address: ReceiverAddress, decode_stream, hooks: FlowHooks) -> None:
+                 decode_address: ReceiverAddress, decode_mailbox: asyncio.Queue, hooks: FlowHooks) -> None:
+        """decode_mailbox: this request's events from the decode worker's stream (a DecodeEventPump
+        mailbox), ending with a final event or a WorkerStreamLost."""
         self._request, self._rid = request, request_id
-        self._prefill, self._decode, self._stream, self._hooks = prefill, decode, decode_stream, hooks
+        self._prefill, self._decode, self._mailbox, self._hooks = prefill, decode, decode_mailbox, hooks
         self._task = PrefillTask(request_id, request.prompt_token_ids, request.params, decode_address)
         self._report: PrefillReport | None = None
         self._held_final: DecodeChunk | None = None
@@ -104,17 +107,15 @@ class RequestFlow:
             self._hooks.prefill_done()
 
     async def _pump_decode(self, events: asyncio.Queue) -> None:
-        try:
-            async for ref in self._stream:
-                event = await ref
-                events.put_nowait(event)
-                if is_final(event):
-                    return
-            raise RuntimeError("the decode stream ended without a final event")
-        except RayActorError as error:
-            events.put_nowait(_Broken("decode", self._decode.name, error, lost=True))
-        except Exception as error:
-            events.put_nowait(_Broken("decode", self._decode.name, error, lost=False))
+        while True:
+            event = await self._mailbox.get()
+            if isinstance(event, WorkerStreamLost):
+                lost = isinstance(event.error, RayActorError)
+                events.put_nowait(_Broken("decode", self._decode.name, event.error, lost=lost))
+                return
+            events.put_nowait(event)
+            if is_final(event):
+                return
 
     def _handle(self, event) -> GenerationChunk | None:
         """Applies one event; returns a chunk to deliver, or raises to end the request."""

@@ -123,7 +123,7 @@ class _Method:
 
 class _FakeActors:
     """A prefill actor whose one report is `self.report` (a future the test resolves) and a decode
-    actor whose stream yields what the test puts in `self.events`; both record cancels."""
+    actor whose event-stream mailbox is `self.events` (the test puts the events); both record cancels."""
 
     def __init__(self) -> None:
         self.report: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -137,15 +137,10 @@ class _FakeActors:
         cancel = _Method(lambda request_id: self.cancelled.append((name, request_id)))
         return type("FakeActor", (), {"cancel": cancel, **methods})()
 
-    async def stream(self):
-        while True:
-            event = await self.events.get()
-            yield asyncio.sleep(0, event)
-
     def flow(self) -> RequestFlow:
         hooks = FlowHooks(self.lost.append, lambda name: name not in self.lost, lambda: None)
         return RequestFlow(request("r", [1, 2, 3], greedy(2)), "r#0", self.prefill, self.decode, None,
-                           self.stream(), hooks)
+                           self.events, hooks)
 
 
 def test_prefill_death_after_the_kv_landed_does_not_end_the_request():
