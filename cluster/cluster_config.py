@@ -17,9 +17,9 @@ class ClusterConfig:
     else CPU. transport: auto = kv_transfer.resolve_transport's choice (gloo on one CPU host, nccl
     between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement group spreads the
     workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
-    bundle reserves and its torch thread count. kv_host: the address decode workers' gRPC KV receivers
-    bind and the gloo/nccl rendezvous store listens on (127.0.0.1 on one machine; a routable address
-    across nodes)."""
+    bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
+    on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across
+    nodes). gRPC KV receivers bind their own node's address (cluster/ray_workers.DecodeActor)."""
 
     model: str | None = None
     model_name: str | None = None

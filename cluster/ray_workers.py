@@ -8,6 +8,7 @@ request's DecodeChunk / DecodeEnded events come on the worker's one events() str
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -96,10 +97,13 @@ class PrefillActor:
 
 @ray.remote(max_restarts=0)
 class DecodeActor:
-    """A DecodeWorker (with its KV receiver) in a Ray actor process."""
+    """A DecodeWorker (with its KV receiver) in a Ray actor process. A gRPC receiver binds this node's
+    address as Ray knows it (127.0.0.1 on a local Ray started on loopback, the node's routable address
+    in a multi-node cluster), whatever config.host says."""
 
     def __init__(self, spec: EngineSpec, config: DecodeWorkerConfig) -> None:
         engine = _build_engine(spec)
+        config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
         self._worker = DecodeWorker(engine, config)
         self._info = _info(config.name, "decode", engine, self._worker.address)
         self._batcher: EventBatcher | None = None

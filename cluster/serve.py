@@ -62,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require this key on gRPC and HTTP requests")
     parser.add_argument("--max-pending-requests", type=int, default=256)
     parser.add_argument("--kv-host", default="127.0.0.1",
-                        help="address the decode workers' KV receivers and the gloo/nccl store bind "
-                             "(disaggregated; a routable address when workers span nodes)")
+                        help="address the gloo/nccl rendezvous store listens on, in this process "
+                             "(disaggregated; this node's routable address when workers span nodes)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the colocated engine (default: all cores) or of each CPU "
                              "worker (default: 1)")

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> JobPlan:
     parser.add_argument("--decode-workers", type=int, default=0, help="0: the other half of the GPUs, or 1")
     parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc"])
     parser.add_argument("--kv-host", default="127.0.0.1",
-                        help="address KV receivers bind (a routable one when workers span nodes)")
+                        help="address the gloo/nccl rendezvous store listens on, in this driver "
+                             "(the head's routable address when workers span nodes)")
     parser.add_argument("--kv-cache-mib", type=int, default=None, help="KV pool per worker (default: engine's)")
     args = parser.parse_args(argv)
     if args.requests < 1:
