@@ -89,9 +89,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and args.shape is not None:
         raise ValueError("give --model or --shape, not both")
     workload = workload_from_args(args)
-    samples = generate_requests(workload, args.num_prompts, args.vocab_size, args.seed)
+    # each rate gets its own prompts (one server serves every rate: repeating them would hit its prefix
+    # cache); every mode gets the same prompts at the same rate
+    samples = [generate_requests(workload, args.num_prompts, args.vocab_size, args.seed + 1000 * index)
+               for index in range(len(rates))]
     warmups = generate_requests(workload, args.num_warmups, args.vocab_size, args.seed + 1)
-    longest = max(len(s.prompt_token_ids) + s.output_len for s in samples + warmups)
+    longest = max(len(s.prompt_token_ids) + s.output_len for s in sum(samples, warmups))
     results_dir = Path(args.results_dir)
     with tempfile.TemporaryDirectory(prefix="tandem-compare-") as tmp:
         model = args.model
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             model = str(build_bench_checkpoint(Path(tmp), args.shape, args.seed))
         settings = ModeSettings(model, args.dtype, args.device, args.transport, _round_up(longest, 16),
                                 args.chunk_size, args.kv_cache_memory_mib)
-        print(f"bench compare: {len(samples)} {args.dataset_name} requests x rates {args.request_rates} x "
+        print(f"bench compare: {args.num_prompts} {args.dataset_name} requests x rates {args.request_rates} x "
               f"modes {', '.join(names)}; model {args.model or args.shape or 'embedded default'}", flush=True)
         try:
             runs = [run for name in names
@@ -117,7 +120,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path) -> list[ModeRun]:
-    """One server for `mode`: warm-ups, then one measured run per rate, then the pool check."""
+    """One server for `mode`: warm-ups, then one measured run per rate (samples[i] at rates[i]), each
+    followed by the pool check."""
     log_path = results_dir / f"server-{mode.name}.log"
     print(f"[{mode.name}] starting tandem serve {' '.join(mode.serve_flags)}", flush=True)
     runs = []
@@ -125,8 +129,8 @@ def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path) -> l
         for index, rate in enumerate(rates):
             config = ClientConfig(server.base_url, None, args.ignore_eos, args.max_concurrency, args.timeout,
                                   sys.stderr.isatty())
-            gaps = arrival_gaps(len(samples), rate, args.burstiness, args.seed)
-            _, results, duration = asyncio.run(run_requests(config, samples, gaps,
+            gaps = arrival_gaps(len(samples[index]), rate, args.burstiness, args.seed)
+            _, results, duration = asyncio.run(run_requests(config, samples[index], gaps,
                                                             warmups if index == 0 else []))
             pool_whole = _wait_for_whole_pool(server)
             run = ModeRun(mode.name, rate, compute_metrics(results, duration, slos), results, pool_whole)

@@ -5,6 +5,8 @@
     colocated-chunked    one engine, chunked prefill (Sarathi): prompts split into --chunk-size token
                          steps that decodes ride along with
     disagg-<P>p<D>d      P prefill + D decode workers on a local Ray, KV shipped between them
+    disagg-<P>p<D>d-local<N>   the same with conditional disaggregation: prompts shorter than N tokens
+                         are prefilled on their decode worker (no prefill queue, no transfer)
 
 Resources are split fairly: on CPU the colocated engine gets every core and each disaggregated worker
 cores / workers of them; on GPU each worker (and the colocated engine) gets one GPU.
@@ -15,8 +17,8 @@ import dataclasses
 import os
 import re
 
-_DISAGG = re.compile(r"^disagg-(\d+)p(\d+)d$")
-DEFAULT_MODES = ("colocated", "colocated-chunked", "disagg-1p1d")
+_DISAGG = re.compile(r"^disagg-(\d+)p(\d+)d(?:-local(\d+))?$")
+DEFAULT_MODES = ("colocated", "colocated-chunked", "disagg-1p1d", "disagg-1p1d-local256")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +48,8 @@ class ModeSettings:
 
 
 def default_mode_names(num_gpus: int, cpu_cores: int) -> list[str]:
-    """The three baseline modes, plus 2 prefill + 2 decode workers where the machine has 4 GPUs (or,
-    without GPUs, 8 cores: two each)."""
+    """The baselines and 1P1D with and without conditional disaggregation, plus 2 prefill + 2 decode
+    workers where the machine has 4 GPUs (or, without GPUs, 8 cores: two each)."""
     names = list(DEFAULT_MODES)
     if num_gpus >= 4 or (num_gpus == 0 and cpu_cores >= 8):
         names.append("disagg-2p2d")
@@ -61,8 +63,8 @@ def parse_modes(text: str) -> list[str]:
         raise ValueError("--modes needs at least one mode")
     for name in names:
         if name not in ("colocated", "colocated-chunked") and not _DISAGG.match(name):
-            raise ValueError(f"unknown mode {name!r}: use colocated, colocated-chunked or disagg-<P>p<D>d "
-                             "(e.g. disagg-1p1d)")
+            raise ValueError(f"unknown mode {name!r}: use colocated, colocated-chunked, disagg-<P>p<D>d "
+                             "or disagg-<P>p<D>d-local<N> (e.g. disagg-1p1d, disagg-1p1d-local256)")
         match = _DISAGG.match(name)
         if match and (int(match.group(1)) < 1 or int(match.group(2)) < 1):
             raise ValueError(f"mode {name!r} needs at least one prefill and one decode worker")
@@ -86,9 +88,9 @@ def serving_mode(name: str, settings: ModeSettings) -> ServingMode:
         flags = ["--mode", "colocated", "--enable-chunked-prefill",
                  "--max-num-batched-tokens", str(settings.chunk_size)]
     else:
-        num_prefill, num_decode = (int(group) for group in _DISAGG.match(name).groups())
-        threads = max(1, settings.cpu_cores // (num_prefill + num_decode))
-        flags = ["--mode", "disaggregated", "--prefill-workers", str(num_prefill),
-                 "--decode-workers", str(num_decode), "--transport", settings.transport,
-                 "--cpu-threads", str(threads)]
+        prefill, decode, local = _DISAGG.match(name).groups()
+        threads = max(1, settings.cpu_cores // (int(prefill) + int(decode)))
+        flags = ["--mode", "disaggregated", "--prefill-workers", prefill, "--decode-workers", decode,
+                 "--transport", settings.transport, "--cpu-threads", str(threads),
+                 "--local-prefill-tokens", local or "0"]
     return ServingMode(name, tuple(common + flags))

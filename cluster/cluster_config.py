@@ -19,7 +19,9 @@ class ClusterConfig:
     workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
     bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
     on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across
-    nodes). gRPC KV receivers bind their own node's address (cluster/ray_workers.DecodeActor)."""
+    nodes). gRPC KV receivers bind their own node's address (cluster/ray_workers.DecodeActor).
+    local_prefill_tokens: conditional disaggregation; prompts shorter than this are prefilled on their
+    decode worker, without a prefill worker or a KV transfer (0: every prompt goes to a prefill worker)."""
 
     model: str | None = None
     model_name: str | None = None
@@ -34,6 +36,7 @@ class ClusterConfig:
     cpu_threads_per_worker: int = 1
     kv_host: str = "127.0.0.1"
     max_live_per_decode_worker: int = 256
+    local_prefill_tokens: int = 0
     expect_timeout_s: float = 60.0
     worker_start_timeout_s: float = 300.0
 
@@ -50,6 +53,8 @@ class ClusterConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.cpu_threads_per_worker < 1:
             raise ValueError("cpu_threads_per_worker must be >= 1")
+        if self.local_prefill_tokens < 0:
+            raise ValueError("local_prefill_tokens must be >= 0")
 
     @property
     def num_workers(self) -> int:

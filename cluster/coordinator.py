@@ -23,6 +23,7 @@ from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailabl
                              GenerationRequest)
 from cluster.cluster_config import ClusterConfig
 from cluster.decode_events import DecodeEventPump
+from cluster.local_prefill_flow import LocalPrefillFlow
 from cluster.ray_workers import WorkerInfo
 from cluster.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
 from cluster.routing import Router
@@ -110,19 +111,37 @@ class Coordinator:
                                request.request_id, lost)
 
     async def _attempt(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """One try at the request under a new internal id: decode admission, prefill, transfer, decode.
-        Whatever way it ends, the router's claims for it are released and neither worker keeps it."""
-        if self._router.alive_counts()[0] == 0:
+        """One try at the request under a new internal id: decode admission, then prefill, transfer and
+        decode (or, for a prompt shorter than local_prefill_tokens, prefill and decode on the decode
+        worker). Whatever way it ends, the router's claims for it are released and no worker keeps it."""
+        local = len(request.prompt_token_ids) < self._config.local_prefill_tokens
+        if not local and self._router.alive_counts()[0] == 0:
             raise BackendUnavailable("no prefill worker is alive")
         request_id = f"{request.request_id}#{next(self._numbers)}"
+        blocks = self._router.decode_blocks_for(
+            min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len))
+        decode, mailbox = await self._open_decode(request, request_id, blocks, local)
+        try:
+            if local:
+                flow = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
+                                        self._router.is_alive)
+                source = flow.chunks()
+            else:
+                source = self._disaggregated(request, request_id, decode, mailbox)
+            async with aclosing(source) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._router.decode_done(decode.info.name, blocks)
+            self._pumps[decode.info.name].close(request_id)
+
+    async def _disaggregated(self, request: GenerationRequest, request_id: str, decode: Worker,
+                             mailbox: asyncio.Queue) -> AsyncIterator[GenerationChunk]:
+        """Prefill on a prefill worker, KV to `decode` (which accepted the request), decode there."""
         prompt_tokens = len(request.prompt_token_ids)
-        blocks = self._router.decode_blocks_for(min(prompt_tokens + request.params.max_tokens, self.max_model_len))
-        decode, mailbox = await self._open_decode(request, request_id, blocks)
         prefill_name = self._router.pick_prefill(request.prompt_token_ids)
         if prefill_name is None:  # the last one died while the decode worker was asked
             decode.actor.cancel.remote(request_id)
-            self._router.decode_done(decode.info.name, blocks)
-            self._pumps[decode.info.name].close(request_id)
             raise BackendUnavailable("no prefill worker is alive")
         prefill = self._workers[prefill_name]
         self._router.claim_prefill(prefill.info.name, prompt_tokens)
@@ -135,14 +154,12 @@ class Coordinator:
                     yield chunk
         finally:
             release_prefill()
-            self._router.decode_done(decode.info.name, blocks)
-            self._pumps[decode.info.name].close(request_id)
 
-    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int):
+    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, local: bool):
         """The first decode worker (in routing order) that accepts the request, and the request's
         mailbox on that worker's event stream. The request's blocks are claimed on that worker (the
         caller releases them with decode_done and closes the mailbox with _close_mailbox)."""
-        expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params)
+        expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params, prefill_locally=local)
         refusals = []
         for name in self._router.decode_order():
             worker, pump = self._workers[name], self._pump(name)

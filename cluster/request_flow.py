@@ -41,6 +41,15 @@ class RequestFailed(RuntimeError):
     """The request could not complete (KV transfer failed, timed out, an engine step failed)."""
 
 
+def decode_ended_error(event: DecodeEnded, worker: str) -> Exception:
+    """What a consumer sees of a request its decode worker ended without a finish_reason."""
+    if event.status is DecodeStatus.INVALID:
+        return ValueError(event.message)
+    if event.status is DecodeStatus.SHUTDOWN:
+        return BackendUnavailable(f"decode worker {worker} stopped: {event.message}")
+    return RequestFailed(f"decode worker {worker}: {event.status.value}: {event.message}")
+
+
 @dataclass(frozen=True)
 class WorkerRef:
     name: str
@@ -128,11 +137,7 @@ class RequestFlow:
         self._ended = True  # a DecodeEnded: the decode worker ended the request
         self._decode_ended = True
         self._cancel_prefill()
-        if event.status is DecodeStatus.INVALID:
-            raise ValueError(event.message)
-        if event.status is DecodeStatus.SHUTDOWN:
-            raise BackendUnavailable(f"decode worker {self._decode.name} stopped: {event.message}")
-        raise RequestFailed(f"decode worker {self._decode.name}: {event.status.value}: {event.message}")
+        raise decode_ended_error(event, self._decode.name)
 
     def _on_report(self, report: PrefillReport) -> GenerationChunk | None:
         self._report = report

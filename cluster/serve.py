@@ -42,6 +42,7 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cpu_threads: int | None = None
     kv_host: str = "127.0.0.1"
+    local_prefill_tokens: int = 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host", default="127.0.0.1",
                         help="address the gloo/nccl rendezvous store listens on, in this process "
                              "(disaggregated; this node's routable address when workers span nodes)")
+    parser.add_argument("--local-prefill-tokens", type=int, default=0,
+                        help="conditional disaggregation: prompts shorter than this are prefilled on their "
+                             "decode worker, skipping the prefill worker and the KV transfer (0: off)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the colocated engine (default: all cores) or of each CPU "
                              "worker (default: 1)")
@@ -114,10 +118,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use auto, nccl, gloo or grpc")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError("--cpu-threads must be >= 1")
+    if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and args.mode == "colocated"):
+        raise ValueError("--local-prefill-tokens must be >= 0 and needs --mode disaggregated")
     return ServeConfig(args.model, args.dtype, args.device, args.mode, prefill_workers, args.decode_workers,
                        args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                        args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
-                       args.cpu_threads, args.kv_host)
+                       args.cpu_threads, args.kv_host, args.local_prefill_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,7 +147,7 @@ def start_backend(config: ServeConfig) -> Backend:
                             num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                             transport=config.transport, placement_strategy=config.placement_strategy,
                             engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
-                            kv_host=config.kv_host)
+                            kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens)
     return start_cluster(cluster, address=config.address)
 
 

@@ -11,11 +11,13 @@ from engine.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class ExpectedRequest:
-    """A request whose prompt KV a prefill worker is about to send here (same request_id)."""
+    """A request whose prompt KV a prefill worker is about to send here (same request_id), or, with
+    prefill_locally, a short prompt this worker prefills itself (conditional disaggregation)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
+    prefill_locally: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ Threads:
 - the inbox pump forwards the KV receiver's outcomes into the step thread's command queue, so the step
   thread sleeps on one queue while idle;
 - the receiver's own threads (kv_transfer) allocate blocks for incoming KV and land it.
+A request expected with prefill_locally (conditional disaggregation: a short prompt) skips the KV
+transfer: the step thread adds it to the engine, which prefills it between decode steps.
 expect() / cancel() / stats() may be called from any thread. Every accepted request gets exactly one
 final event (a DecodeChunk with finish_reason, or a DecodeEnded); whatever way it ends, its blocks are
 freed: a delivery for a request that is no longer expected (cancelled, timed out) is freed on arrival.
@@ -171,8 +173,23 @@ class DecodeWorker:
         if self._early_cancels.pop(request_id, None) is not None:
             self._end(request_id, command.emit, DecodeStatus.CANCELLED, "cancelled before it was registered")
             return
+        if command.request.prefill_locally:
+            self._prefill_here(command.request, command.emit)
+            return
         deadline = time.monotonic() + self._config.expect_timeout_s
         self._waiting[request_id] = _Waiting(command.request, command.emit, deadline)
+
+    def _prefill_here(self, request: ExpectedRequest, emit: EmitEvent) -> None:
+        """Conditional disaggregation: the engine prefills the prompt itself (chunked, mixed with the
+        running decodes) and decodes on; no KV is expected."""
+        try:
+            self._engine.add_request(request.request_id, request.prompt_token_ids, request.params,
+                                     arrival_time=time.perf_counter())
+        except ValueError as error:
+            self._end(request.request_id, emit, DecodeStatus.INVALID, str(error))
+            return
+        self._admission.kv_admitted(request.request_id)
+        self._running[request.request_id] = emit
 
     def _cancel(self, request_id: str) -> None:
         if request_id in self._running:

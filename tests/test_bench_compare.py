@@ -28,18 +28,23 @@ def test_modes_become_the_serve_flags_that_make_them():
     assert disagg.is_disaggregated and flags[flags.index("--prefill-workers") + 1] == "1"
     assert flags[flags.index("--decode-workers") + 1] == "3" and flags[flags.index("--cpu-threads") + 1] == "1"
     assert flags[flags.index("--kv-cache-memory-mib") + 1] == "64"
+    assert flags[flags.index("--local-prefill-tokens") + 1] == "0"
+    local = serving_mode("disagg-1p1d-local300", SETTINGS).serve_flags
+    assert local[local.index("--local-prefill-tokens") + 1] == "300"
 
 
 def test_mode_and_rate_lists_are_validated():
-    assert parse_modes("colocated, disagg-2p1d") == ["colocated", "disagg-2p1d"]
-    for bad in ("", "colocated,colocated", "disagg-0p1d", "disaggregated"):
+    assert parse_modes("colocated, disagg-2p1d,disagg-1p1d-local64") == ["colocated", "disagg-2p1d",
+                                                                         "disagg-1p1d-local64"]
+    for bad in ("", "colocated,colocated", "disagg-0p1d", "disaggregated", "disagg-1p1d-local"):
         with pytest.raises(ValueError):
             parse_modes(bad)
     assert parse_rates("2, inf") == [2.0, float("inf")]
     for bad in ("", "0", "-1", "fast"):
         with pytest.raises(ValueError):
             parse_rates(bad)
-    assert default_mode_names(num_gpus=0, cpu_cores=2) == ["colocated", "colocated-chunked", "disagg-1p1d"]
+    assert default_mode_names(num_gpus=0, cpu_cores=2) == ["colocated", "colocated-chunked", "disagg-1p1d",
+                                                           "disagg-1p1d-local256"]
     assert default_mode_names(num_gpus=4, cpu_cores=2)[-1] == "disagg-2p2d"
 
 
