@@ -1,6 +1,6 @@
 """`tandem bench compare`: the same workload against each serving mode in turn, side by side.
 
-    tandem bench compare --request-rates 2,4 --results-dir bench_results/compare
+    tandem bench compare          # 48 mixed requests (20% of 1536 tokens, the rest 64) x rates 4, 8 x 4 modes
 
 For each mode (cluster/bench_compare_modes.py) it starts `tandem serve` as a subprocess, sends the
 warm-up requests, runs the workload once per request rate through the streaming HTTP API (the
@@ -42,14 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=None,
                         help="comma-separated: colocated, colocated-chunked, disagg-<P>p<D>d "
                              "(default: the three baselines, plus disagg-2p2d where the machine has room)")
-    parser.add_argument("--request-rates", default="4", help="comma-separated req/s, 'inf' = all at once")
+    parser.add_argument("--request-rates", default="4,8", help="comma-separated req/s, 'inf' = all at once")
     parser.add_argument("--chunk-size", type=int, default=256, help="prefill chunk of colocated-chunked")
+    parser.add_argument("--long-prefill-threshold", type=int, default=256,
+                        help="disaggregated modes: max tokens of one prompt per step (0: off)")
     parser.add_argument("--kv-cache-memory-mib", type=int, default=None, help="KV pool per engine (MiB)")
     parser.add_argument("--results-dir", default="bench_results/compare")
     parser.add_argument("--server-start-timeout", type=float, default=300.0)
     add_workload_arguments(parser)
-    parser.set_defaults(dataset_name="mixed", num_prompts=40, num_warmups=2, mixed_long_fraction=0.15,
-                        mixed_long_len=1024, mixed_short_len=64, random_output_len=64)
+    # the interference case: long prompts arriving while many requests decode
+    parser.set_defaults(dataset_name="mixed", num_prompts=48, num_warmups=2, mixed_long_fraction=0.2,
+                        mixed_long_len=1536, mixed_short_len=64, random_output_len=128)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -84,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
     check_counts(args)
     require_matplotlib()
     rates, names, slos = parse_rates(args.request_rates), _mode_names(args), parse_goodput(args.goodput)
-    if args.chunk_size < 1:
-        raise ValueError("--chunk-size must be >= 1")
+    if args.chunk_size < 1 or args.long_prefill_threshold < 0:
+        raise ValueError("--chunk-size must be >= 1 and --long-prefill-threshold >= 0")
     if args.model is not None and args.shape is not None:
         raise ValueError("give --model or --shape, not both")
     workload = workload_from_args(args)
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         if args.shape is not None:
             model = str(build_bench_checkpoint(Path(tmp), args.shape, args.seed))
         settings = ModeSettings(model, args.dtype, args.device, args.transport, _round_up(longest, 16),
-                                args.chunk_size, args.kv_cache_memory_mib)
+                                args.chunk_size, args.kv_cache_memory_mib, args.long_prefill_threshold)
         print(f"bench compare: {args.num_prompts} {args.dataset_name} requests x rates {args.request_rates} x "
               f"modes {', '.join(names)}; model {args.model or args.shape or 'embedded default'}", flush=True)
         try:

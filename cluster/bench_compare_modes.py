@@ -4,7 +4,9 @@
                          step, and every running decode waits for it (the classic interference)
     colocated-chunked    one engine, chunked prefill (Sarathi): prompts split into --chunk-size token
                          steps that decodes ride along with
-    disagg-<P>p<D>d      P prefill + D decode workers on a local Ray, KV shipped between them
+    disagg-<P>p<D>d      P prefill + D decode workers on a local Ray, KV shipped between them; their
+                         engines cap one prompt's tokens per step (--long-prefill-threshold), so short
+                         prompts queued behind a long one on a prefill worker join the next step
     disagg-<P>p<D>d-local<N>   the same with conditional disaggregation: prompts shorter than N tokens
                          are prefilled on their decode worker (no prefill queue, no transfer)
 
@@ -44,6 +46,7 @@ class ModeSettings:
     max_model_len: int
     chunk_size: int
     kv_cache_memory_mib: int | None
+    long_prefill_threshold: int = 0
     cpu_cores: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
 
 
@@ -92,5 +95,6 @@ def serving_mode(name: str, settings: ModeSettings) -> ServingMode:
         threads = max(1, settings.cpu_cores // (int(prefill) + int(decode)))
         flags = ["--mode", "disaggregated", "--prefill-workers", prefill, "--decode-workers", decode,
                  "--transport", settings.transport, "--cpu-threads", str(threads),
-                 "--local-prefill-tokens", local or "0"]
+                 "--local-prefill-tokens", local or "0",
+                 "--long-prefill-token-threshold", str(settings.long_prefill_threshold)]
     return ServingMode(name, tuple(common + flags))

@@ -59,7 +59,7 @@ def _cdf_figure(runs: list[ModeRun], values_of, xlabel: str, title: str, path: P
 
 def _breakdown_figure(runs: list[ModeRun], path: Path) -> Path:
     plt = _pyplot()
-    labels = [f"{run.mode}\n{_rate_label(run.rate)}" for run in runs]
+    labels = [_bar_label(run) for run in runs]
     bottoms = np.zeros(len(runs))  # [num_runs] ms stacked so far
     figure, axis = plt.subplots(figsize=(max(6.0, 1.6 * len(runs)), 4.5))
     for key, name in _STAGES:
@@ -69,12 +69,19 @@ def _breakdown_figure(runs: list[ModeRun], path: Path) -> Path:
     ttft = np.array([run.metrics.ttft.mean for run in runs])
     axis.bar(labels, np.clip(ttft - bottoms, 0.0, None), bottom=bottoms, label="rest (to the client)")
     axis.set(ylabel="mean TTFT (ms)", title="TTFT breakdown (server stamps; client-measured total)")
+    axis.tick_params(axis="x", labelsize=8)
     axis.legend()
     axis.grid(True, axis="y", alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
+
+
+def _bar_label(run: ModeRun) -> str:
+    """Mode and rate on short lines ("disagg-1p1d / local256 / 8 req/s"), so neighbours do not overlap."""
+    mode = run.mode.replace("-local", "\nlocal")
+    return f"{mode}\n{_rate_label(run.rate)}"
 
 
 def _mean_stage(run: ModeRun, key: str) -> float:

@@ -83,6 +83,9 @@ def _add_engine_arguments(group) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_chunked_prefill,
                        help="split long prompts across steps (off: max-num-batched-tokens >= max-model-len)")
+    group.add_argument("--long-prefill-token-threshold", type=int, default=defaults.long_prefill_token_threshold,
+                       help="cap on one prompt's tokens per step, so prompts queued behind a long one join "
+                            "the same step (0: off)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)
@@ -98,6 +101,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_chunked_prefill=args.enable_chunked_prefill,
+                        long_prefill_token_threshold=args.long_prefill_token_threshold,
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory)
 
 

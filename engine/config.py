@@ -145,6 +145,9 @@ class EngineConfig:
     kv_cache_memory sizes the KV pool in bytes (CPU, or GPU when set); on GPU without it the pool
     takes gpu_memory_utilization of the device memory minus what the weights already use.
     num_kv_blocks, when set, overrides both (tests use it to force preemption).
+    long_prefill_token_threshold (> 0, with chunked prefill): no prompt takes more than this many tokens
+    of a step, so a long prompt's prefill leaves room for the prompts queued behind it (vLLM's knob of
+    the same name); 0 lets one prompt take the whole budget.
     """
 
     block_size: int = 16
@@ -152,6 +155,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
@@ -165,5 +169,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

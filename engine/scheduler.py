@@ -4,6 +4,8 @@ Each step has a token budget (max_num_batched_tokens). Running sequences are ser
 first: a decoding sequence takes one token, a sequence in the middle of a chunked prefill takes the
 next chunk (Sarathi's stall-free batching: decodes never wait for a long prompt). What budget is left
 admits waiting sequences in arrival order (FCFS), after looking their prompts up in the prefix cache.
+With long_prefill_token_threshold set, no prompt takes more than that many tokens of one step, so the
+prompts behind a long one get into the same step instead of waiting for the whole long prefill.
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks
 are freed and it goes back to the head of the queue to recompute its KV later (preemption by recompute).
 """
@@ -64,7 +66,7 @@ class Scheduler:
         chunks, preempted, index = [], False, 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk_size(seq, budget)
             while not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -81,7 +83,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self._attach_cached_prefix(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._chunk_size(seq, budget)
             whole = num_new == seq.num_uncomputed_tokens
             if (not whole and not self.config.enable_chunked_prefill) or \
                     not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
@@ -93,6 +95,13 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
         return chunks
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute this step: what is left, within the budget and, for a prompt
+        (more than one token left), within long_prefill_token_threshold when that is set."""
+        num_new = min(seq.num_uncomputed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        return min(num_new, threshold) if threshold and num_new > 1 else num_new
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
         # Leave at least the last token to compute: its hidden state gives the next token's logits.

@@ -33,6 +33,7 @@ logger = logging.getLogger("tandem.prefill_worker")
 class _Submit:
     task: PrefillTask
     future: Future
+    received_at: float  # time.time() when submit() was called: the queue wait starts here
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class PrefillWorker:
             future.set_result(PrefillReport(task.request_id, PrefillStatus.CANCELLED, self.name, time.time(),
                                             error="the prefill worker is stopped"))
         else:
-            self._commands.put(_Submit(task, future))
+            self._commands.put(_Submit(task, future, time.time()))
         return future
 
     def cancel(self, request_id: str) -> None:
@@ -145,7 +146,7 @@ class PrefillWorker:
         return True
 
     def _admit(self, command: _Submit) -> None:
-        task, received = command.task, time.time()
+        task, received = command.task, command.received_at
         report = PrefillReport(task.request_id, PrefillStatus.SHIPPED, self.name, received)
         if task.request_id in self._live:
             command.future.set_result(_failed(report, PrefillStatus.INVALID, "request id already in use"))

@@ -61,6 +61,25 @@ def test_chunked_prefill_of_7_tokens_equals_whole(ckpt):
     assert_all_blocks_free(chunked)
 
 
+def test_long_prefill_threshold_lets_short_prompts_into_the_same_step_same_output(ckpt):
+    long_prompt, short_prompt = random_prompts([200, 5], 300, seed=4)
+    capped = LLM(ckpt, max_num_batched_tokens=512, long_prefill_token_threshold=32)
+    engine = capped.engine
+    engine.add_request("long", long_prompt, GREEDY, prefill_only=True)
+    engine.add_request("short", short_prompt, GREEDY, prefill_only=True)
+    first_step = {delta.request_id for delta in engine.step()}
+    assert first_step == {"short"}, "the short prompt should finish its prefill in the first step"
+    assert engine.get_sequence("long").num_computed_tokens == 32
+    for request_id in ("long", "short"):
+        engine.abort(request_id)
+    prompts = random_prompts(LENGTHS, 300, seed=5)
+    whole = LLM(ckpt, max_num_batched_tokens=4096)
+    assert greedy_tokens(capped, prompts) == greedy_tokens(whole, prompts)
+    assert_all_blocks_free(capped)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        LLM(ckpt, long_prefill_token_threshold=-1)
+
+
 def test_prefix_cache_hit_computes_fewer_tokens_same_output(ckpt):
     block = 16
     shared = random_prompts([5 * block], 300, seed=4)[0]
