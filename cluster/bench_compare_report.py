@@ -50,7 +50,7 @@ _TABLE_HEADER = ("| mode | rate | ok / failed | req/s | goodput | out tok/s | TT
 def _table_row(run: ModeRun) -> str:
     m, d = run.metrics, run.metrics.disagg
     goodput = "-" if m.request_goodput is None else f"{m.request_goodput:.2f}"
-    disagg = d.requests_with_timing > 0 and d.transfer_ms_p50 > 0
+    disagg = d.requests_with_timing > 0 and d.transfer_ms_p99 > 0  # some prompt's KV was moved
     transfer = f"{d.transfer_ms_p50:.1f} / {d.transfer_ms_p99:.1f}" if disagg else "-"
     share = f"{100 * d.transfer_share_of_ttft_p50:.1f}%" if disagg else "-"
     return (f"| {run.mode} | {_rate(run.rate)} | {m.completed} / {m.failed} | {m.request_throughput:.2f} | "
