@@ -28,8 +28,12 @@ from kv_transfer.manifest import ModelFingerprint
 from kv_transfer.results import ReceivedKV, SendRequest
 from kv_transfer.testing import FreeListPool
 
-# A Llama-3-8B-like KV block layout scaled to 8 layers: 512 KiB per block.
-BENCH_FP = ModelFingerprint(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16)
+def bench_fingerprint(num_layers: int = 8) -> ModelFingerprint:
+    """Llama-3-8B's KV block layout (8 KV heads x 128, bf16, 16 tokens: 64 KiB per layer per block) with
+    num_layers layers: 512 KiB blocks and 1 MiB planes per 16 MiB run at 8; Llama-3-8B's own 32 layers
+    give 2 MiB blocks and 256 KiB planes."""
+    return ModelFingerprint(num_layers=num_layers, num_kv_heads=8, head_dim=128, dtype="bfloat16", block_size=16)
+
 
 
 GATHERED = "gathered"  # the variant that gathers every run into staging
@@ -43,6 +47,7 @@ class SenderSpec:
     device: str
     store_port: int
     variants: tuple[str, ...] = ("",)
+    num_layers: int = 8
 
 
 @dataclass(frozen=True)
@@ -74,9 +79,9 @@ def fill_pattern(kv: torch.Tensor, num_blocks: int, seed: int) -> None:
     region.copy_(noise.view(region.dtype).view(region.shape))
 
 
-def _resident_pool(num_blocks: int, device: str) -> FreeListPool:
+def _resident_pool(fp: ModelFingerprint, num_blocks: int, device: str) -> FreeListPool:
     """A pool whose pages are touched up front, like an engine's KV cache in steady state."""
-    pool = FreeListPool(BENCH_FP, num_blocks, device=device)
+    pool = FreeListPool(fp, num_blocks, device=device)
     pool.kv.view(torch.uint8).fill_(1)
     return pool
 
@@ -89,7 +94,8 @@ def _send_one(sender, pool: FreeListPool, cmd: SendCmd) -> Timed:
         torch.cuda.synchronize()
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
-        sender.send(cmd.to, SendRequest(f"bench-{cmd.seed}", blocks, cmd.num_blocks * BENCH_FP.block_size, 0)).result()
+        num_tokens = cmd.num_blocks * pool.kv.shape[3]  # [L, 2, N, block_size, H, D]
+        sender.send(cmd.to, SendRequest(f"bench-{cmd.seed}", blocks, num_tokens, 0)).result()
     except Exception as exc:
         return Timed(time.perf_counter() - started, str(exc))
     return Timed(time.perf_counter() - started, cpu_seconds=time.process_time() - cpu_started)
@@ -113,11 +119,12 @@ def variant_rendezvous(store_port: int, rank: int, variant: str) -> DistRendezvo
 
 
 def _sender_main(spec: SenderSpec, conn) -> None:
-    pool = _resident_pool(spec.num_blocks, spec.device)
+    fp = bench_fingerprint(spec.num_layers)
+    pool = _resident_pool(fp, spec.num_blocks, spec.device)
     transport = spec.config.transport
     senders = {v: create_sender(variant_config(spec.config, v), pool.view(), transport,
                                 variant_rendezvous(spec.store_port, 1, v)) for v in spec.variants}
-    payload = memoryview(torch.randint(0, 256, (spec.num_blocks * BENCH_FP.block_nbytes,), dtype=torch.uint8).numpy())
+    payload = memoryview(torch.randint(0, 256, (spec.num_blocks * fp.block_nbytes,), dtype=torch.uint8).numpy())
     while (cmd := conn.recv()) is not None:
         is_send = isinstance(cmd, SendCmd)
         conn.send(_send_one(senders[cmd.variant], pool, cmd) if is_send else _tcp_send(cmd, payload))
@@ -149,7 +156,7 @@ class _TcpSink:
 def _bit_exact(pool: FreeListPool, outcome, num_blocks: int, seed: int) -> bool:
     if not isinstance(outcome, ReceivedKV):
         return False
-    expected = torch.empty((BENCH_FP.num_layers, 2, num_blocks) + tuple(pool.kv.shape[3:]), dtype=pool.kv.dtype)
+    expected = torch.empty((pool.kv.shape[0], 2, num_blocks) + tuple(pool.kv.shape[3:]), dtype=pool.kv.dtype)
     fill_pattern(expected, num_blocks, seed)
     got = pool.kv[:, :, list(outcome.block_ids)].cpu()
     pool.free(outcome.block_ids)
@@ -158,7 +165,7 @@ def _bit_exact(pool: FreeListPool, outcome, num_blocks: int, seed: int) -> bool:
 
 def _measure_size(args, receivers: dict, pool, sink, peer, num_blocks: int, seed0: int) -> dict:
     """Per repeat: one transfer per variant, then the raw socket; medians per variant."""
-    nbytes = num_blocks * BENCH_FP.block_nbytes
+    nbytes = num_blocks * bench_fingerprint(args.num_layers).block_nbytes
     times, cpus, base, exact = {v: [] for v in receivers}, {v: [] for v in receivers}, [], True
     for rep in range(args.repeats):
         for variant, receiver in receivers.items():
@@ -175,7 +182,7 @@ def _measure_size(args, receivers: dict, pool, sink, peer, num_blocks: int, seed
         base.append(peer.recv().seconds)
         thread.join()
     seconds, baseline = statistics.median(times[""]), statistics.median(base)
-    row = {"transport": args.transport, "size_bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+    row = {"transport": args.transport, "num_layers": args.num_layers, "size_bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
            "baseline_gbps": nbytes / baseline / 1e9, "cpu_seconds": statistics.median(cpus[""]),
            "bit_exact": bool(exact)}
     if GATHERED in times:
@@ -196,6 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="runs with planes this large leave the sender pool without a gather (-1: never)")
     parser.add_argument("--compare-gathered", action="store_true",
                         help="also time the same transfers with every run gathered into staging, interleaved")
+    parser.add_argument("--num-layers", type=int, default=8,
+                        help="layers of the Llama-3-8B-like block layout (32 = Llama-3-8B: 256 KiB planes)")
     parser.add_argument("--chunk-mib", type=float, default=TransferConfig.grpc_chunk_bytes / 2**20,
                         help="gRPC message size")
 
@@ -215,9 +224,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     sender_device, receiver_device = devices
     sizes = [int(s) for s in args.sizes_mib.split(",") if s]
-    blocks = [max(1, (mib << 20) // BENCH_FP.block_nbytes) for mib in sizes]
+    fp = bench_fingerprint(args.num_layers)
+    blocks = [max(1, (mib << 20) // fp.block_nbytes) for mib in sizes]
     store = start_store("127.0.0.1", 0) if args.transport != "grpc" else None
-    pool = _resident_pool(max(blocks), receiver_device)
+    pool = _resident_pool(fp, max(blocks), receiver_device)
     direct_min = None if args.direct_min_plane_kib < 0 else int(args.direct_min_plane_kib * 2**10)
     config = TransferConfig(transport=args.transport, kv_transfer_timeout_s=args.timeout_s,
                             max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20),
@@ -226,10 +236,10 @@ def run(args: argparse.Namespace) -> int:
     variants = ("", GATHERED) if args.compare_gathered else ("",)
     receivers = {v: create_receiver(variant_config(config, v), pool.view(), args.transport,
                                     rendezvous=variant_rendezvous(store_port, 0, v), peers=[1]) for v in variants}
-    sink = _TcpSink(max(blocks) * BENCH_FP.block_nbytes)
+    sink = _TcpSink(max(blocks) * fp.block_nbytes)
     ctx = mp.get_context("spawn")
     peer, child = ctx.Pipe()
-    spec = SenderSpec(config, max(blocks), sender_device, store_port, variants)
+    spec = SenderSpec(config, max(blocks), sender_device, store_port, variants, args.num_layers)
     process = ctx.Process(target=_sender_main, args=(spec, child), daemon=True)
     process.start()
     rows = []
@@ -257,7 +267,7 @@ def _print_row(row: dict) -> None:
     if "gathered_gbps" in row:
         gathered = (f"  gathered: ratio {row['gathered_gbps'] / row['baseline_gbps']:5.2f} "
                     f"cpu {row['gathered_cpu_seconds'] * 1e3:6.1f} ms")
-    print(f"{row['transport']:5s} {row['size_bytes'] / 2**20:7.0f} MiB  {row['seconds'] * 1e3:9.2f} ms  "
+    print(f"{row['transport']:5s} {row['num_layers']:2d}L {row['size_bytes'] / 2**20:6.0f} MiB  {row['seconds'] * 1e3:9.2f} ms  "
           f"{row['gbps']:6.2f} GB/s  raw socket {row['baseline_gbps']:6.2f} GB/s  ratio {ratio:5.2f}  "
           f"cpu {row['cpu_seconds'] * 1e3:6.1f} ms{gathered}  bit_exact={row['bit_exact']}", flush=True)
 

@@ -12,7 +12,8 @@ class TransferConfig:
     """Knobs shared by both sides of a transfer.
 
     kv_transfer_timeout_s bounds one transfer from the moment the receiver has allocated blocks for it
-    (or the sender has started it) until the ack; past it both sides fail the transfer and free blocks.
+    (or the sender has started it) until the ack; past it both sides fail the transfer and free blocks. A gRPC
+    receiver may first queue a transfer for up to as long again, so a gRPC sender waits up to twice that.
     """
 
     transport: str = "auto"
@@ -20,7 +21,14 @@ class TransferConfig:
     connect_timeout_s: float = 60.0
     grpc_chunk_bytes: int = 1 << 20
     grpc_max_message_bytes: int = 64 << 20
-    grpc_max_concurrent_transfers: int = 8
+    # gRPC sender/receiver: raise glibc's mmap/trim thresholds for the whole process so per-message buffers
+    # are reused instead of page-faulted in anew (kv_transfer/grpc_heap.py).
+    grpc_keep_heap: bool = True
+    grpc_max_concurrent_transfers: int = 8  # gRPC receiver: transfers holding blocks and streaming at once
+    # gRPC receiver: transfers past the limit above wait (manifest read, nothing allocated) in a FIFO queue of
+    # at most this many, each for up to kv_transfer_timeout_s; one more is rejected with REJECTED_BUSY.
+    grpc_max_queued_transfers: int = 64
+    cancel_ttl_s: float = 600.0  # how long a receiver remembers cancel(id) for a transfer that has not arrived
     staging_cache_bytes: int = 1 << 30
     max_run_bytes: int = 16 << 20  # longer runs are split so gather / wire / scatter pipeline
     # A run whose per-(layer, K/V) plane has at least this many bytes goes straight from the sender's pool
@@ -36,6 +44,10 @@ class TransferConfig:
             raise ValueError("timeouts must be positive")
         if self.direct_min_plane_bytes is not None and self.direct_min_plane_bytes < 0:
             raise ValueError("direct_min_plane_bytes must be >= 0 or None")
+        if self.grpc_max_concurrent_transfers < 1 or self.grpc_max_queued_transfers < 0:
+            raise ValueError("grpc_max_concurrent_transfers must be >= 1 and grpc_max_queued_transfers >= 0")
+        if self.cancel_ttl_s <= 0:
+            raise ValueError("cancel_ttl_s must be positive")
         if not 0 < self.grpc_chunk_bytes < self.grpc_max_message_bytes:
             raise ValueError("grpc_chunk_bytes must be positive and below grpc_max_message_bytes")
 

@@ -171,7 +171,7 @@ class TorchDistReceiver(KVReceiver):
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous,
                  peers: Sequence[int], backend: str = "gloo"):
         self.config, self.pool, self.rendezvous, self.backend = config, pool, rendezvous, backend
-        self.inbox = ReceiveInbox()
+        self.inbox = ReceiveInbox(config.cancel_ttl_s)
         self.staging = StagingPool(staging_device(backend, pool), pin_memory=pool.device.type == "cuda",
                                    max_cached_bytes=config.staging_cache_bytes)
         self.stopping = threading.Event()

@@ -8,6 +8,7 @@ Method names come from the proto descriptor, never from string literals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
 
 from proto import tandem_pb2
 
@@ -37,9 +38,30 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def encode_data_chunk(data: memoryview) -> bytes:
-    """Wire bytes of KVChunk(data=data), built with a single copy of data."""
-    return b"".join((bytes((_DATA_TAG,)), _varint(len(data)), data))
+def encode_data_chunk(data: memoryview | Sequence[memoryview]) -> bytes:
+    """Wire bytes of KVChunk(data=...) whose payload is data (or the concatenation of its parts), built
+    with a single copy of the payload."""
+    parts = [data] if isinstance(data, memoryview) else list(data)
+    size = sum(part.nbytes for part in parts)
+    return b"".join([bytes((_DATA_TAG,)), _varint(size), *parts])
+
+
+def chunk_parts(pieces: Iterable[memoryview], chunk_bytes: int) -> Iterator[list[memoryview]]:
+    """Splits the concatenation of flat byte pieces into consecutive chunks of chunk_bytes (the last one
+    shorter), each given as the slices of the pieces it spans; copies nothing."""
+    parts: list[memoryview] = []
+    size = 0
+    for piece in pieces:
+        offset = 0
+        while offset < piece.nbytes:
+            take = min(chunk_bytes - size, piece.nbytes - offset)
+            parts.append(piece[offset : offset + take])
+            size, offset = size + take, offset + take
+            if size == chunk_bytes:
+                yield parts
+                parts, size = [], 0
+    if parts:
+        yield parts
 
 
 def encode_manifest_chunk(manifest_bytes: bytes) -> bytes:

@@ -9,10 +9,12 @@ import grpc
 
 from kv_transfer.config import ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVReceiver
+from kv_transfer.grpc_admission import AdmissionQueue
 from kv_transfer.grpc_codec import PUSH_METHOD, SERVICE_NAME, DecodedChunk, channel_options, decode_chunk
+from kv_transfer.grpc_heap import keep_heap_for_messages
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.loop_thread import EventLoopThread
-from kv_transfer.manifest import ManifestError, decode_manifest
+from kv_transfer.manifest import Manifest, ManifestError, decode_manifest
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox
 from kv_transfer.staging import StagingPool
@@ -27,23 +29,28 @@ def _ack(status: TransferStatus, request_id: str = "", error: str = "", nbytes: 
 
 
 class GrpcReceiver(KVReceiver):
-    """Binds host:port (port 0 picks a free one) and accepts concurrent Push streams into the pool."""
+    """Binds host:port (port 0 picks a free one) and accepts Push streams into the pool: up to
+    config.grpc_max_concurrent_transfers at once, up to config.grpc_max_queued_transfers more waiting in
+    arrival order (their manifests read, nothing allocated), any further one rejected (REJECTED_BUSY)."""
 
     def __init__(self, config: TransferConfig, pool: KVPoolView, host: str = "127.0.0.1", port: int = 0):
         self.config, self.pool = config, pool
-        self.inbox = ReceiveInbox()
+        self.inbox = ReceiveInbox(config.cancel_ttl_s)
+        if config.grpc_keep_heap:
+            keep_heap_for_messages(config.grpc_chunk_bytes)
         self.staging = StagingPool("cpu", pin_memory=pool.device.type == "cuda", max_cached_bytes=config.staging_cache_bytes)
         self._loop = EventLoopThread("kv-grpc-recv")
         self._lander = ThreadPoolExecutor(1, thread_name_prefix="kv-grpc-land")
         self._server: grpc.aio.Server | None = None
+        self.admission = AdmissionQueue(config.grpc_max_concurrent_transfers, config.grpc_max_queued_transfers)
         self.host = host
         self.port = self._loop.run(self._start(host, port), timeout=config.connect_timeout_s)
 
     async def _start(self, host: str, port: int) -> int:
         handler = grpc.stream_stream_rpc_method_handler(
             self._push, request_deserializer=None, response_serializer=tandem_pb2.KVAck.SerializeToString)
-        self._server = grpc.aio.server(options=channel_options(self.config.grpc_max_message_bytes),
-                                       maximum_concurrent_rpcs=self.config.grpc_max_concurrent_transfers)
+        # No maximum_concurrent_rpcs: gRPC would refuse calls past it; self.admission queues them instead.
+        self._server = grpc.aio.server(options=channel_options(self.config.grpc_max_message_bytes))
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {PUSH_METHOD: handler}),))
         bound = self._server.add_insecure_port(f"{host}:{port}")
         if bound == 0:
@@ -56,9 +63,10 @@ class GrpcReceiver(KVReceiver):
         return ReceiverAddress("grpc", target=f"{self.host}:{self.port}")
 
     async def _push(self, request_iterator, context) -> None:
-        """One transfer: manifest, allocate, stream into staging, verify + scatter, final ack. Whatever ends
-        it (bad data, timeout, client gone, receiver cancel) frees the blocks first. A delivery reaches the
-        inbox only after its final ack went out."""
+        """One transfer: manifest, admission (maybe a wait in the queue), allocate, stream into the blocks or
+        staging, verify (+ scatter), final ack. Whatever ends it (bad data, full queue, timeout, client gone,
+        receiver cancel) frees the blocks first and puts exactly one outcome in the inbox; a delivery reaches
+        the inbox only after its final ack went out."""
         final, received, drain = await self._run_transfer(context)
         try:
             await context.write(final)
@@ -76,27 +84,36 @@ class GrpcReceiver(KVReceiver):
                 pass
 
     async def _run_transfer(self, context) -> tuple[tandem_pb2.KVAck, ReceivedKV | None, bool]:
-        """(final ack, the delivery if it succeeded, whether to drain the client's remaining writes)."""
+        """(final ack, the delivery if it succeeded, whether to drain the client's remaining writes).
+        The manifest is read first; the transfer then waits for a slot in the admission queue (holding
+        nothing) and allocates only once admitted. Each phase is bounded by kv_transfer_timeout_s."""
         held: list[IncomingTransfer] = []
+        timeout_s, rid = self.config.kv_transfer_timeout_s, ""
         try:
-            await asyncio.wait_for(self._receive(context, held), self.config.kv_transfer_timeout_s)
-            received = await self._commit(held[0])
+            manifest = await asyncio.wait_for(self._read_manifest(context), timeout_s)
+            rid = manifest.request_id
+            await self.admission.enter(timeout_s, rid)
+            try:
+                await asyncio.wait_for(self._receive(context, manifest, held), timeout_s)
+                received = await self._commit(held[0])
+            finally:
+                self.admission.leave()
             return _ack(TransferStatus.OK, received.request_id, nbytes=received.kv_bytes), received, False
         except KVTransferError as exc:
-            return self._failed(held, exc.status, exc.message, exc.request_id), None, True
+            return self._failed(held, exc.status, exc.message, exc.request_id or rid), None, True
         except asyncio.TimeoutError:
-            return self._failed(held, TransferStatus.TIMEOUT, f"not finished within {self.config.kv_transfer_timeout_s}s"), None, False
+            return self._failed(held, TransferStatus.TIMEOUT, f"not finished within {timeout_s}s", rid), None, False
         except asyncio.CancelledError:  # the client went away or cancelled; nobody to answer
-            self._failed(held, TransferStatus.PEER_FAILED, "the sender disconnected or cancelled mid-transfer")
+            self._failed(held, TransferStatus.PEER_FAILED, "the sender disconnected or cancelled mid-transfer", rid)
             raise
         except Exception as exc:
             log.exception("kv push failed")
-            return self._failed(held, TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}"), None, True
+            return self._failed(held, TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", rid), None, True
 
-    async def _receive(self, context, held: list[IncomingTransfer]) -> None:
-        """Reads the manifest (allocating blocks, recorded in held), accepts it, and lands every data chunk."""
-        held.append(await self._accept(context))
-        await context.write(_ack(TransferStatus.OK, held[0].manifest.request_id, final=False))
+    async def _receive(self, context, manifest: Manifest, held: list[IncomingTransfer]) -> None:
+        """Allocates the manifest's blocks (recorded in held), accepts it, and lands every data chunk."""
+        held.append(self._accept(manifest))
+        await context.write(_ack(TransferStatus.OK, manifest.request_id, final=False))
         await self._stream(context, held[0])
 
     async def _drain(self, context) -> None:
@@ -126,19 +143,24 @@ class GrpcReceiver(KVReceiver):
         self.inbox.put(outcome)
         return _ack(status, outcome.request_id, message, nbytes)
 
-    async def _accept(self, context) -> IncomingTransfer:
+    async def _read_manifest(self, context) -> Manifest:
+        """The stream's first chunk, decoded; KVTransferError(MALFORMED) if it is not a valid manifest."""
         first = await self._next_chunk(context)
         if first is None or first.manifest is None:
             raise KVTransferError(TransferStatus.MALFORMED, "the first chunk must carry the manifest")
         try:
-            manifest = decode_manifest(first.manifest)
+            return decode_manifest(first.manifest)
         except ManifestError as exc:
             raise KVTransferError(TransferStatus.MALFORMED, str(exc)) from None
+
+    def _accept(self, manifest: Manifest) -> IncomingTransfer:
+        """Checks the cancel list and the fingerprint, then allocates (KVTransferError if any says no)."""
         if self.inbox.is_cancelled(manifest.request_id):
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
         return IncomingTransfer.accept(manifest, self.pool, self.staging, self._lander)
 
     async def _stream(self, context, incoming: IncomingTransfer) -> None:
+        """Lands data chunks until the client half-closes (see IncomingTransfer.write)."""
         rid = incoming.manifest.request_id
         while (chunk := await self._next_chunk(context)) is not None:
             if chunk.data is None:

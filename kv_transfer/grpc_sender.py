@@ -11,7 +11,8 @@ import grpc
 from kv_transfer.config import ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVSender
 from kv_transfer.device_sync import record_ready_event
-from kv_transfer.grpc_codec import PUSH_PATH, channel_options, encode_data_chunk, encode_manifest_chunk
+from kv_transfer.grpc_codec import PUSH_PATH, channel_options, chunk_parts, encode_data_chunk, encode_manifest_chunk
+from kv_transfer.grpc_heap import keep_heap_for_messages
 from kv_transfer.loop_thread import EventLoopThread
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
 from kv_transfer.pool import KVPoolView
@@ -28,16 +29,22 @@ _GRPC_TO_STATUS = {
 
 class GrpcSender(KVSender):
     """Each send() is one bidirectional Push stream: the manifest chunk, the server's verdict, the runs'
-    bytes in chunks of config.grpc_chunk_bytes, and the final KVAck saying whether the blocks were written."""
+    bytes in chunks of config.grpc_chunk_bytes, and the final KVAck saying whether the blocks were written.
+    One send() ends within 2 * kv_transfer_timeout_s (the receiver's queue wait, then the transfer)."""
 
     def __init__(self, config: TransferConfig, pool: KVPoolView):
         self.config, self.pool = config, pool
+        if config.grpc_keep_heap:
+            keep_heap_for_messages(config.grpc_chunk_bytes)
         self.staging = StagingPool("cpu", pin_memory=pool.device.type == "cuda", max_cached_bytes=config.staging_cache_bytes)
         self._loop = EventLoopThread("kv-grpc-send")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self.closed = False
+        # The receiver may queue a transfer for up to kv_transfer_timeout_s before it bounds the transfer
+        # itself by kv_transfer_timeout_s: the sender waits for both.
+        self._deadline_s = 2 * config.kv_transfer_timeout_s
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
         handle = TransferHandle(request.request_id)
@@ -66,9 +73,9 @@ class GrpcSender(KVSender):
             outgoing = await loop.run_in_executor(None, prepare_outgoing, self.pool, request, self.staging, ready,
                                                   self.config.max_run_bytes, self.config.direct_min_plane_bytes)
             try:  # wait_for runs the push as its own task: a cancel or the deadline stops only it
-                await asyncio.wait_for(self._push(target, outgoing, handle), self.config.kv_transfer_timeout_s)
+                await asyncio.wait_for(self._push(target, outgoing, handle), self._deadline_s)
             except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
-                raise KVTransferError(TransferStatus.TIMEOUT, "no ack within kv_transfer_timeout_s",
+                raise KVTransferError(TransferStatus.TIMEOUT, f"no ack within {self._deadline_s}s",
                                       request.request_id) from None
             finally:
                 self.staging.release(outgoing.staging)
@@ -92,10 +99,11 @@ class GrpcSender(KVSender):
             PUSH_PATH, request_serializer=None, response_deserializer=tandem_pb2.KVAck.FromString)
 
     async def _push(self, target: str, outgoing: OutgoingTransfer, handle: TransferHandle) -> None:
-        """Manifest, wait for the verdict, stream the runs (stopping early if the server gives up), read the
-        final ack. Raises KVTransferError unless the receiver acked the written blocks."""
+        """Manifest, wait for the verdict (the receiver may queue the transfer first), stream the runs
+        (stopping early if the server gives up), read the final ack. Raises KVTransferError unless the
+        receiver acked the written blocks."""
         rid = outgoing.manifest.request_id
-        call = self._stub(target)(timeout=self.config.kv_transfer_timeout_s)
+        call = self._stub(target)(timeout=self._deadline_s)
         loop, push_task = asyncio.get_running_loop(), asyncio.current_task()
 
         def stop_push() -> None:
@@ -132,22 +140,33 @@ class GrpcSender(KVSender):
         return ack
 
     async def _write_runs(self, call, outgoing: OutgoingTransfer, final: asyncio.Future) -> None:
-        """Writes every run in chunks, then half-closes; stops as soon as the final ack has arrived."""
-        chunk, loop = self.config.grpc_chunk_bytes, asyncio.get_running_loop()
-        gathering = loop.run_in_executor(None, outgoing.gather, 0)
+        """Writes every run in chunks of grpc_chunk_bytes (a chunk may span pool planes); stops as soon as
+        the final ack has arrived. Chunk k+1 is encoded (its one copy) while gRPC sends chunk k, and run
+        i+1 is gathered (if it is not direct) while run i streams."""
+        gathering = _gather_soon(outgoing, 0)
+        writing: asyncio.Future | None = None
         try:
             for index in range(len(outgoing.runs)):
                 await gathering
-                if index + 1 < len(outgoing.runs):  # gather the next run while this one streams
-                    gathering = loop.run_in_executor(None, outgoing.gather, index + 1)
-                for piece in outgoing.pieces(index):  # pool planes (direct) or the staging piece
-                    view = memoryview(piece.numpy())
-                    for offset in range(0, len(view), chunk):
-                        if final.done():
-                            return
-                        await call.write(encode_data_chunk(view[offset : offset + chunk]))
+                if index + 1 < len(outgoing.runs):
+                    gathering = _gather_soon(outgoing, index + 1)
+                pieces = (memoryview(piece.numpy()) for piece in outgoing.pieces(index))
+                for parts in chunk_parts(pieces, self.config.grpc_chunk_bytes):
+                    message = encode_data_chunk(parts)  # while gRPC still sends the previous chunk
+                    if writing is not None:
+                        await writing
+                    if final.done():
+                        return
+                    writing = asyncio.ensure_future(call.write(message))
+                    await asyncio.sleep(0)  # let the write hand the message to gRPC before we encode the next
+            if writing is not None:
+                await writing
         finally:  # staging is released after we return: no gather may still be writing into it
-            await asyncio.wait([gathering])
+            if writing is not None and not writing.done():
+                writing.cancel()  # the message is our own copy; the call is failing anyway
+            await asyncio.wait([gathering] + ([writing] if writing is not None else []))
+            if writing is not None and not writing.cancelled():
+                writing.exception()  # retrieved: the error that ended the call is reported elsewhere
 
     def close(self) -> None:
         """Waits for transfers in flight (bounded by the transfer timeout), then closes channels and the loop."""
@@ -156,9 +175,20 @@ class GrpcSender(KVSender):
             pending = list(self._pending)
         for future in pending:
             try:
-                future.result(self.config.kv_transfer_timeout_s + 5)
+                future.result(self._deadline_s + 5)
             except Exception:
                 pass
         for channel in self._channels.values():
             self._loop.run(channel.close(), timeout=10)
         self._loop.stop()
+
+
+def _gather_soon(outgoing: OutgoingTransfer, index: int) -> asyncio.Future:
+    """Starts gathering run `index` on the default executor; a finished future for a direct run, which
+    travels from the pool as it is (no thread hop)."""
+    loop = asyncio.get_running_loop()
+    if outgoing.direct[index]:
+        done = loop.create_future()
+        done.set_result(None)
+        return done
+    return loop.run_in_executor(None, outgoing.gather, index)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Union
@@ -101,16 +102,23 @@ class TransferHandle:
 
 
 class ReceiveInbox:
-    """Thread-safe hand-off of finished receives from transfer threads to the decode step loop."""
+    """Thread-safe hand-off of finished receives from transfer threads to the decode step loop, plus the
+    receiver's memory of cancel(id) calls.
 
-    def __init__(self) -> None:
+    A cancel is remembered until an outcome for that id is put, or for cancel_ttl_s (then it is forgotten: a
+    transfer arriving later is accepted), and at most max_cancels ids are kept (the oldest go first)."""
+
+    def __init__(self, cancel_ttl_s: float = 600.0, max_cancels: int = 65536,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._outcomes: queue.SimpleQueue[ReceiveOutcome] = queue.SimpleQueue()
-        self._cancelled: set[str] = set()
+        self._cancelled: dict[str, float] = {}  # request id -> expiry on clock, oldest first
+        self._ttl, self._max_cancels, self._clock = cancel_ttl_s, max_cancels, clock
         self._lock = threading.Lock()
 
     def put(self, outcome: ReceiveOutcome) -> None:
+        """Queues outcome for poll()/wait() and forgets any cancel of its request id."""
         with self._lock:
-            self._cancelled.discard(outcome.request_id)
+            self._cancelled.pop(outcome.request_id, None)
         self._outcomes.put(outcome)
 
     def poll(self) -> list[ReceiveOutcome]:
@@ -130,9 +138,32 @@ class ReceiveInbox:
             return None
 
     def cancel(self, request_id: str) -> None:
+        """Remembers request_id as cancelled for cancel_ttl_s from now (renewed by a repeated cancel)."""
         with self._lock:
-            self._cancelled.add(request_id)
+            self._expire()
+            self._cancelled.pop(request_id, None)
+            self._cancelled[request_id] = self._clock() + self._ttl
+            while len(self._cancelled) > self._max_cancels:
+                del self._cancelled[next(iter(self._cancelled))]
 
     def is_cancelled(self, request_id: str) -> bool:
+        """Whether request_id was cancelled and the cancel has neither expired nor been consumed by put()."""
         with self._lock:
+            self._expire()
             return request_id in self._cancelled
+
+    @property
+    def num_cancels(self) -> int:
+        """How many cancels are remembered right now (expired ones excluded)."""
+        with self._lock:
+            self._expire()
+            return len(self._cancelled)
+
+    def _expire(self) -> None:
+        """Drops expired cancels; insertion order is expiry order (same ttl), so only the front is checked."""
+        now = self._clock()
+        while self._cancelled:
+            oldest = next(iter(self._cancelled))
+            if self._cancelled[oldest] > now:
+                return
+            del self._cancelled[oldest]

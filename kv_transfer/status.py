@@ -16,6 +16,7 @@ class TransferStatus(IntEnum):
     PEER_FAILED = 8
     ABORTED_BY_SENDER = 9
     INTERNAL = 10
+    REJECTED_BUSY = 11  # the receiver's queue of waiting transfers is full
 
 
 class KVTransferError(RuntimeError):

@@ -20,6 +20,7 @@ class KVStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_PEER_FAILED: _ClassVar[KVStatus]
     KV_ABORTED_BY_SENDER: _ClassVar[KVStatus]
     KV_INTERNAL: _ClassVar[KVStatus]
+    KV_REJECTED_BUSY: _ClassVar[KVStatus]
 KV_OK: KVStatus
 KV_REJECTED_FINGERPRINT: KVStatus
 KV_REJECTED_NO_BLOCKS: KVStatus
@@ -31,6 +32,7 @@ KV_TIMEOUT: KVStatus
 KV_PEER_FAILED: KVStatus
 KV_ABORTED_BY_SENDER: KVStatus
 KV_INTERNAL: KVStatus
+KV_REJECTED_BUSY: KVStatus
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")

@@ -11,10 +11,10 @@ TIMEOUT_S = 20.0
 SHORT_TIMEOUT_S = 1.0
 
 
-def _side(dtype: str, timeout_s: float) -> sc.Side:
+def _side(dtype: str, timeout_s: float, **limits) -> sc.Side:
     pool = sc.receiver_pool(FP32 if dtype == "float32" else BF16)
     gate = sc.Gate(pool)
-    config = TransferConfig(transport="grpc", kv_transfer_timeout_s=timeout_s, connect_timeout_s=30)
+    config = TransferConfig(transport="grpc", kv_transfer_timeout_s=timeout_s, connect_timeout_s=30, **limits)
     return sc.Side(dtype, pool, gate, create_receiver(config, gate.view(), "grpc", host="127.0.0.1", port=0))
 
 
@@ -27,6 +27,7 @@ def rig():
         "bfloat16": _side("bfloat16", TIMEOUT_S),
         "short": _side("float32", SHORT_TIMEOUT_S),
         "doomed": _side("float32", TIMEOUT_S),
+        "one-slot": _side("float32", TIMEOUT_S, grpc_max_concurrent_transfers=1, grpc_max_queued_transfers=8),
     }
     yield sc.Rig(peer, doomed, sides)
     peer.stop()
@@ -42,6 +43,12 @@ def test_blocks_arrive_bit_exact(rig, dtype):
 
 def test_several_transfers_in_flight(rig):
     sc.several_in_flight(rig, "float32")
+
+
+def test_transfers_beyond_the_slots_queue_and_complete(rig):
+    """Four transfers at once to a receiver with one slot: they wait their turn (gRPC used to refuse the
+    calls past its limit) and all arrive bit for bit, every block freed."""
+    sc.several_in_flight(rig, "one-slot")
 
 
 def test_sender_cancels_half_way(rig):
