@@ -65,13 +65,12 @@ def worker_configs(config: ClusterConfig, transport: str, store_host: str, store
     0..N-1 (senders), decode workers N..N+M-1 (receivers listening to every prefill rank).
 
     gRPC: a prefill worker keeps at most grpc_max_concurrent_transfers transfers in flight to one decode
-    worker, and a decode worker's receiver admits twice what all prefill workers may send at once (its
-    server refuses calls past its limit, and a finished call still counts for a moment after the
-    sender saw its final ack)."""
+    worker, and a decode worker's receiver streams as many as all prefill workers may send at once (a call
+    past that, e.g. one whose predecessor's call has not quite ended yet, waits in the receiver's queue)."""
     world, num_prefill = config.num_workers, config.num_prefill_workers
     namespace = f"tandem-{uuid.uuid4().hex[:8]}"
     per_peer = config.transfer.grpc_max_concurrent_transfers
-    receiver_transfer = dataclasses.replace(config.transfer, grpc_max_concurrent_transfers=2 * num_prefill * per_peer)
+    receiver_transfer = dataclasses.replace(config.transfer, grpc_max_concurrent_transfers=num_prefill * per_peer)
 
     def rendezvous(rank: int) -> DistRendezvous | None:
         return None if store_port is None else DistRendezvous(store_host, store_port, rank, world, namespace)

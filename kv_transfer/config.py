@@ -22,8 +22,9 @@ class TransferConfig:
     grpc_chunk_bytes: int = 1 << 20
     grpc_max_message_bytes: int = 64 << 20
     # gRPC sender/receiver: raise glibc's mmap/trim thresholds for the whole process so per-message buffers
-    # are reused instead of page-faulted in anew (kv_transfer/grpc_heap.py).
-    grpc_keep_heap: bool = True
+    # are reused instead of page-faulted in anew (kv_transfer/grpc_heap.py). Opt-in: it changes malloc for
+    # everything else in the process too.
+    grpc_keep_heap: bool = False
     grpc_max_concurrent_transfers: int = 8  # gRPC receiver: transfers holding blocks and streaming at once
     # gRPC receiver: transfers past the limit above wait (manifest read, nothing allocated) in a FIFO queue of
     # at most this many, each for up to kv_transfer_timeout_s; one more is rejected with REJECTED_BUSY.
