@@ -220,7 +220,8 @@ class Coordinator:
 
     async def health(self) -> BackendHealth:
         """Serving while at least one prefill and one decode worker are alive; details sum the decode
-        workers' load (the keys ServingMetrics reads) and list the dead workers."""
+        workers' load (the keys ServingMetrics reads), give each alive worker's load under "workers",
+        and list the dead workers."""
         stats = await self.worker_stats()
         num_prefill, num_decode = self._router.alive_counts()
         decode = [s for name, s in stats.items() if self._workers[name].info.role == "decode"]
@@ -228,7 +229,8 @@ class Coordinator:
                    "waiting_requests": sum(s.waiting for s in decode),
                    "free_kv_blocks": sum(s.free_blocks for s in decode),
                    "total_kv_blocks": sum(s.total_blocks for s in decode),
-                   "dead_workers": sorted(n for n in self._workers if not self._router.is_alive(n))}
+                   "dead_workers": sorted(n for n in self._workers if not self._router.is_alive(n)),
+                   "workers": {name: _worker_load(self._workers[name].info.role, s) for name, s in stats.items()}}
         serving = not self._closed and num_prefill > 0 and num_decode > 0
         return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
 
@@ -245,6 +247,13 @@ class Coordinator:
         for pump in self._pumps.values():  # the stopped workers already ended every request
             pump.stop()
         await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
+
+
+def _worker_load(role: str, stats) -> dict:
+    """One worker's entry of BackendHealth.details["workers"] (the per-worker /metrics gauges)."""
+    running = stats.running if role == "decode" else stats.live_requests
+    return {"role": role, "free_kv_blocks": stats.free_blocks, "total_kv_blocks": stats.total_blocks,
+            "running_requests": running}
 
 
 def release_cluster(actors: list, resources: ClusterResources) -> None:

@@ -3,7 +3,9 @@
 Each instance has its own CollectorRegistry (nothing global), so tests and several servers in one
 process never share counters. Per-request series are recorded by MeteredBackend; the load gauges are
 read from BackendHealth.details at scrape time (keys: running_requests, waiting_requests,
-free_kv_blocks, total_kv_blocks; a missing key leaves its gauge unchanged).
+free_kv_blocks, total_kv_blocks; a missing key leaves its gauge unchanged; `workers`, a dict of worker
+name -> {role, free_kv_blocks, total_kv_blocks, running_requests}, fills the per-worker gauges, labelled
+worker and role; a worker no longer listed loses its series).
 """
 from __future__ import annotations
 
@@ -49,6 +51,15 @@ class ServingMetrics:
         self.free_blocks = Gauge("tandem_kv_free_blocks", "Free KV cache blocks", registry=r)
         self.total_blocks = Gauge("tandem_kv_total_blocks", "KV cache blocks in the pool", registry=r)
         self.serving = Gauge("tandem_backend_serving", "1 while the backend serves, else 0", registry=r)
+        labels = ["worker", "role"]
+        self._worker_gauges = {
+            "free_kv_blocks": Gauge("tandem_worker_kv_free_blocks", "Free KV blocks of one worker", labels,
+                                    registry=r),
+            "total_kv_blocks": Gauge("tandem_worker_kv_total_blocks", "KV blocks in one worker's pool", labels,
+                                     registry=r),
+            "running_requests": Gauge("tandem_worker_running_requests", "Requests one worker holds", labels,
+                                      registry=r)}
+        self._worker_series: set[tuple[str, str]] = set()
         self._load_gauges = {"running_requests": self.running, "waiting_requests": self.waiting,
                              "free_kv_blocks": self.free_blocks, "total_kv_blocks": self.total_blocks}
 
@@ -82,4 +93,16 @@ class ServingMetrics:
             value = health.details.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 gauge.set(value)
+        self._render_workers(health.details.get("workers") or {})
         return generate_latest(self.registry)
+
+    def _render_workers(self, workers: dict) -> None:
+        series = {(name, str(load.get("role", ""))) for name, load in workers.items()}
+        for stale in self._worker_series - series:  # a dead worker's series disappear
+            for gauge in self._worker_gauges.values():
+                gauge.remove(*stale)
+        self._worker_series = series
+        for name, load in workers.items():
+            for key, gauge in self._worker_gauges.items():
+                if key in load:
+                    gauge.labels(worker=name, role=str(load.get("role", ""))).set(load[key])

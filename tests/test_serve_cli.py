@@ -107,6 +107,9 @@ def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_por
     client = subprocess.run([*TANDEM, "client", "hello", "--target", f"127.0.0.1:{grpc_port}",
                              "--max-tokens", "4", "--ignore-eos"], capture_output=True, text=True, timeout=60)
     assert client.returncode == 0 and "[length] ttft" in client.stdout, client.stderr
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30).read().decode()
+    for worker, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        assert f'tandem_worker_kv_total_blocks{{role="{role}",worker="{worker}"}}' in metrics, metrics[-2000:]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     assert "shutting down" in proc.stdout.read()
