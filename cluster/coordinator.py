@@ -158,7 +158,7 @@ class Coordinator:
     async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, local: bool):
         """The first decode worker (in routing order) that accepts the request, and the request's
         mailbox on that worker's event stream. The request's blocks are claimed on that worker (the
-        caller releases them with decode_done and closes the mailbox with _close_mailbox)."""
+        caller releases them with decode_done and closes the mailbox with the pump's close())."""
         expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params, prefill_locally=local)
         refusals = []
         for name in self._router.decode_order():
