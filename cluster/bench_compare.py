@@ -50,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-dir", default="bench_results/compare")
     parser.add_argument("--server-start-timeout", type=float, default=300.0)
     add_workload_arguments(parser)
-    # the interference case: long prompts arriving while many requests decode
+    # the interference case: long prompts arriving while many requests decode, every output full length
     parser.set_defaults(dataset_name="mixed", num_prompts=48, num_warmups=2, mixed_long_fraction=0.2,
-                        mixed_long_len=1536, mixed_short_len=64, random_output_len=128)
+                        mixed_long_len=1536, mixed_short_len=64, random_output_len=128, ignore_eos=True)
 
 
 def parse_rates(text: str) -> list[float]:

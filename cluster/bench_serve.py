@@ -47,8 +47,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-short-len", type=int, default=128)
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="generate exactly the output length (default on, so runs compare)")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                        help="generate exactly the output length even past EOS (off by default, as in vLLM)")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

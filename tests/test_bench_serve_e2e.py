@@ -21,7 +21,7 @@ def test_bench_serve_against_tandem_serve(tmp_path):
     result_file = tmp_path / "result.json"
     with start_serve() as (_, _, http_port):
         done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{http_port}",
-                               "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8",
+                               "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos",
                                "--goodput", "ttft:60000", "--result-json", str(result_file)],
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
