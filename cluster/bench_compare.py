@@ -146,7 +146,8 @@ def _wait_for_whole_pool(server: ServerProcess) -> bool | None:
     """Polls /metrics until free == total KV blocks (bounded); None if the server does not report them."""
     deadline = time.monotonic() + POOL_DRAIN_TIMEOUT_S
     while True:
-        free, total = _gauge(server, "tandem_kv_free_blocks"), _gauge(server, "tandem_kv_total_blocks")
+        text = server.metrics_text()
+        free, total = _gauge(text, "tandem_kv_free_blocks"), _gauge(text, "tandem_kv_total_blocks")
         if free is None or total is None:
             return None
         if free == total or time.monotonic() > deadline:
@@ -154,8 +155,8 @@ def _wait_for_whole_pool(server: ServerProcess) -> bool | None:
         time.sleep(0.1)
 
 
-def _gauge(server: ServerProcess, name: str) -> float | None:
-    match = re.search(rf"^{name} (\S+)$", server.metrics_text(), re.MULTILINE)
+def _gauge(metrics_text: str, name: str) -> float | None:
+    match = re.search(rf"^{name} (\S+)$", metrics_text, re.MULTILINE)
     return float(match.group(1)) if match else None
 
 

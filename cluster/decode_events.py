@@ -76,6 +76,11 @@ class WorkerStreamLost(Exception):
         super().__init__(f"decode worker {worker}: {error}")
         self.worker, self.error = worker, error
 
+    @property
+    def died(self) -> bool:
+        """The actor died (the stream broke with RayActorError), rather than failing otherwise."""
+        return isinstance(self.error, RayActorError)
+
 
 class DecodeEventPump:
     """Reads one decode worker's event stream and routes events to per-request mailboxes.

@@ -12,8 +12,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Callable
 
-from ray.exceptions import RayActorError
-
 from cluster.backend import GenerationChunk, GenerationRequest, Timing
 from cluster.decode_events import WorkerStreamLost
 from cluster.request_flow import RequestFailed, WorkerLost, WorkerRef, decode_ended_error
@@ -49,7 +47,7 @@ class LocalPrefillFlow:
         name = self._decode.name
         if isinstance(event, DecodeEnded):
             return decode_ended_error(event, name)
-        if isinstance(event.error, RayActorError):
+        if event.died:
             self._worker_lost(name, event.error)
             return WorkerLost(f"decode worker {name} died: {event.error}", role="decode")
         return RequestFailed(f"decode worker {name} failed: {event.error}")

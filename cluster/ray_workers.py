@@ -68,21 +68,14 @@ def _info(name: str, role: str, engine, kv_address: ReceiverAddress | None) -> W
                       engine.max_model_len, engine.config.block_size, engine.num_total_blocks, kv_address)
 
 
-@ray.remote(max_restarts=0)
-class PrefillActor:
-    """A PrefillWorker in a Ray actor process."""
+class _WorkerActor:
+    """What both actors answer the same way, over `self._worker` (a PrefillWorker or DecodeWorker)."""
 
-    def __init__(self, spec: EngineSpec, config: PrefillWorkerConfig) -> None:
-        engine = _build_engine(spec)
-        self._worker = PrefillWorker(engine, config)
-        self._info = _info(config.name, "prefill", engine, None)
+    _worker: PrefillWorker | DecodeWorker
+    _info: WorkerInfo
 
     async def info(self) -> WorkerInfo:
         return self._info
-
-    async def prefill(self, task: PrefillTask):
-        """The task's PrefillReport, once its KV is acknowledged (or the task ended otherwise)."""
-        return await asyncio.wrap_future(self._worker.submit(task))
 
     async def cancel(self, request_id: str) -> None:
         self._worker.cancel(request_id)
@@ -91,12 +84,26 @@ class PrefillActor:
         return self._worker.stats()
 
     async def stop(self) -> None:
-        """Cancel everything, wait for transfers in flight, stop the threads."""
+        """End every request, wait for transfers in flight, stop the worker's threads."""
         await asyncio.to_thread(self._worker.stop)
 
 
 @ray.remote(max_restarts=0)
-class DecodeActor:
+class PrefillActor(_WorkerActor):
+    """A PrefillWorker in a Ray actor process."""
+
+    def __init__(self, spec: EngineSpec, config: PrefillWorkerConfig) -> None:
+        engine = _build_engine(spec)
+        self._worker = PrefillWorker(engine, config)
+        self._info = _info(config.name, "prefill", engine, None)
+
+    async def prefill(self, task: PrefillTask):
+        """The task's PrefillReport, once its KV is acknowledged (or the task ended otherwise)."""
+        return await asyncio.wrap_future(self._worker.submit(task))
+
+
+@ray.remote(max_restarts=0)
+class DecodeActor(_WorkerActor):
     """A DecodeWorker (with its KV receiver) in a Ray actor process. A gRPC receiver binds this node's
     address as Ray knows it (127.0.0.1 on a local Ray started on loopback, the node's routable address
     in a multi-node cluster), whatever config.host says."""
@@ -107,9 +114,6 @@ class DecodeActor:
         self._worker = DecodeWorker(engine, config)
         self._info = _info(config.name, "decode", engine, self._worker.address)
         self._batcher: EventBatcher | None = None
-
-    async def info(self) -> WorkerInfo:
-        return self._info
 
     def _outbox(self) -> EventBatcher:
         """The batcher behind events(), made on first use on the actor's event loop."""
@@ -127,15 +131,9 @@ class DecodeActor:
         async for batch in self._outbox().batches():
             yield batch
 
-    async def cancel(self, request_id: str) -> None:
-        self._worker.cancel(request_id)
-
-    async def stats(self):
-        return self._worker.stats()
-
     async def stop(self) -> None:
         """End every request (SHUTDOWN), wait for transfers in flight, stop the threads, end events()."""
-        await asyncio.to_thread(self._worker.stop)
+        await super().stop()
         self._outbox().close()
 
 

@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError
 
 from cluster.backend import BackendUnavailable, GenerationChunk, GenerationRequest, Timing
 from cluster.decode_events import WorkerStreamLost
-from decode_worker import DecodeChunk, DecodeStatus, is_final
+from decode_worker import DecodeChunk, DecodeEnded, DecodeStatus, is_final
 from kv_transfer.config import ReceiverAddress
 from prefill_worker import PrefillReport, PrefillStatus, PrefillTask
 
@@ -119,8 +119,7 @@ class RequestFlow:
         while True:
             event = await self._mailbox.get()
             if isinstance(event, WorkerStreamLost):
-                lost = isinstance(event.error, RayActorError)
-                events.put_nowait(_Broken("decode", self._decode.name, event.error, lost=lost))
+                events.put_nowait(_Broken("decode", self._decode.name, event.error, lost=event.died))
                 return
             events.put_nowait(event)
             if is_final(event):

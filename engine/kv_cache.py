@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_allocator import BlockAllocator
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
