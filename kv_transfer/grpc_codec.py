@@ -68,12 +68,18 @@ def encode_manifest_chunk(manifest_bytes: bytes) -> bytes:
     return tandem_pb2.KVChunk(manifest=manifest_bytes).SerializeToString()
 
 
+def encode_checksum_chunk(checksum: int) -> bytes:
+    """Wire bytes of KVChunk(run_checksum=...): the trailing checksum of the run whose bytes just ended."""
+    return tandem_pb2.KVChunk(run_checksum=checksum).SerializeToString()
+
+
 @dataclass(frozen=True)
 class DecodedChunk:
-    """One KVChunk: exactly one of manifest / data is set (both None: an empty chunk)."""
+    """One KVChunk: at most one of manifest / data / run_checksum is set (none: an empty chunk)."""
 
     manifest: bytes | None
     data: memoryview | None
+    run_checksum: int | None = None
 
 
 def _parse_fast_data(raw: bytes) -> memoryview | None:
@@ -102,4 +108,6 @@ def decode_chunk(raw: bytes) -> DecodedChunk:
     kind = chunk.WhichOneof("payload")
     if kind == "manifest":
         return DecodedChunk(chunk.manifest, None)
+    if kind == "run_checksum":
+        return DecodedChunk(None, None, chunk.run_checksum)
     return DecodedChunk(None, memoryview(chunk.data) if kind == "data" else None)

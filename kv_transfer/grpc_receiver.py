@@ -157,18 +157,22 @@ class GrpcReceiver(KVReceiver):
         """Checks the cancel list and the fingerprint, then allocates (KVTransferError if any says no)."""
         if self.inbox.is_cancelled(manifest.request_id):
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
-        return IncomingTransfer.accept(manifest, self.pool, self.staging, self._lander)
+        return IncomingTransfer.accept(manifest, self.pool, self.staging, self._lander, trailing_checksums=True)
 
     async def _stream(self, context, incoming: IncomingTransfer) -> None:
-        """Lands data chunks until the client half-closes (see IncomingTransfer.write)."""
+        """Lands data chunks and trailing run checksums until the client half-closes (see
+        IncomingTransfer.write and run_checksum)."""
         rid = incoming.manifest.request_id
         while (chunk := await self._next_chunk(context)) is not None:
-            if chunk.data is None:
-                raise KVTransferError(TransferStatus.MALFORMED, "a chunk after the first must carry data", rid)
             if self.inbox.is_cancelled(rid):
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", rid)
-            incoming.write(chunk.data)
-        if incoming.bytes_written < incoming.manifest.total_nbytes:
+            if chunk.data is not None:
+                incoming.write(chunk.data)
+            elif chunk.run_checksum is not None:
+                incoming.run_checksum(chunk.run_checksum)
+            else:
+                raise KVTransferError(TransferStatus.MALFORMED, "a chunk after the first must carry data or a run checksum", rid)
+        if not incoming.complete:
             await asyncio.sleep(0.05)  # a lost client shows up as EOF first, as a cancelled call a moment later
             if context.done():
                 raise KVTransferError(TransferStatus.PEER_FAILED, f"the sender went away after {incoming.bytes_written}"

@@ -11,7 +11,8 @@ import grpc
 from kv_transfer.config import ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVSender
 from kv_transfer.device_sync import record_ready_event
-from kv_transfer.grpc_codec import PUSH_PATH, channel_options, chunk_parts, encode_data_chunk, encode_manifest_chunk
+from kv_transfer.grpc_codec import (PUSH_PATH, channel_options, chunk_parts, encode_checksum_chunk, encode_data_chunk,
+                                    encode_manifest_chunk)
 from kv_transfer.grpc_heap import keep_heap_for_messages
 from kv_transfer.loop_thread import EventLoopThread
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
@@ -28,9 +29,11 @@ _GRPC_TO_STATUS = {
 
 
 class GrpcSender(KVSender):
-    """Each send() is one bidirectional Push stream: the manifest chunk, the server's verdict, the runs'
-    bytes in chunks of config.grpc_chunk_bytes, and the final KVAck saying whether the blocks were written.
-    One send() ends within 2 * kv_transfer_timeout_s (the receiver's queue wait, then the transfer)."""
+    """Each send() is one bidirectional Push stream: the manifest chunk, the server's verdict, each run's
+    bytes in chunks of config.grpc_chunk_bytes followed by its checksum, and the final KVAck saying whether
+    the blocks were written. The manifest goes out before any checksum is taken: run i is checksummed while
+    the verdict (i = 0) or run i-1 is on the wire. One send() ends within 2 * kv_transfer_timeout_s (the
+    receiver's queue wait, then the transfer)."""
 
     def __init__(self, config: TransferConfig, pool: KVPoolView):
         self.config, self.pool = config, pool
@@ -71,7 +74,7 @@ class GrpcSender(KVSender):
             if handle.cancel_requested.is_set():
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
             outgoing = await loop.run_in_executor(None, prepare_outgoing, self.pool, request, self.staging, ready,
-                                                  self.config.max_run_bytes, self.config.direct_min_plane_bytes)
+                                                  self.config.max_run_bytes, self.config.direct_min_plane_bytes, True)
             try:  # wait_for runs the push as its own task: a cancel or the deadline stops only it
                 await asyncio.wait_for(self._push(target, outgoing, handle), self._deadline_s)
             except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
@@ -112,14 +115,16 @@ class GrpcSender(KVSender):
             call.cancel()
             push_task.cancel()
         handle.on_cancel(lambda: loop.call_soon_threadsafe(stop_push))
+        first_checksum: asyncio.Future | None = None
         try:
             await call.write(encode_manifest_chunk(outgoing.manifest_bytes))
+            first_checksum = _checksum_soon(outgoing, 0)  # while the verdict travels
             ack = await self._read_ack(call, rid)
             if ack.final:  # rejected: nothing more to send
                 await call.done_writing()
             else:
                 final = asyncio.ensure_future(self._read_ack(call, rid))
-                await self._write_runs(call, outgoing, final)
+                await self._write_runs(call, outgoing, final, first_checksum)
                 await call.done_writing()
                 ack = await final
         except asyncio.CancelledError:
@@ -129,6 +134,9 @@ class GrpcSender(KVSender):
         except grpc.aio.AioRpcError as exc:
             status = _GRPC_TO_STATUS.get(exc.code(), TransferStatus.PEER_FAILED)
             raise KVTransferError(status, f"{exc.code().name}: {exc.details()}", rid) from None
+        finally:  # nothing may still read the pool once the caller frees the blocks
+            if first_checksum is not None:
+                await asyncio.wait([first_checksum])
         if ack.status != tandem_pb2.KV_OK:
             raise KVTransferError(TransferStatus(ack.status), ack.error or "receiver reported failure", rid)
 
@@ -139,12 +147,13 @@ class GrpcSender(KVSender):
             raise KVTransferError(TransferStatus.PEER_FAILED, "the receiver closed the stream without an ack", rid)
         return ack
 
-    async def _write_runs(self, call, outgoing: OutgoingTransfer, final: asyncio.Future) -> None:
-        """Writes every run in chunks of grpc_chunk_bytes (a chunk may span pool planes); stops as soon as
-        the final ack has arrived. Chunk k+1 is encoded (its one copy) while gRPC sends chunk k, and run
-        i+1 is gathered (if it is not direct) while run i streams."""
-        gathering = _gather_soon(outgoing, 0)
-        writing: asyncio.Future | None = None
+    async def _write_runs(self, call, outgoing: OutgoingTransfer, final: asyncio.Future,
+                          first_checksum: asyncio.Future) -> None:
+        """Writes every run in chunks of grpc_chunk_bytes (a chunk may span pool planes), each run followed by
+        its checksum; stops as soon as the final ack has arrived. Run i+1 is gathered (if it is not direct)
+        and checksummed on the default executor while run i streams."""
+        gathering, summing = _gather_soon(outgoing, 0), first_checksum
+        writer = _PipelinedWriter(call, final)
         try:
             for index in range(len(outgoing.runs)):
                 await gathering
@@ -152,21 +161,17 @@ class GrpcSender(KVSender):
                     gathering = _gather_soon(outgoing, index + 1)
                 pieces = (memoryview(piece.numpy()) for piece in outgoing.pieces(index))
                 for parts in chunk_parts(pieces, self.config.grpc_chunk_bytes):
-                    message = encode_data_chunk(parts)  # while gRPC still sends the previous chunk
-                    if writing is not None:
-                        await writing
-                    if final.done():
+                    if not await writer.write(encode_data_chunk(parts)):  # encoded while the previous chunk sends
                         return
-                    writing = asyncio.ensure_future(call.write(message))
-                    await asyncio.sleep(0)  # let the write hand the message to gRPC before we encode the next
-            if writing is not None:
-                await writing
+                checksum = await summing
+                if index + 1 < len(outgoing.runs):
+                    summing = _checksum_soon(outgoing, index + 1)
+                if not await writer.write(encode_checksum_chunk(checksum)):
+                    return
+            await writer.flush()
         finally:  # staging is released after we return: no gather may still be writing into it
-            if writing is not None and not writing.done():
-                writing.cancel()  # the message is our own copy; the call is failing anyway
-            await asyncio.wait([gathering] + ([writing] if writing is not None else []))
-            if writing is not None and not writing.cancelled():
-                writing.exception()  # retrieved: the error that ended the call is reported elsewhere
+            await writer.abandon()
+            await asyncio.wait([gathering, summing])
 
     def close(self) -> None:
         """Waits for transfers in flight (bounded by the transfer timeout), then closes channels and the loop."""
@@ -192,3 +197,41 @@ def _gather_soon(outgoing: OutgoingTransfer, index: int) -> asyncio.Future:
         done.set_result(None)
         return done
     return loop.run_in_executor(None, outgoing.gather, index)
+
+
+def _checksum_soon(outgoing: OutgoingTransfer, index: int) -> asyncio.Future:
+    """Starts checksumming run `index` (from the sender's pool) on the default executor."""
+    return asyncio.get_running_loop().run_in_executor(None, outgoing.checksum, index)
+
+
+class _PipelinedWriter:
+    """Writes messages to a call one at a time, handing message k+1 to gRPC only after message k was
+    taken, so the caller can build k+1 while k is sent; stops writing once `final` (the receiver's final
+    ack) has arrived."""
+
+    def __init__(self, call, final: asyncio.Future):
+        self.call, self.final = call, final
+        self.writing: asyncio.Future | None = None
+
+    async def write(self, message: bytes) -> bool:
+        """Queues message after the previous one; False (nothing written) once the final ack is in."""
+        await self.flush()
+        if self.final.done():
+            return False
+        self.writing = asyncio.ensure_future(self.call.write(message))
+        await asyncio.sleep(0)  # let the write hand the message to gRPC before the caller builds the next
+        return True
+
+    async def flush(self) -> None:
+        if self.writing is not None:
+            await self.writing
+
+    async def abandon(self) -> None:
+        """Cancels a write still in flight (the message is our own copy; the call is failing anyway)."""
+        if self.writing is None:
+            return
+        if not self.writing.done():
+            self.writing.cancel()
+        await asyncio.wait([self.writing])
+        if not self.writing.cancelled():
+            self.writing.exception()  # retrieved: the error that ended the call is reported elsewhere

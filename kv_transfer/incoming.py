@@ -24,7 +24,8 @@ class IncomingTransfer:
 
     A run's bytes arrive straight in this side's blocks when their ids are consecutive (plane_targets),
     else in staging. Each run is landed (checksum-verified, then scattered from staging if it came that way)
-    as soon as its bytes are complete, on `lander` when given, so landing overlaps the next run's arrival."""
+    as soon as its bytes are complete, on `lander` when given, so landing overlaps the next run's arrival.
+    A run whose checksum the manifest leaves out lands once run_checksum() has supplied it."""
 
     def __init__(self, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool, block_ids: list[int],
                  lander: Executor | None = None):
@@ -37,16 +38,21 @@ class IncomingTransfer:
         self._landings: list[Future | None] = []
         self._cursor = (0, 0, 0)  # (run index, target piece, byte offset in it) of the next streamed byte
         self._stream_targets: tuple[list[np.ndarray], bool] | None = None  # pieces of the streamed run
+        self._checksums: list[int | None] = [run.checksum for run in manifest.runs]
+        self._awaiting_checksum: tuple[int, bool] | None = None  # (run, in place): bytes in, checksum not yet
         self.bytes_written = 0
         self._settle_lock = threading.Lock()
         self._settled = False
 
     @classmethod
     def accept(cls, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool,
-               lander: Executor | None = None) -> "IncomingTransfer":
-        """Checks the manifest against this pool and allocates its blocks.
-        Raises KVTransferError (REJECTED_FINGERPRINT / REJECTED_NO_BLOCKS); nothing is held then."""
+               lander: Executor | None = None, trailing_checksums: bool = False) -> "IncomingTransfer":
+        """Checks the manifest against this pool and allocates its blocks. trailing_checksums: whether this
+        transport can carry checksums after the runs (otherwise the manifest must hold every one).
+        Raises KVTransferError (MALFORMED / REJECTED_FINGERPRINT / REJECTED_NO_BLOCKS); nothing is held then."""
         rid = manifest.request_id
+        if manifest.trailing_checksums and not trailing_checksums:
+            raise KVTransferError(TransferStatus.MALFORMED, "this transport needs every run's checksum in the manifest", rid)
         diff = pool.fingerprint.mismatch(manifest.fingerprint)
         if diff:
             raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV layout differs: {diff}", rid)
@@ -72,7 +78,7 @@ class IncomingTransfer:
                 landed = self.pool.kv[:, :, dst[0] : dst[0] + run.num_blocks]  # [L, 2, n, bs, H, D]
             else:
                 landed = as_blocks(self.payloads[index], fp, run.num_blocks)
-            if checksum_blocks(landed) != run.checksum:
+            if checksum_blocks(landed) != self._checksums[index]:
                 last = run.start_block + run.num_blocks - 1
                 raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"run {index} (sender blocks "
                                       f"{run.start_block}..{last}) failed its checksum", self.manifest.request_id)
@@ -108,8 +114,11 @@ class IncomingTransfer:
 
     def write(self, data: bytes | memoryview) -> None:
         """Appends streamed run bytes (runs concatenated in manifest order, no padding), straight into this
-        side's blocks where plane_targets allows, else into staging; lands each run as it completes.
-        Raises KVTransferError(LENGTH_MISMATCH) on bytes beyond the manifest."""
+        side's blocks where plane_targets allows, else into staging; lands each run as it completes (or
+        once its trailing checksum is in). Raises KVTransferError: LENGTH_MISMATCH on bytes beyond the
+        manifest, MALFORMED on bytes where a run's trailing checksum is due."""
+        if self._awaiting_checksum is not None:
+            raise self._checksum_due(self._awaiting_checksum[0])
         view, position = memoryview(data), 0
         run_index, piece, offset = self._cursor
         while position < len(view):
@@ -126,16 +135,47 @@ class IncomingTransfer:
             if offset == dst.size:
                 piece, offset = piece + 1, 0
             if piece == len(targets):
-                self.landed(run_index, in_place=in_place)
+                self._run_bytes_in(run_index, in_place, more_bytes=position < len(view))
                 run_index, piece, self._stream_targets = run_index + 1, 0, None
         self._cursor = (run_index, piece, offset)
         self.bytes_written += len(view)
+
+    def _run_bytes_in(self, index: int, in_place: bool, more_bytes: bool) -> None:
+        """Run `index`'s last byte is in: land it, or wait for its trailing checksum (which must come
+        before any further byte)."""
+        if self._checksums[index] is not None:
+            self.landed(index, in_place=in_place)
+            return
+        self._awaiting_checksum = (index, in_place)
+        if more_bytes:
+            raise self._checksum_due(index)
+
+    def _checksum_due(self, index: int) -> KVTransferError:
+        return KVTransferError(TransferStatus.MALFORMED, f"run {index}'s checksum must follow its bytes",
+                               self.manifest.request_id)
+
+    def run_checksum(self, checksum: int) -> None:
+        """The trailing checksum of the run whose bytes just ended: lands that run. Raises
+        KVTransferError(MALFORMED) when no run is waiting for one."""
+        if self._awaiting_checksum is None:
+            raise KVTransferError(TransferStatus.MALFORMED, "a run checksum where none is due", self.manifest.request_id)
+        (index, in_place), self._awaiting_checksum = self._awaiting_checksum, None
+        self._checksums[index] = checksum
+        self.landed(index, in_place=in_place)
+
+    @property
+    def complete(self) -> bool:
+        """Every run's bytes (and trailing checksum) are in; landing may still be under way."""
+        return len(self._landings) == len(self.manifest.runs)
 
     def commit(self) -> ReceivedKV:
         """Waits for every run to have landed; on success the blocks belong to the caller. Raises
         KVTransferError (LENGTH_MISMATCH, CHECKSUM_MISMATCH, ...) otherwise; the caller then calls fail()."""
         rid = self.manifest.request_id
-        if len(self._landings) != len(self.manifest.runs):
+        if self._awaiting_checksum is not None:
+            raise KVTransferError(TransferStatus.LENGTH_MISMATCH, f"run {self._awaiting_checksum[0]}'s checksum "
+                                  "never arrived", rid)
+        if not self.complete:
             raise KVTransferError(TransferStatus.LENGTH_MISMATCH, f"got {self.bytes_written} of "
                                   f"{self.manifest.total_nbytes} bytes ({len(self._landings)} of "
                                   f"{len(self.manifest.runs)} runs)", rid)

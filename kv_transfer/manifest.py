@@ -52,12 +52,15 @@ class ModelFingerprint:
 
 @dataclass(frozen=True)
 class RunInfo:
-    """A run of consecutive sender blocks moved as one piece: [L, 2, num_blocks, block_size, H, D]."""
+    """A run of consecutive sender blocks moved as one piece: [L, 2, num_blocks, block_size, H, D].
+
+    checksum None: the transport sends it right after the run's bytes (gRPC's run_checksum chunk), so the
+    sender checksums a run while the previous one is on the wire instead of all of them up front."""
 
     start_block: int
     num_blocks: int
     nbytes: int
-    checksum: int
+    checksum: int | None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,11 @@ class Manifest:
     @property
     def total_nbytes(self) -> int:
         return sum(run.nbytes for run in self.runs)
+
+    @property
+    def trailing_checksums(self) -> bool:
+        """Whether some run's checksum follows its bytes instead of travelling in the manifest."""
+        return any(run.checksum is None for run in self.runs)
 
 
 def _check_int(value: Any, name: str, minimum: int = 0, limit: int = _U64) -> None:
@@ -115,7 +123,8 @@ def _validate_runs(m: Manifest) -> None:
     for i, run in enumerate(m.runs):
         _check_int(run.start_block, f"runs[{i}].start_block")
         _check_int(run.num_blocks, f"runs[{i}].num_blocks", minimum=1)
-        _check_int(run.checksum, f"runs[{i}].checksum")
+        if run.checksum is not None:
+            _check_int(run.checksum, f"runs[{i}].checksum")
         if run.nbytes != run.num_blocks * m.fingerprint.block_nbytes:
             raise ManifestError(f"runs[{i}].nbytes={run.nbytes} != {run.num_blocks} blocks * {m.fingerprint.block_nbytes}")
         covered.extend(range(run.start_block, run.start_block + run.num_blocks))
@@ -152,7 +161,7 @@ def _expect_map(value: Any, keys: set[str], name: str) -> dict:
 
 def _decode_run(i: int, raw: Any) -> RunInfo:
     if not isinstance(raw, list) or len(raw) != 4:
-        raise ManifestError(f"runs[{i}] must be [start_block, num_blocks, nbytes, checksum]")
+        raise ManifestError(f"runs[{i}] must be [start_block, num_blocks, nbytes, checksum or nil]")
     return RunInfo(*raw)
 
 

@@ -28,15 +28,22 @@ class OutgoingTransfer:
     run_payloads: list[torch.Tensor | None]  # None for a direct run
     gathered: list[bool]
     direct: list[bool]
+    ready_event: "torch.cuda.Event | None" = None  # CUDA: the pool's KV is written once this completes
 
     def gather(self, index: int) -> None:
         """Copies run `index` from the pool into its staging piece once (complete on return); a no-op
         for a direct run."""
         if self.gathered[index] or self.direct[index]:
             return
-        with copy_stream(self.pool.device):
+        with copy_stream(self.pool.device, after=self.ready_event):
             gather_run(self.pool.kv, self.runs[index], self.run_payloads[index], self.manifest.fingerprint)
         self.gathered[index] = True
+
+    def checksum(self, index: int) -> int:
+        """Run `index`'s rowsum64, read straight from the sender's pool (for a manifest that leaves it out)."""
+        run = self.runs[index]
+        with copy_stream(self.pool.device, after=self.ready_event):
+            return checksum_blocks(self.pool.kv[:, :, run.start : run.start + run.num_blocks])
 
     def gather_all(self) -> None:
         for index in range(len(self.runs)):
@@ -56,16 +63,21 @@ class OutgoingTransfer:
 
 def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: StagingPool,
                      ready_event: "torch.cuda.Event | None" = None, max_run_bytes: int = 0,
-                     direct_min_plane_bytes: int | None = None) -> OutgoingTransfer:
+                     direct_min_plane_bytes: int | None = None, trailing_checksums: bool = False) -> OutgoingTransfer:
     """Splits request.block_ids into runs (at most max_run_bytes each, 0: unbounded), checksums each
     run straight from the pool and builds the manifest; reserves staging but gathers nothing yet.
+    trailing_checksums: the manifest leaves every checksum out (the transport sends checksum(i) after
+    run i's bytes), so nothing is read from the pool here.
     A run is direct (sent as its pool planes) when direct_min_plane_bytes is set, the pool lives on the
     staging device (the wire's device) and each plane has at least that many bytes; the other runs get
     staging. Reads the pool, changes nothing in it."""
     fp = pool.fingerprint
     runs = group_runs(request.block_ids, max(1, max_run_bytes // fp.block_nbytes) if max_run_bytes else 0)
-    with copy_stream(pool.device, after=ready_event):
-        sums = [checksum_blocks(pool.kv[:, :, run.start : run.start + run.num_blocks]) for run in runs]
+    if trailing_checksums:
+        sums: list[int | None] = [None] * len(runs)
+    else:
+        with copy_stream(pool.device, after=ready_event):
+            sums = [checksum_blocks(pool.kv[:, :, run.start : run.start + run.num_blocks]) for run in runs]
     infos = tuple(RunInfo(r.start, r.num_blocks, r.num_blocks * fp.block_nbytes, s) for r, s in zip(runs, sums))
     manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
                         block_ids=tuple(request.block_ids), first_token=request.first_token, runs=infos)
@@ -75,4 +87,4 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     staging = staging_pool.acquire(total)
     payloads = [None if d else staging[off : off + info.nbytes] for d, off, info in zip(direct, offsets, infos)]
     return OutgoingTransfer(manifest, encode_manifest(manifest), pool, runs, staging, payloads,
-                            [False] * len(runs), direct)
+                            [False] * len(runs), direct, ready_event)

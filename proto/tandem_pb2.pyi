@@ -107,12 +107,14 @@ class HealthResponse(_message.Message):
     def __init__(self, status: _Optional[str] = ..., model: _Optional[str] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("manifest", "data")
+    __slots__ = ("manifest", "data", "run_checksum")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    RUN_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     manifest: bytes
     data: bytes
-    def __init__(self, manifest: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    run_checksum: int
+    def __init__(self, manifest: _Optional[bytes] = ..., data: _Optional[bytes] = ..., run_checksum: _Optional[int] = ...) -> None: ...
 
 class KVAck(_message.Message):
     __slots__ = ("status", "error", "request_id", "bytes_received", "final")

@@ -184,7 +184,8 @@ class KVTransferServicer:
     def Push(self, request_iterator, context):
         """Bidirectional stream. Client -> server: the first chunk carries the msgpack manifest
         (kv_transfer/manifest.py); the following chunks carry the bytes of the manifest's runs,
-        concatenated in manifest order. Server -> client: a KVAck right after the manifest (KV_OK with
+        concatenated in manifest order. A run whose checksum the manifest leaves out (nil) is followed by
+        one run_checksum chunk right after its last byte, before the next run's bytes. Server -> client: a KVAck right after the manifest (KV_OK with
         final=false: accepted, send the data; anything else is final: rejected, send nothing more), then
         one final KVAck after the blocks are verified and written (or the transfer failed). A client that
         sees a final ack stops writing and half-closes.

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -19,7 +19,8 @@ from kv_transfer import (DistRendezvous, KVTransferError, ModelFingerprint, Rece
                          TransferConfig, create_sender)
 from kv_transfer.dist_channel import SENDER, PairChannel, connect_store, pair_prefix
 from kv_transfer.dist_protocol import send_manifest, send_runs, send_transfer
-from kv_transfer.grpc_codec import PUSH_PATH, encode_data_chunk, encode_manifest_chunk
+from kv_transfer.grpc_codec import PUSH_PATH, encode_checksum_chunk, encode_data_chunk, encode_manifest_chunk
+from kv_transfer.manifest import encode_manifest
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import TransferStatus
@@ -68,7 +69,10 @@ class Wait:
 @dataclass(frozen=True)
 class Fault:
     """A hand-driven transfer: mode 'corrupt', 'stall' (sleep stall_s after the manifest), 'truncate'
-    (grpc: drop the last chunk) or 'hang' (stall forever; the test kills the process)."""
+    (grpc: drop the last chunk) or 'hang' (stall forever; the test kills the process). gRPC only, with the
+    checksums trailing each run: 'bad-trailer' (the last run's checksum is off by one), 'no-trailer'
+    (the last one is missing), 'early-data' (the first run's is missing, so run 1's bytes come early);
+    and with the checksums in the manifest: 'stray-trailer' (a checksum chunk nobody expects)."""
 
     mode: str
     start: Start
@@ -198,19 +202,39 @@ class _Peer:
         raise TypeError(f"unknown command {cmd!r}")
 
 
-def grpc_fault(cmd: Fault, outgoing: OutgoingTransfer, conn) -> Outcome:
-    """Pushes a hand-built stream to the real gRPC receiver and reports its ack."""
+TRAILER_FAULTS = ("bad-trailer", "no-trailer", "early-data")
+
+
+def _grpc_fault_stream(mode: str, outgoing: OutgoingTransfer) -> tuple[bytes, list[bytes]]:
+    """(manifest chunk, the chunks after it) of a hand-built gRPC transfer with the fault `mode`."""
     views = [memoryview(p.numpy()) for p in outgoing.run_payloads]
-    if cmd.mode == "truncate":
+    if mode == "truncate":
         views[-1] = views[-1][: len(views[-1]) // 2]
     chunks = [encode_data_chunk(view) for view in views]
-    if cmd.mode == "corrupt":
+    if mode == "corrupt":
         last = bytearray(chunks[-1])
         last[-3] ^= 0x5A
         chunks[-1] = bytes(last)
+    manifest = outgoing.manifest
+    if mode == "stray-trailer":
+        chunks.insert(1, encode_checksum_chunk(manifest.runs[0].checksum))
+    if mode in TRAILER_FAULTS:
+        trailers = [encode_checksum_chunk(run.checksum) for run in manifest.runs]
+        if mode == "bad-trailer":
+            trailers[-1] = encode_checksum_chunk((manifest.runs[-1].checksum + 1) % (1 << 64))
+        chunks = [c for pair in zip(chunks, trailers) for c in pair]
+        if mode != "bad-trailer":
+            del chunks[1 if mode == "early-data" else -1]
+        manifest = replace(manifest, runs=tuple(replace(run, checksum=None) for run in manifest.runs))
+    return encode_manifest_chunk(encode_manifest(manifest)), chunks
+
+
+def grpc_fault(cmd: Fault, outgoing: OutgoingTransfer, conn) -> Outcome:
+    """Pushes a hand-built stream to the real gRPC receiver and reports its ack."""
+    first, chunks = _grpc_fault_stream(cmd.mode, outgoing)
 
     def stream():
-        yield encode_manifest_chunk(outgoing.manifest_bytes)
+        yield first
         if cmd.mode in ("stall", "hang"):
             conn.send(Outcome(True, "STALLED"))
             time.sleep(cmd.stall_s if cmd.mode == "stall" else 3600)

@@ -80,6 +80,22 @@ def test_truncated_stream_is_detected(rig):
     rig.assert_all_free()
 
 
+@pytest.mark.parametrize("mode, status", [
+    ("bad-trailer", "CHECKSUM_MISMATCH"),  # the run's bytes are fine, its trailing checksum is not
+    ("no-trailer", "LENGTH_MISMATCH"),  # the stream ends before the last run's checksum
+    ("early-data", "MALFORMED"),  # run 1's bytes where run 0's checksum is due
+    ("stray-trailer", "MALFORMED"),  # the manifest holds every checksum, a trailing one follows anyway
+])
+def test_trailing_checksum_faults_are_detected(rig, mode, status):
+    """Each run's checksum may follow its bytes (what GrpcSender sends); a wrong, missing or misplaced one
+    fails the transfer with nothing delivered and every block free on both sides."""
+    start = rig.start(f"trailer-{mode}", "float32", (20, 21, 22, 50), seed=13)  # two runs
+    sent = rig.peer.call(Fault(mode, start))
+    assert sent.status == f"KV_{status}", sent
+    sc.take_failure(rig.sides["float32"], status)
+    rig.assert_all_free()
+
+
 def test_receiver_times_out_and_frees(rig):
     sent = sc.receiver_timeout(rig, "short", stall_s=SHORT_TIMEOUT_S + 1.5)
     assert sent.status == "KV_TIMEOUT", sent

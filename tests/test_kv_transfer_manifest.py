@@ -10,7 +10,7 @@ import torch
 from kv_transfer import (KVTransferError, Manifest, ManifestError, ModelFingerprint, SendRequest, TransferStatus,
                          decode_manifest, encode_manifest, resolve_transport)
 from kv_transfer.checksum import checksum_blocks
-from kv_transfer.grpc_codec import decode_chunk, encode_data_chunk
+from kv_transfer.grpc_codec import decode_chunk, encode_checksum_chunk, encode_data_chunk
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.runs import BlockRun, group_runs
@@ -96,6 +96,32 @@ def test_local_round_trip_into_shuffled_blocks_is_bit_exact():
     assert dst.num_free == 16
 
 
+def test_trailing_checksums_round_trip_and_land_in_order():
+    """A manifest may leave the checksums out (they follow each run, as GrpcSender sends them): it round-trips,
+    a receiver that cannot carry them refuses it holding nothing, and one that can lands each run once its
+    checksum is in, equal to the sender's blocks."""
+    src = FreeListPool(FP, 16)
+    src.take([3, 4, 5, 9])
+    fill_blocks(src.kv, [3, 4, 5, 9], seed=6)
+    out = prepare_outgoing(src.view(), SendRequest("r", (3, 4, 5, 9), 16, 0), StagingPool("cpu"), trailing_checksums=True)
+    assert [r.checksum for r in out.manifest.runs] == [None, None] and out.manifest.trailing_checksums
+    assert decode_manifest(encode_manifest(out.manifest)) == out.manifest
+    dst = FreeListPool(FP, 16)
+    with pytest.raises(KVTransferError) as err:
+        IncomingTransfer.accept(out.manifest, dst.view(), StagingPool("cpu"))  # gloo / nccl
+    assert err.value.status == TransferStatus.MALFORMED and dst.num_free == 16
+    incoming = IncomingTransfer.accept(out.manifest, dst.view(), StagingPool("cpu"), trailing_checksums=True)
+    out.gather_all()
+    for index, payload in enumerate(out.run_payloads):
+        incoming.write(payload.numpy().tobytes())
+        assert not incoming.complete
+        incoming.run_checksum(out.checksum(index))
+    got = incoming.commit()
+    assert blocks_bytes(dst.kv, got.block_ids) == blocks_bytes(src.kv, [3, 4, 5, 9])
+    dst.free(got.block_ids)
+    assert dst.num_free == 16
+
+
 def test_group_runs():
     assert group_runs([]) == []
     assert group_runs([4]) == [BlockRun(4, 1)]
@@ -132,6 +158,9 @@ def test_data_chunk_encoding_matches_protobuf():
     assert bytes(decode_chunk(wire).data) == payload
     manifest_wire = tandem_pb2.KVChunk(manifest=b"m").SerializeToString()
     assert decode_chunk(manifest_wire).manifest == b"m"
+    for checksum in (0, 1, (1 << 64) - 1):  # 0 is a checksum, not an empty chunk
+        got = decode_chunk(encode_checksum_chunk(checksum))
+        assert (got.run_checksum, got.data, got.manifest) == (checksum, None, None)
     with pytest.raises(ValueError):
         decode_chunk(b"\x12\x05ab")
 
