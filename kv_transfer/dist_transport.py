@@ -81,10 +81,7 @@ class _SenderLink:
             log.exception("kv send %s failed", request.request_id)
             result = KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", request.request_id)
         owner.pool.free(request.block_ids)
-        if isinstance(result, SendResult):
-            handle.succeed(result)
-        else:
-            handle.fail(result.status, result.message)
+        handle.settle(result)
 
     def _ship(self, outgoing, handle: TransferHandle) -> None:
         owner = self.owner

@@ -89,10 +89,7 @@ class GrpcSender(KVSender):
         except Exception as exc:
             result = KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", request.request_id)
         self.pool.free(request.block_ids)
-        if isinstance(result, SendResult):
-            handle.succeed(result)
-        else:
-            handle.fail(result.status, result.message)
+        handle.settle(result)
 
     def _stub(self, target: str):
         if target not in self._channels:

@@ -100,6 +100,13 @@ class TransferHandle:
     def fail(self, status: TransferStatus, message: str) -> None:
         self.future.set_exception(KVTransferError(status, message, self.request_id))
 
+    def settle(self, result: "SendResult | KVTransferError") -> None:
+        """Transport side, after it freed the blocks: resolves the handle with the transfer's result or error."""
+        if isinstance(result, SendResult):
+            self.succeed(result)
+        else:
+            self.fail(result.status, result.message)
+
 
 class ReceiveInbox:
     """Thread-safe hand-off of finished receives from transfer threads to the decode step loop, plus the
