@@ -7,8 +7,11 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster import bench_compare, bench_engine, bench_serve, client, serve
-    from deploy import demo
+    from cluster import client, serve
+    from cluster.bench import compare as bench_compare
+    from cluster.bench import engine_vs_hf as bench_engine
+    from cluster.bench import serve as bench_serve
+    from cluster.drivers import demo
     from kv_transfer import bench as bench_transfer
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated prefill/decode LLM serving")

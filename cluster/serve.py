@@ -15,11 +15,11 @@ import signal
 from dataclasses import dataclass, field
 
 from cluster.backend import Backend
-from cluster.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
-from cluster.grpc_server import GrpcServerConfig, start_grpc_server
-from cluster.http_server import HttpServerConfig, start_http_server
-from cluster.local_backend import LocalBackendConfig, LocalEngineBackend
-from cluster.metrics import ServingMetrics
+from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
+from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
+from cluster.api.http_server import HttpServerConfig, start_http_server
+from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
+from cluster.api.metrics import ServingMetrics
 from engine.config import EngineConfig
 
 
@@ -146,7 +146,7 @@ def start_backend(config: ServeConfig) -> Backend:
         engine = build_engine(config.model, config.engine, dtype=config.dtype, device=config.device)
         return LocalEngineBackend(engine, LocalBackendConfig(
             model_name=config.model or "tandem-default", max_pending_requests=config.max_pending_requests))
-    from cluster.cluster_start import start_cluster
+    from cluster.coordinator.start import start_cluster
     cluster = ClusterConfig(model=config.model, dtype=config.dtype, device=config.device,
                             num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                             transport=config.transport, placement_strategy=config.placement_strategy,

@@ -10,7 +10,7 @@ Public API (see docs/kv_transfer.md for the protocol):
 """
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVReceiver, KVSender, resolve_transport
-from kv_transfer.dist_channel import start_store
+from kv_transfer.dist.channel import start_store
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.manifest import Manifest, ManifestError, ModelFingerprint, RunInfo, decode_manifest, encode_manifest
 from kv_transfer.pool import KVPoolView, fingerprint_of

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
-from kv_transfer.dist_channel import start_store
+from kv_transfer.dist.channel import start_store
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.manifest import ModelFingerprint
 from kv_transfer.results import ReceivedKV, SendRequest

@@ -22,7 +22,7 @@ class TransferConfig:
     grpc_chunk_bytes: int = 1 << 20
     grpc_max_message_bytes: int = 64 << 20
     # gRPC sender/receiver: raise glibc's mmap/trim thresholds for the whole process so per-message buffers
-    # are reused instead of page-faulted in anew (kv_transfer/grpc_heap.py). Opt-in: it changes malloc for
+    # are reused instead of page-faulted in anew (kv_transfer/grpc/heap.py). Opt-in: it changes malloc for
     # everything else in the process too.
     grpc_keep_heap: bool = False
     grpc_max_concurrent_transfers: int = 8  # gRPC receiver: transfers holding blocks and streaming at once

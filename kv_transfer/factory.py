@@ -27,9 +27,9 @@ def create_sender(config: TransferConfig, pool: KVPoolView, transport: str,
     """A KVSender for gloo / nccl (needs rendezvous) or grpc."""
     transport = _concrete(transport)
     if transport == "grpc":
-        from kv_transfer.grpc_sender import GrpcSender
+        from kv_transfer.grpc.sender import GrpcSender
         return GrpcSender(config, pool)
-    from kv_transfer.dist_transport import TorchDistSender
+    from kv_transfer.dist.transport import TorchDistSender
     return TorchDistSender(config, pool, _need_rendezvous(transport, rendezvous), backend=transport)
 
 
@@ -39,7 +39,7 @@ def create_receiver(config: TransferConfig, pool: KVPoolView, transport: str,
     """A KVReceiver: gloo / nccl listen to the sender ranks in peers; grpc binds host:port (0 = free port)."""
     transport = _concrete(transport)
     if transport == "grpc":
-        from kv_transfer.grpc_receiver import GrpcReceiver
+        from kv_transfer.grpc.receiver import GrpcReceiver
         return GrpcReceiver(config, pool, host=host, port=port)
-    from kv_transfer.dist_transport import TorchDistReceiver
+    from kv_transfer.dist.transport import TorchDistReceiver
     return TorchDistReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers, backend=transport)

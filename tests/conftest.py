@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from factories import hf_greedy_generate, load_hf_model, make_checkpoint
+from tests.support.factories import hf_greedy_generate, load_hf_model, make_checkpoint
 
 
 @pytest.fixture(scope="session")

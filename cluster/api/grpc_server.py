@@ -1,0 +1,171 @@
+"""The public gRPC front end: `service Tandem` of proto/tandem.proto (package tandem.v1) on grpc.aio.
+
+Generate streams one GenerateResponse per backend chunk; the last has finish_reason and timing.
+Status codes: bad input INVALID_ARGUMENT, overload RESOURCE_EXHAUSTED, no workers UNAVAILABLE,
+missing or wrong API key UNAUTHENTICATED. A client cancel closes the backend stream, which aborts the
+request and frees its blocks. Health needs no API key (for probes).
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.api.api_key import ApiKeyCheck
+from cluster.backend import (Backend, BackendOverloaded, BackendUnavailable, GenerationChunk,
+                             GenerationRequest)
+from cluster.api.metered_backend import MeteredBackend
+from cluster.api.metrics import ServingMetrics
+from cluster.api.request_validation import build_sampling_params, check_prompt_token_ids, encode_prompt
+from proto import tandem_pb2, tandem_pb2_grpc
+
+logger = logging.getLogger("tandem.cluster.grpc")
+MAX_REQUEST_ID_CHARS = 256
+GENERATE_METHOD = "/tandem.v1.Tandem/Generate"
+
+
+@dataclass(frozen=True)
+class GrpcServerConfig:
+    """Where the gRPC front end listens and what it accepts. port 0 picks a free port. api_key None
+    serves without authentication. max_message_bytes bounds each received and sent message."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    max_message_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be None or a non-empty string")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+
+
+class TandemService(tandem_pb2_grpc.TandemServicer):
+    """Validates GenerateRequests, runs them on the backend and streams the chunks back."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+
+    async def Generate(self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        arrival = time.perf_counter()
+        try:
+            generation = self._generation_request(request, arrival)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        failure: Exception | None = None
+        async with aclosing(self._backend.generate(generation)) as chunks:
+            try:
+                async for chunk in chunks:
+                    await context.write(_response(generation.request_id, chunk))
+            except Exception as error:  # mapped to a status below; the server stays up
+                failure = error
+        if failure is not None:
+            await context.abort(*_status_of(failure, generation.request_id))
+
+    async def Health(self, request: tandem_pb2.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> tandem_pb2.HealthResponse:
+        health = await self._backend.health()
+        return tandem_pb2.HealthResponse(status="SERVING" if health.serving else "NOT_SERVING",
+                                         model=health.model, prefill_workers=health.prefill_workers,
+                                         decode_workers=health.decode_workers)
+
+    def _generation_request(self, request: tandem_pb2.GenerateRequest, arrival: float) -> GenerationRequest:
+        """ValueError names the first thing wrong with `request`."""
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters")
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        return GenerationRequest(request_id, self._prompt_token_ids(request),
+                                 _sampling_params(request), arrival)
+
+    def _prompt_token_ids(self, request: tandem_pb2.GenerateRequest) -> tuple[int, ...]:
+        has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
+        if has_text == has_ids:
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        backend = self._backend
+        if has_text:
+            return encode_prompt(request.prompt, backend.tokenizer, backend.max_model_len)
+        return check_prompt_token_ids(list(request.prompt_token_ids), backend.tokenizer, backend.max_model_len)
+
+
+def _sampling_params(request: tandem_pb2.GenerateRequest):
+    def optional(name: str):
+        return getattr(request, name) if request.HasField(name) else None
+
+    return build_sampling_params(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
+                                 top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
+                                 stop=list(request.stop) or None, ignore_eos=request.ignore_eos)
+
+
+def _status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status of an exception raised by a backend."""
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, BackendOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+    if isinstance(error, BackendUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    logger.error("request %s failed", request_id, exc_info=error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {error}"
+
+
+def _response(request_id: str, chunk: GenerationChunk) -> tandem_pb2.GenerateResponse:
+    response = tandem_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
+                                           finish_reason=chunk.finish_reason or "", request_id=request_id)
+    if chunk.timing is not None:
+        t = chunk.timing
+        response.timing.CopyFrom(tandem_pb2.Timing(
+            queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms, ttft_ms=t.ttft_ms,
+            kv_bytes=t.kv_bytes, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker))
+    return response
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects Generate calls without `authorization: Bearer KEY` or `x-api-key: KEY` metadata
+    (UNAUTHENTICATED); other methods (Health) pass."""
+
+    def __init__(self, check: ApiKeyCheck) -> None:
+        self._check = check
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method != GENERATE_METHOD:
+            return handler
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        if self._check.accepts(metadata.get("authorization"), metadata.get("x-api-key")):
+            return handler
+        return grpc.unary_stream_rpc_method_handler(
+            _deny_unauthenticated, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+async def _deny_unauthenticated(request, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                        "missing or invalid API key: send metadata 'authorization: Bearer <key>'")
+
+
+async def start_grpc_server(backend: Backend, config: GrpcServerConfig = GrpcServerConfig(),
+                            metrics: ServingMetrics | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start serving `backend` (from inside a running asyncio loop) and return the server and the
+    port it bound. With `metrics`, requests are recorded there under frontend="grpc". Stop it with
+    `await server.stop(grace)`; the backend is the caller's to shut down."""
+    if metrics is not None:
+        backend = MeteredBackend(backend, metrics, "grpc")
+    interceptors = [ApiKeyInterceptor(ApiKeyCheck(config.api_key))] if config.api_key else []
+    options = [("grpc.max_receive_message_length", config.max_message_bytes),
+               ("grpc.max_send_message_length", config.max_message_bytes),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
+    tandem_pb2_grpc.add_TandemServicer_to_server(TandemService(backend), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise ValueError(f"cannot bind the gRPC server to {config.host}:{config.port}")
+    await server.start()
+    logger.info("gRPC front end on %s:%d serving %s", config.host, port, backend.model_name)
+    return server, port

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP front end (aiohttp): completions, chat completions, models, health, metrics.
+
+Every error is answered with OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad
+input, 401 missing or wrong API key (/v1/* only; /health and /metrics stay open for probes and
+scrapers), 404 unknown model or route, 413 body over the limit, 429 overload, 503 no backend. A
+client that disconnects cancels its handler, which closes the backend stream: the request is
+aborted and its blocks freed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from cluster.api.api_key import ApiKeyCheck
+from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
+from cluster.api.metered_backend import MeteredBackend
+from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
+from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel, parse_chat_request,
+                                     parse_completion_request, parse_json_body)
+from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
+
+logger = logging.getLogger("tandem.cluster.http")
+_HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+@dataclass(frozen=True)
+class HttpServerConfig:
+    """Where the HTTP front end listens and what it accepts. port 0 picks a free port; api_key None
+    serves without authentication; a body over max_body_bytes gets 413."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be None or a non-empty string")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+
+
+def backend_error(error: Exception) -> OpenAIError:
+    """The HTTP answer to an exception raised by a backend."""
+    if isinstance(error, BackendOverloaded):
+        return OpenAIError(429, str(error), type="rate_limit_error", code="overloaded")
+    if isinstance(error, BackendUnavailable):
+        return OpenAIError(503, str(error), type="service_unavailable", code="backend_unavailable")
+    if isinstance(error, ValueError):
+        return OpenAIError(400, str(error), code="invalid_value")
+    logger.error("request failed", exc_info=error)
+    return OpenAIError(500, f"internal error: {error}", type="internal_error", code="internal_error")
+
+
+def error_response(error: OpenAIError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+class OpenAIFrontEnd:
+    """Route handlers over one backend; `metrics` is what GET /metrics shows."""
+
+    def __init__(self, backend: Backend, metrics: ServingMetrics, config: HttpServerConfig) -> None:
+        self._backend, self._metrics = backend, metrics
+        self._api_key = ApiKeyCheck(config.api_key)
+        self._served = ServedModel(backend.model_name, backend.tokenizer, backend.max_model_len)
+
+    def build_app(self, max_body_bytes: int) -> web.Application:
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except OpenAIError as error:
+            return error_response(error)
+        except web.HTTPException as error:
+            code = _HTTP_ERROR_CODES.get(error.status, "http_error")
+            return error_response(OpenAIError(error.status, error.text or error.reason, code=code))
+        except Exception as error:  # a bug or a failed engine: answer 500, keep serving
+            return error_response(backend_error(error))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if request.path.startswith("/v1/") and not self._api_key.accepts(
+                request.headers.get("Authorization"), request.headers.get("X-Api-Key")):
+            raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+        return await handler(request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion_request, CompletionShape, "cmpl")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat_request, ChatShape, "chatcmpl")
+
+    async def _generate(self, request: web.Request, parse, shape_type: type[ResponseShape],
+                        id_prefix: str) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        call: ParsedRequest = parse(parse_json_body(await request.read()), self._served)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids)
+        generation = GenerationRequest(request_id, call.prompt_token_ids, call.params, arrival)
+        async with aclosing(self._backend.generate(generation)) as chunks:
+            try:
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                raise OpenAIError(500, "the backend ended the request without output",
+                                  type="internal_error", code="internal_error") from None
+            except Exception as error:
+                raise backend_error(error) from error
+            if call.stream:
+                return await _stream(request, call, shape, first, chunks)
+            return web.json_response(await _whole(call, shape, first, chunks))
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": self._served.name, "object": "model", "created": 0, "owned_by": "tandem",
+                 "root": self._served.name, "max_model_len": self._served.max_model_len}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        health = await self._backend.health()
+        body = {"status": "ok" if health.serving else "unavailable", "model": health.model,
+                "prefill_workers": health.prefill_workers, "decode_workers": health.decode_workers}
+        return web.json_response(body, status=200 if health.serving else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self._metrics.render(await self._backend.health())
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _whole(call: ParsedRequest, shape: ResponseShape, first: GenerationChunk, chunks) -> dict:
+    text, token_ids, last = [first.text], list(first.token_ids), first
+    try:
+        async for chunk in chunks:
+            text.append(chunk.text)
+            token_ids.extend(chunk.token_ids)
+            last = chunk
+    except Exception as error:
+        raise backend_error(error) from error
+    return shape.full("".join(text), token_ids, last.finish_reason, last.timing, len(call.prompt_token_ids))
+
+
+async def _stream(request: web.Request, call: ParsedRequest, shape: ResponseShape, first: GenerationChunk,
+                  chunks) -> web.StreamResponse:
+    """SSE: `data: {json}` per object, `data: [DONE]` last."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    try:
+        await _stream_events(response, call, shape, first, chunks)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left; closing the stream aborts the request
+        pass
+    return response
+
+
+async def _stream_events(response: web.StreamResponse, call: ParsedRequest, shape: ResponseShape,
+                         first: GenerationChunk, chunks) -> None:
+    """The events of the whole request. An error after the headers went out is sent as a
+    `data: {"error": ...}` event."""
+    try:
+        for opening in shape.stream_opening():
+            await _send_event(response, opening)
+        completion_tokens, chunk = 0, first
+        while chunk is not None:
+            completion_tokens += len(chunk.token_ids)
+            await _send_event(response, shape.stream_chunk(chunk, call.include_usage))
+            chunk = await anext(chunks, None)
+        if call.include_usage:
+            await _send_event(response, shape.stream_usage(len(call.prompt_token_ids), completion_tokens))
+    except ConnectionResetError:
+        raise
+    except Exception as error:
+        await _send_event(response, backend_error(error).body())
+
+
+async def _send_event(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n")
+
+
+async def start_http_server(backend: Backend, config: HttpServerConfig = HttpServerConfig(),
+                            metrics: ServingMetrics | None = None) -> tuple[web.AppRunner, int]:
+    """Start serving `backend` (from inside a running asyncio loop); returns the runner and the bound
+    port. Requests are recorded in `metrics` (a new ServingMetrics if None) under frontend="http";
+    pass the one given to start_grpc_server to see both in /metrics. Stop with `await runner.cleanup()`;
+    the backend is the caller's to shut down."""
+    metrics = metrics if metrics is not None else ServingMetrics()
+    front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config)
+    runner = web.AppRunner(front_end.build_app(config.max_body_bytes), handler_cancellation=True,
+                           shutdown_timeout=config.shutdown_timeout_s, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    logger.info("HTTP front end on %s:%d serving %s", config.host, port, backend.model_name)
+    return runner, port

@@ -1,0 +1,99 @@
+"""`tandem bench serve`: load a running OpenAI-compatible server (Tandem or vLLM) and report
+`vllm bench serve`'s metrics plus Tandem's disaggregation breakdown.
+
+    tandem bench serve --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 \
+        --random-input-len 512 --random-output-len 64 --result-json run.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from cluster.bench.serve_client import ClientConfig, ServerUnreachable, run_requests
+from cluster.bench.serve_metrics import compute_metrics, parse_goodput
+from cluster.bench.serve_report import RunSettings, format_report, result_json
+from cluster.bench.serve_workloads import (MixedWorkload, PrefixRepetitionWorkload, RandomWorkload, Workload,
+                                           arrival_gaps, generate_requests)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags, named as `vllm bench serve` names them where it has them."""
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once")
+    add_workload_arguments(parser)
+    parser.add_argument("--result-json", default=None, help="write vLLM-style result JSON here")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to send and how (every flag but the server and the rate); shared with `bench compare`."""
+    parser.add_argument("--dataset-name", choices=("random", "prefix-repetition", "mixed"), default="random")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
+    parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn in [0, this)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128,
+                        help="output length (max_tokens) for every dataset but prefix-repetition")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    parser.add_argument("--mixed-long-fraction", type=float, default=0.1)
+    parser.add_argument("--mixed-long-len", type=int, default=2048)
+    parser.add_argument("--mixed-short-len", type=int, default=128)
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                        help="generate exactly the output length even past EOS (off by default, as in vLLM)")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The Workload the dataset flags describe."""
+    if args.dataset_name == "prefix-repetition":
+        return PrefixRepetitionWorkload(args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+                                        args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len)
+    if args.dataset_name == "mixed":
+        return MixedWorkload(args.mixed_long_fraction, args.mixed_long_len, args.mixed_short_len,
+                             args.random_output_len)
+    return RandomWorkload(args.random_input_len, args.random_output_len, args.random_range_ratio)
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1 or args.num_warmups < 0:
+        raise ValueError("--num-prompts must be >= 1 and --num-warmups >= 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark; 0 when it ran (even with failed requests), 1 if the server is unreachable,
+    ValueError (exit 2 from the CLI) on invalid flags."""
+    check_counts(args)
+    slos = parse_goodput(args.goodput)
+    workload = workload_from_args(args)
+    samples = generate_requests(workload, args.num_prompts, args.vocab_size, args.seed)
+    warmups = generate_requests(workload, args.num_warmups, args.vocab_size, args.seed + 1)
+    gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.seed)
+    config = ClientConfig(args.base_url.rstrip("/"), args.model, args.ignore_eos, args.max_concurrency,
+                          args.timeout, sys.stderr.isatty())
+    try:
+        _, results, duration = asyncio.run(run_requests(config, samples, gaps, warmups))
+    except ServerUnreachable as error:
+        print(f"tandem bench serve: {error}", file=sys.stderr)
+        return 1
+    metrics = compute_metrics(results, duration, slos)
+    settings = RunSettings(args.request_rate, args.max_concurrency, args.burstiness)
+    print(format_report(metrics, settings))
+    for failure in [result.error for result in results if not result.success][:3]:
+        print(f"failed request: {failure}", file=sys.stderr)
+    if args.result_json:
+        with open(args.result_json, "w") as file:
+            json.dump(result_json(metrics, settings), file, indent=2)
+    return 0

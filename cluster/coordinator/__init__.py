@@ -1,0 +1,10 @@
+"""The Backend of disaggregated serving: one request across a prefill and a decode worker.
+
+Runs in the serve process, on the front ends' asyncio loop. `start_cluster` launches the worker actors
+(`cluster.workers`) and puts a `Coordinator` over them. Per request the coordinator routes (decode worker
+by free blocks, prefill worker by queue and prefix affinity), asks the decode worker to expect it, hands
+the prompt to the prefill worker (or lets the decode worker prefill a short one itself), and streams the
+decode worker's tokens back with the timing breakdown; a `DecodeEventPump` per decode worker routes that
+worker's event stream to per-request mailboxes. The calls that cross into the actor processes are
+`DecodeActor.expect.remote`, `PrefillActor.prefill.remote` and the `DecodeActor.events` stream.
+"""

@@ -1,0 +1,260 @@
+"""Coordinator: the Backend of disaggregated serving, over prefill and decode worker actors on Ray.
+
+Per request (on the front end's asyncio loop): pick a decode worker (cluster.coordinator.routing), ask it to expect
+the request (it accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then let
+a RequestFlow drive prefill -> KV transfer -> decode and stream the chunks back. Decode events come back
+on one stream per decode worker (cluster/coordinator/decode_events.py), routed to per-request mailboxes. The coordinator keeps the
+load accounting, and stops routing to a worker as soon as any call finds it dead. A request whose prefill
+worker dies before the request delivered anything starts over on a surviving prefill worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import RayActorError
+
+from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk,
+                             GenerationRequest)
+from cluster.workers.cluster_config import ClusterConfig
+from cluster.coordinator.decode_events import DecodeEventPump
+from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
+from cluster.workers.actors import WorkerInfo
+from cluster.workers.placement import ClusterResources, release_cluster
+from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
+from cluster.coordinator.routing import Router
+from decode_worker import ExpectedRequest
+
+logger = logging.getLogger("tandem.cluster.coordinator")
+
+STATS_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A started worker actor and what it said about itself."""
+
+    info: WorkerInfo
+    actor: object
+
+    @property
+    def ref(self) -> WorkerRef:
+        return WorkerRef(self.info.name, self.actor)
+
+
+class Coordinator:
+    """Implements cluster.backend.Backend. Use from one asyncio loop; built by start_cluster()."""
+
+    def __init__(self, config: ClusterConfig, tokenizer, workers: list[Worker], resources: ClusterResources) -> None:
+        self.model_name = config.served_name
+        self.max_model_len = min(w.info.max_model_len for w in workers)
+        self._tokenizer, self._config, self._resources = tokenizer, config, resources
+        self._workers = {w.info.name: w for w in workers}
+        decode_blocks = {w.info.name: w.info.total_blocks for w in workers if w.info.role == "decode"}
+        self._router = Router([w.info.name for w in workers if w.info.role == "prefill"], decode_blocks,
+                              workers[0].info.block_size)
+        self._numbers = itertools.count()
+        self._pumps: dict[str, DecodeEventPump] = {}
+        self._closed = False
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def workers(self) -> dict[str, WorkerInfo]:
+        return {name: worker.info for name, worker in self._workers.items()}
+
+    def is_alive(self, name: str) -> bool:
+        return self._router.is_alive(name)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """See Backend.generate. BackendUnavailable when no prefill or decode worker is alive,
+        BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
+        mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed.
+
+        If the request's prefill worker dies before any chunk was delivered (queued, prefilling or
+        shipping on it, or it was dead before the coordinator knew), the request starts over, with a new
+        decode admission, on another alive prefill worker: the consumer sees nothing of it but a longer
+        TTFT. Each retry follows a prefill worker being marked dead, so there are fewer retries than
+        prefill workers; WorkerLost once none is left, or once a chunk was delivered."""
+        if self._closed:
+            raise BackendUnavailable("the coordinator is shut down")
+        while True:
+            delivered = False
+            try:
+                async with aclosing(self._attempt(request)) as chunks:
+                    async for chunk in chunks:
+                        delivered = True
+                        yield chunk
+                return
+            except WorkerLost as lost:
+                if delivered or lost.role != "prefill" or self._router.alive_counts()[0] == 0:
+                    raise
+                logger.warning("request %s: %s; starting it over on another prefill worker",
+                               request.request_id, lost)
+
+    async def _attempt(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """One try at the request under a new internal id: decode admission, then prefill, transfer and
+        decode (or, for a prompt shorter than local_prefill_tokens, prefill and decode on the decode
+        worker). Whatever way it ends, the router's claims for it are released and no worker keeps it."""
+        local = len(request.prompt_token_ids) < self._config.local_prefill_tokens
+        if not local and self._router.alive_counts()[0] == 0:
+            raise BackendUnavailable("no prefill worker is alive")
+        request_id = f"{request.request_id}#{next(self._numbers)}"
+        blocks = self._router.decode_blocks_for(
+            min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len))
+        decode, mailbox = await self._open_decode(request, request_id, blocks, local)
+        try:
+            if local:
+                flow = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
+                                        self._router.is_alive)
+                source = flow.chunks()
+            else:
+                source = self._disaggregated(request, request_id, decode, mailbox)
+            async with aclosing(source) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self._router.decode_done(decode.info.name, blocks)
+            self._pumps[decode.info.name].close(request_id)
+
+    async def _disaggregated(self, request: GenerationRequest, request_id: str, decode: Worker,
+                             mailbox: asyncio.Queue) -> AsyncIterator[GenerationChunk]:
+        """Prefill on a prefill worker, KV to `decode` (which accepted the request), decode there."""
+        prompt_tokens = len(request.prompt_token_ids)
+        prefill_name = self._router.pick_prefill(request.prompt_token_ids)
+        if prefill_name is None:  # the last one died while the decode worker was asked
+            decode.actor.cancel.remote(request_id)
+            raise BackendUnavailable("no prefill worker is alive")
+        prefill = self._workers[prefill_name]
+        self._router.claim_prefill(prefill.info.name, prompt_tokens)
+        release_prefill = _once(lambda: self._router.prefill_done(prefill.info.name, prompt_tokens))
+        hooks = FlowHooks(self._worker_lost, self._router.is_alive, release_prefill)
+        flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, mailbox, hooks)
+        try:
+            async with aclosing(flow.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            release_prefill()
+
+    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, local: bool):
+        """The first decode worker (in routing order) that accepts the request, and the request's
+        mailbox on that worker's event stream. The request's blocks are claimed on that worker (the
+        caller releases them with decode_done and closes the mailbox with the pump's close())."""
+        expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params, prefill_locally=local)
+        refusals = []
+        for name in self._router.decode_order():
+            worker, pump = self._workers[name], self._pump(name)
+            self._router.claim_decode(name, blocks)
+            mailbox = pump.open(request_id)
+            try:
+                admission = await worker.actor.expect.remote(expected)
+            except RayActorError as error:
+                admission = None
+                self._worker_lost(name, error)
+            except BaseException:  # the consumer left meanwhile: drop what the worker may have accepted
+                worker.actor.cancel.remote(request_id)
+                self._router.decode_done(name, blocks)
+                pump.close(request_id)
+                raise
+            if admission is not None and admission.accepted:
+                return worker, mailbox
+            self._router.decode_done(name, blocks)
+            pump.close(request_id)
+            if admission is not None:
+                refusals.append(f"{name}: {admission.reason}")
+        if not refusals:
+            raise BackendUnavailable("no decode worker is alive")
+        raise BackendOverloaded("every decode worker refused the request: " + "; ".join(refusals))
+
+    def _pump(self, name: str) -> DecodeEventPump:
+        """The reader of decode worker `name`'s event stream on the running loop, started on first use
+        (a new one subscribes in place of the old if the caller's loop changed, as in tests that call
+        asyncio.run per test)."""
+        pump = self._pumps.get(name)
+        if pump is None or not pump.on_running_loop():  # first use, or the caller moved to a new loop
+            stream = self._workers[name].actor.events.options(num_returns="streaming").remote()
+            pump = self._pumps[name] = DecodeEventPump(name, stream, self._stream_lost)
+        return pump
+
+    def _stream_lost(self, name: str, error: BaseException) -> None:
+        if not self._closed:
+            self._worker_lost(name, error)
+
+    def _worker_lost(self, name: str, error: BaseException | None = None) -> None:
+        if self._router.mark_dead(name):
+            logger.error("worker %s is gone (%s); no longer routing to it", name, error)
+
+    async def worker_stats(self) -> dict:
+        """PrefillStats / DecodeStats of every alive worker, by name (a worker that does not answer
+        because it died is marked dead and left out). Changes nothing on the workers."""
+        names = [name for name in self._workers if self._router.is_alive(name)]
+        refs = [self._workers[name].actor.stats.remote() for name in names]
+        results = await asyncio.gather(*(asyncio.wait_for(_awaited(ref), STATS_TIMEOUT_S) for ref in refs),
+                                       return_exceptions=True)
+        stats = {}
+        for name, result in zip(names, results):
+            if isinstance(result, RayActorError):
+                self._worker_lost(name, result)
+            elif not isinstance(result, BaseException):
+                stats[name] = result
+        return stats
+
+    async def health(self) -> BackendHealth:
+        """Serving while at least one prefill and one decode worker are alive; details sum the decode
+        workers' load (the keys ServingMetrics reads), give each alive worker's load under "workers",
+        and list the dead workers."""
+        stats = await self.worker_stats()
+        num_prefill, num_decode = self._router.alive_counts()
+        decode = [s for name, s in stats.items() if self._workers[name].info.role == "decode"]
+        details = {"mode": "disaggregated", "running_requests": sum(s.running for s in decode),
+                   "waiting_requests": sum(s.waiting for s in decode),
+                   "free_kv_blocks": sum(s.free_blocks for s in decode),
+                   "total_kv_blocks": sum(s.total_blocks for s in decode),
+                   "dead_workers": sorted(n for n in self._workers if not self._router.is_alive(n)),
+                   "workers": {name: _worker_load(self._workers[name].info.role, s) for name, s in stats.items()}}
+        serving = not self._closed and num_prefill > 0 and num_decode > 0
+        return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
+
+    async def shutdown(self) -> None:
+        """Stop every worker (requests in flight end; transfers finish or fail and free their blocks),
+        kill the actors, remove the placement group, and stop Ray if start_cluster started it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        alive = [w for name, w in self._workers.items() if self._router.is_alive(name)]
+        stops = [_awaited(w.actor.stop.remote()) for w in alive]
+        if stops:
+            await asyncio.wait([asyncio.ensure_future(s) for s in stops], timeout=STOP_TIMEOUT_S)
+        for pump in self._pumps.values():  # the stopped workers already ended every request
+            pump.stop()
+        await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
+
+
+def _worker_load(role: str, stats) -> dict:
+    """One worker's entry of BackendHealth.details["workers"] (the per-worker /metrics gauges)."""
+    running = stats.running if role == "decode" else stats.live_requests
+    return {"role": role, "free_kv_blocks": stats.free_blocks, "total_kv_blocks": stats.total_blocks,
+            "running_requests": running}
+
+
+async def _awaited(ref):
+    return await ref
+
+
+def _once(action):
+    done = []
+
+    def run() -> None:
+        if not done:
+            done.append(True)
+            action()
+    return run

@@ -1,0 +1,58 @@
+"""LocalPrefillFlow: a request its decode worker prefills itself (conditional disaggregation).
+
+Prompts shorter than ClusterConfig.local_prefill_tokens skip the prefill worker and the KV transfer:
+the decode worker's engine prefills them between its decode steps (a short prompt costs a decode step
+little), so they do not pay the transfer and the prefill queue in their TTFT. The flow reads the
+request's mailbox on the decode worker's event stream; its Timing has no transfer and no prefill worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Callable
+
+from cluster.backend import GenerationChunk, GenerationRequest, Timing
+from cluster.coordinator.decode_events import WorkerStreamLost
+from cluster.coordinator.request_flow import RequestFailed, WorkerLost, WorkerRef, decode_ended_error
+from decode_worker import DecodeEnded
+
+
+class LocalPrefillFlow:
+    def __init__(self, request: GenerationRequest, request_id: str, decode: WorkerRef, mailbox: asyncio.Queue,
+                 worker_lost: Callable[[str, BaseException], None], is_alive: Callable[[str], bool]) -> None:
+        self._request, self._rid, self._decode, self._mailbox = request, request_id, decode, mailbox
+        self._worker_lost, self._is_alive = worker_lost, is_alive
+
+    async def chunks(self) -> AsyncIterator[GenerationChunk]:
+        """The request's chunks, the last with finish_reason and Timing. Raises what the decode worker's
+        end or loss means (decode_ended_error, WorkerLost, RequestFailed); a consumer that stops early
+        cancels the request on the decode worker."""
+        dispatched, first, ended = time.perf_counter(), None, False
+        try:
+            while not ended:
+                event = await self._mailbox.get()
+                if isinstance(event, (WorkerStreamLost, DecodeEnded)):
+                    ended = True
+                    raise self._failure(event)
+                first = first if first is not None else time.perf_counter()
+                ended = event.finish_reason is not None
+                timing = self._timing(dispatched, first) if ended else None
+                yield GenerationChunk(event.token_ids, event.text, event.finish_reason, timing)
+        finally:
+            if not ended and self._is_alive(self._decode.name):
+                self._decode.actor.cancel.remote(self._rid)
+
+    def _failure(self, event: WorkerStreamLost | DecodeEnded) -> Exception:
+        name = self._decode.name
+        if isinstance(event, DecodeEnded):
+            return decode_ended_error(event, name)
+        if event.died:
+            self._worker_lost(name, event.error)
+            return WorkerLost(f"decode worker {name} died: {event.error}", role="decode")
+        return RequestFailed(f"decode worker {name} failed: {event.error}")
+
+    def _timing(self, dispatched: float, first: float) -> Timing:
+        arrival = self._request.arrival_time
+        return Timing(queue_ms=(dispatched - arrival) * 1e3, prefill_ms=(first - dispatched) * 1e3,
+                      ttft_ms=(first - arrival) * 1e3, decode_worker=self._decode.name)

@@ -1,0 +1,33 @@
+"""start_cluster: the worker actors on Ray (cluster.workers.launch) and a Coordinator over them.
+
+    coordinator = start_cluster(ClusterConfig(num_prefill_workers=1, num_decode_workers=2))
+    ... coordinator is a cluster.backend.Backend ...
+    await coordinator.shutdown()            # workers, placement group, and Ray if started here
+
+Blocking (it waits for every worker's engine to load); call it before the serving loop or through
+asyncio.to_thread.
+"""
+from __future__ import annotations
+
+from cluster.coordinator.coordinator import Coordinator, Worker
+from cluster.workers.cluster_config import ClusterConfig
+from cluster.workers.launch import launch_workers
+from cluster.workers.placement import release_cluster
+
+
+def start_cluster(config: ClusterConfig, address: str | None = None) -> Coordinator:
+    """Start (or join) Ray, place the workers, wait until every engine is loaded, and return the
+    Coordinator. On any failure everything started here is released before the error propagates."""
+    launched = launch_workers(config, address)
+    try:
+        workers = [Worker(info, actor) for info, actor in launched.workers]
+        return Coordinator(config, _tokenizer(launched.model), workers, launched.resources)
+    except BaseException:
+        release_cluster([actor for _, actor in launched.workers], launched.resources)
+        raise
+
+
+def _tokenizer(model: str | None):
+    """The served model's tokenizer in this process (the front ends encode prompts with it)."""
+    from engine.tokenizer import ByteTokenizer, HFTokenizer
+    return ByteTokenizer() if model is None else HFTokenizer.from_dir(model)

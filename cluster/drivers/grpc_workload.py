@@ -1,0 +1,136 @@
+"""Drive a Tandem gRPC front end with concurrent requests and measure them at the client.
+
+Shared by the serving demo (cluster/drivers/serving_demo.py) and the Ray job entrypoint (deploy/job.py): each
+request streams through the real `tandem.v1.Tandem/Generate` stub; the client stamps every chunk's
+arrival, so TTFT and inter-token latency (ITL) are what a caller sees, and keeps the server-side
+`timing` of the final message (queue / prefill / transfer breakdown, KV bytes).
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from proto import tandem_pb2, tandem_pb2_grpc
+
+SHORT_PROMPTS = (
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Q: What is continuous batching?\nA:",
+    "Once upon a time,",
+    "Paged attention stores",
+    "KV blocks are owned",
+    "Hello, Tandem!",
+    "SELECT * FROM",
+    "Prefill and decode",
+)
+LONG_PROMPT_CHARS = (600, 900, 1200)
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    """One request of a workload: its id, prompt text and how many tokens to generate."""
+
+    request_id: str
+    prompt: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """What the client saw for one request. ttft_ms is measured at the client (send -> first token);
+    token_gaps_ms are the gaps between consecutive streamed tokens (a chunk of k tokens counts as one
+    gap followed by k-1 zero gaps); timing is the server's final `Timing` message (None on error)."""
+
+    request_id: str
+    prompt_chars: int
+    output_tokens: int
+    ttft_ms: float
+    elapsed_s: float
+    token_gaps_ms: tuple[float, ...] = ()
+    timing: tandem_pb2.Timing | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkloadSummary:
+    """Aggregates of one workload run (latencies in ms)."""
+
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+    tokens_per_s: float
+    transfer_share_p50: float
+    kv_bytes: int
+    failed: int = 0
+
+
+def mixed_workload(num_requests: int = 12, max_tokens: int = 24) -> list[WorkloadRequest]:
+    """Mostly short prompts plus one long prompt in every four requests."""
+    requests = []
+    for index in range(num_requests):
+        if index % 4 == 3:
+            chars = LONG_PROMPT_CHARS[(index // 4) % len(LONG_PROMPT_CHARS)]
+            prompt = ("Disaggregated serving moves the KV cache between workers. " * 40)[:chars]
+        else:
+            prompt = SHORT_PROMPTS[index % len(SHORT_PROMPTS)]
+        requests.append(WorkloadRequest(f"req-{index:02d}", prompt, max_tokens))
+    return requests
+
+
+async def run_one(stub: tandem_pb2_grpc.TandemStub, request: WorkloadRequest) -> RequestResult:
+    """Stream one request greedily (ignore_eos, so it yields exactly max_tokens tokens)."""
+    message = tandem_pb2.GenerateRequest(request_id=request.request_id, prompt=request.prompt,
+                                         max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    last = None
+    try:
+        async for response in stub.Generate(message):
+            now = time.perf_counter()
+            arrivals += [now] * len(response.token_ids)
+            last = response
+    except grpc.RpcError as error:
+        return RequestResult(request.request_id, len(request.prompt), len(arrivals), 0.0,
+                             time.perf_counter() - sent, error=f"{error.code().name}: {error.details()}")
+    elapsed = time.perf_counter() - sent
+    ttft_ms = (arrivals[0] - sent) * 1e3 if arrivals else 0.0
+    gaps = tuple((b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]))
+    timing = last.timing if last is not None and last.HasField("timing") else None
+    return RequestResult(request.request_id, len(request.prompt), len(arrivals), ttft_ms, elapsed, gaps, timing)
+
+
+async def run_workload(target: str, requests: list[WorkloadRequest]) -> tuple[list[RequestResult], float]:
+    """Send every request at once over one channel; returns the results (in request order) and the
+    wall time of the whole run in seconds."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = tandem_pb2_grpc.TandemStub(channel)
+        started = time.perf_counter()
+        results = await asyncio.gather(*(run_one(stub, r) for r in requests))
+        return list(results), time.perf_counter() - started
+
+
+def percentile(values, fraction: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    rank = min(len(ordered) - 1, max(0, int(round(fraction * len(ordered) + 0.5)) - 1))
+    return ordered[rank]
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> WorkloadSummary:
+    """TTFT / ITL percentiles, generated tokens per wall second, and the median transfer share of TTFT."""
+    ok = [r for r in results if r.error is None]
+    ttfts = [r.ttft_ms for r in ok]
+    gaps = [g for r in ok for g in r.token_gaps_ms]
+    shares = [r.timing.transfer_ms / r.timing.ttft_ms for r in ok if r.timing is not None and r.timing.ttft_ms > 0]
+    tokens = sum(r.output_tokens for r in ok)
+    kv_bytes = sum(r.timing.kv_bytes for r in ok if r.timing is not None)
+    return WorkloadSummary(percentile(ttfts, 0.5), percentile(ttfts, 0.99), percentile(gaps, 0.5),
+                           percentile(gaps, 0.99), tokens / wall_s if wall_s > 0 else 0.0,
+                           statistics.median(shares) if shares else 0.0, kv_bytes, len(results) - len(ok))

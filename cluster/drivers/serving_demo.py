@@ -1,0 +1,162 @@
+"""The serving demo (`tandem demo`, default mode): the same mixed workload through the real gRPC front
+end, once disaggregated (prefill and decode worker actors on a local Ray) and once colocated (one
+engine in this process), side by side.
+
+Workers: on a machine with >= 2 GPUs, half of them prefill and half decode (the colocated engine then
+takes one GPU); otherwise one prefill and one decode CPU worker (and a CPU colocated engine).
+Disaggregated runs first, so its GPUs are released before the colocated engine loads.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from cluster.drivers.grpc_workload import RequestResult, WorkloadSummary, mixed_workload, run_workload, summarize
+
+CPU_POOL_BYTES = 32 << 20   # a small KV pool per CPU engine: quick to allocate, ample for the workload
+POOL_DRAIN_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """Where the demo runs: device for every engine and the disaggregated worker counts."""
+
+    device: str
+    num_prefill_workers: int
+    num_decode_workers: int
+    model: str | None
+    dtype: str
+    num_requests: int
+    max_tokens: int
+
+    @property
+    def kv_cache_memory(self) -> int | None:
+        return CPU_POOL_BYTES if self.device == "cpu" else None
+
+
+def plan_from_args(args: argparse.Namespace) -> DemoPlan:
+    """Half the local GPUs prefill and half decode when there are >= 2, else 1 + 1 CPU workers."""
+    import torch
+    gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
+    if gpus >= 2:
+        return DemoPlan("cuda", gpus // 2, gpus - gpus // 2, args.model, args.dtype, args.requests, args.max_tokens)
+    if args.device == "cuda":
+        raise ValueError("the serving demo on cuda needs at least 2 GPUs (one prefill, one decode)")
+    return DemoPlan("cpu", 1, 1, args.model, args.dtype, args.requests, args.max_tokens)
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    """Run both modes, print the table and the pool check; 0 when every request finished and every
+    KV pool is empty."""
+    plan = plan_from_args(args)
+    logging.getLogger("tandem").setLevel(logging.WARNING)
+    print(f"serving demo: {plan.model or 'the embedded default model (untrained, gibberish output)'} on "
+          f"{plan.device}; disaggregated = {plan.num_prefill_workers} prefill + {plan.num_decode_workers} decode "
+          f"workers on a local Ray, colocated = one engine in this process; {plan.num_requests} concurrent "
+          f"requests via gRPC 127.0.0.1", flush=True)
+    rows, pools_empty = asyncio.run(_run_modes(plan))
+    print_table(rows)
+    return 0 if pools_empty and all(s.failed == 0 for _, s in rows) else 1
+
+
+async def _run_modes(plan: DemoPlan) -> tuple[list[tuple[str, WorkloadSummary]], bool]:
+    rows, pool_lines = [], []
+    summary, pools = await _run_disaggregated(plan)
+    rows.append(("disaggregated", summary))
+    pool_lines.append(pools)
+    summary, pools = await _run_colocated(plan)
+    rows.append(("colocated", summary))
+    pool_lines.append(pools)
+    empty = all(ok for ok, _ in pool_lines)
+    print(f"KV pools {'empty' if empty else 'NOT EMPTY'}: " + "; ".join(text for _, text in pool_lines), flush=True)
+    return rows, empty
+
+
+async def _serve_workload(backend, plan: DemoPlan) -> tuple[list[RequestResult], float]:
+    """The gRPC front end on 127.0.0.1:0 over `backend`, the workload through it, then the front end stops."""
+    from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
+    server, port = await start_grpc_server(backend, GrpcServerConfig(host="127.0.0.1", port=0))
+    try:
+        return await run_workload(f"127.0.0.1:{port}", mixed_workload(plan.num_requests, plan.max_tokens))
+    finally:
+        await server.stop(grace=2.0)
+
+
+async def _run_disaggregated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[bool, str]]:
+    import ray
+    from cluster.workers.cluster_config import ClusterConfig
+    from cluster.coordinator.start import start_cluster
+    from engine import EngineConfig
+    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+             logging_level=logging.ERROR, num_cpus=max(os.cpu_count() or 1, plan.num_prefill_workers
+                                                         + plan.num_decode_workers + 1))
+    try:
+        config = ClusterConfig(model=plan.model, dtype=plan.dtype, device=plan.device,
+                               num_prefill_workers=plan.num_prefill_workers,
+                               num_decode_workers=plan.num_decode_workers,
+                               engine=EngineConfig(kv_cache_memory=plan.kv_cache_memory), worker_start_timeout_s=120.0)
+        coordinator = await asyncio.to_thread(start_cluster, config)
+        try:
+            results, wall_s = await _serve_workload(coordinator, plan)
+            pools = await drain_worker_pools(coordinator)
+        finally:
+            await coordinator.shutdown()
+    finally:
+        ray.shutdown()
+    _print_failures("disaggregated", results)
+    return summarize(results, wall_s), pools
+
+
+async def drain_worker_pools(coordinator) -> tuple[bool, str]:
+    """Waits (bounded) until every worker's pool is whole; (all empty, 'name free/total, ...')."""
+    deadline = time.monotonic() + POOL_DRAIN_TIMEOUT_S
+    while True:
+        stats = await coordinator.worker_stats()
+        empty = all(s.free_blocks == s.total_blocks for s in stats.values())
+        if empty or time.monotonic() > deadline:
+            text = ", ".join(f"{name} {s.free_blocks}/{s.total_blocks}" for name, s in sorted(stats.items()))
+            return empty, f"{text} blocks free"
+        await asyncio.sleep(0.05)
+
+
+async def _run_colocated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[bool, str]]:
+    from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
+    from engine import LLM
+    engine = LLM(model=plan.model, dtype=plan.dtype, device=plan.device,
+                 kv_cache_memory=plan.kv_cache_memory).engine
+    backend = LocalEngineBackend(engine, LocalBackendConfig(model_name=plan.model or "tandem-default"))
+    try:
+        results, wall_s = await _serve_workload(backend, plan)
+        deadline = time.monotonic() + POOL_DRAIN_TIMEOUT_S
+        while engine.num_free_blocks != engine.num_total_blocks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await backend.shutdown()
+    empty = engine.num_free_blocks == engine.num_total_blocks
+    _print_failures("colocated", results)
+    return summarize(results, wall_s), (empty, f"colocated engine {engine.num_free_blocks}/"
+                                               f"{engine.num_total_blocks} blocks free")
+
+
+def _print_failures(mode: str, results: list[RequestResult]) -> None:
+    for result in results:
+        if result.error is not None:
+            print(f"{mode}: {result.request_id} failed: {result.error}", flush=True)
+
+
+def print_table(rows: list[tuple[str, WorkloadSummary]]) -> None:
+    """One row per mode: TTFT and ITL percentiles (client-side), tokens/s, transfer share, KV bytes."""
+    header = (f"{'mode':<14}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'tok/s':>8}"
+              f"{'xfer/TTFT p50':>15}{'KV bytes':>11}{'failed':>8}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for mode, s in rows:
+        share = f"{s.transfer_share_p50:.1%}" if mode == "disaggregated" else "-"
+        kv = f"{s.kv_bytes:,}" if mode == "disaggregated" else "-"
+        print(f"{mode:<14}{s.ttft_p50:>8.1f}ms{s.ttft_p99:>8.1f}ms{s.itl_p50:>7.1f}ms{s.itl_p99:>7.1f}ms"
+              f"{s.tokens_per_s:>8.1f}{share:>15}{kv:>11}{s.failed:>8}")
+    print("(latencies measured at the gRPC client; xfer/TTFT = timing.transfer_ms / timing.ttft_ms; "
+          "one run on a shared machine, so read ratios, not absolutes)", flush=True)

@@ -1,0 +1,59 @@
+"""The decode actor's side of its one event stream: EventBatcher.
+
+A Ray streaming-generator item costs about half a millisecond of CPU on each side, so a decode actor
+does not stream per request: every event its worker emits (from the step thread) goes into one
+EventBatcher, and the actor's single `events()` stream yields everything emitted since the last item as
+one list (in practice one list per engine step). The coordinator reads it with a DecodeEventPump
+(cluster/coordinator/decode_events.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from decode_worker import DecodeEvent
+
+
+class EventBatcher:
+    """Collects events from any thread; batches() yields them in order, grouped, on `loop`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[DecodeEvent] = []
+        self._closed = False
+        self._consumers = 0  # batches() calls so far; only the latest one consumes
+        self._wakeup = asyncio.Event()
+
+    def put(self, event: DecodeEvent) -> None:
+        """Queue one event (never blocks); the first of a batch wakes the consumer."""
+        with self._lock:
+            self._pending.append(event)
+            first = len(self._pending) == 1
+        if first:
+            self._loop.call_soon_threadsafe(self._wakeup.set)
+
+    def close(self) -> None:
+        """batches() ends after yielding what is still pending."""
+        with self._lock:
+            self._closed = True
+        self._loop.call_soon_threadsafe(self._wakeup.set)
+
+    async def batches(self):
+        """Async iterator of non-empty lists of events, each list everything put since the last one.
+        One consumer at a time: a new batches() call takes over and the previous one ends (a
+        coordinator that moved to a new event loop subscribes again)."""
+        self._consumers += 1
+        me = self._consumers
+        self._wakeup.set()  # a previous consumer wakes, sees it was replaced, and leaves
+        while True:
+            await self._wakeup.wait()
+            if self._consumers != me:
+                return
+            self._wakeup.clear()
+            with self._lock:
+                batch, self._pending, closed = self._pending, [], self._closed
+            if batch:
+                yield batch
+            if closed:
+                return

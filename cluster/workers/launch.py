@@ -1,0 +1,129 @@
+"""launch_workers: Ray, a placement group, and the prefill and decode worker actors, loaded and ready.
+
+    launched = launch_workers(ClusterConfig(num_prefill_workers=1, num_decode_workers=2))
+    ... launched.workers: (WorkerInfo, actor handle) per worker, prefill workers first ...
+    release_cluster([actor for _, actor in launched.workers], launched.resources)
+
+Blocking (it waits for every worker's engine to load). cluster.coordinator.start_cluster calls it and puts
+a Coordinator over the workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+import logging
+import os
+import uuid
+from pathlib import Path
+
+import ray
+import torch
+
+from cluster.workers.actors import DecodeActor, EngineSpec, PrefillActor, WorkerInfo
+from cluster.workers.cluster_config import ClusterConfig
+from cluster.workers.placement import ClusterResources, create_placement_group, release_cluster, start_actor
+from decode_worker import DecodeWorkerConfig
+from kv_transfer import DistRendezvous, resolve_transport, start_store
+from prefill_worker import PrefillWorkerConfig
+
+logger = logging.getLogger("tandem.cluster.start")
+
+
+@dataclass(frozen=True)
+class LaunchedWorkers:
+    """The started workers (prefill first, then decode) and the Ray resources that hold them."""
+
+    workers: tuple[tuple[WorkerInfo, object], ...]  # (what the worker reported, its actor handle)
+    resources: ClusterResources
+    model: str | None                          # the checkpoint as the workers load it (absolute path)
+
+
+def connect_ray(address: str | None, config: ClusterConfig) -> bool:
+    """Uses the session already initialized in this process, or joins `address`, or starts a local
+    Ray on 127.0.0.1 with enough logical CPUs for the workers' bundles. True if this call ran ray.init."""
+    if ray.is_initialized():
+        return False
+    if address is not None:
+        ray.init(address=address, include_dashboard=False)
+        return True
+    num_cpus = max(os.cpu_count() or 1, config.num_workers * config.cpu_threads_per_worker)
+    # address="local": always a new Ray of our own, even if another one runs on this machine
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus)
+    return True
+
+
+def resolve_device(config: ClusterConfig) -> str:
+    """cpu or cuda for every worker: auto takes GPUs when the cluster has one per worker."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if config.device == "cuda" and gpus < config.num_workers:
+        raise ValueError(f"device cuda needs {config.num_workers} GPUs in the Ray cluster, it has {gpus:g}")
+    if config.device == "auto":
+        return "cuda" if gpus >= config.num_workers else "cpu"
+    return config.device
+
+
+def resolve_cluster_transport(config: ClusterConfig, device: str) -> str:
+    """The concrete KV transport between any prefill and any decode worker (each worker has its own GPU)."""
+    same_host = len([n for n in ray.nodes() if n.get("Alive")]) <= 1
+    sender, receiver = (torch.device("cuda", 0), torch.device("cuda", 1)) if device == "cuda" else ("cpu", "cpu")
+    return resolve_transport(config.transport, sender, receiver, same_host=same_host)
+
+
+def worker_configs(config: ClusterConfig, transport: str, store_host: str, store_port: int | None):
+    """The PrefillWorkerConfig / DecodeWorkerConfig of every worker. gloo/nccl ranks: prefill workers
+    0..N-1 (senders), decode workers N..N+M-1 (receivers listening to every prefill rank).
+
+    gRPC: a prefill worker keeps at most grpc_max_concurrent_transfers transfers in flight to one decode
+    worker, and a decode worker's receiver streams as many as all prefill workers may send at once (a call
+    past that, e.g. one whose predecessor's call has not quite ended yet, waits in the receiver's queue)."""
+    world, num_prefill = config.num_workers, config.num_prefill_workers
+    namespace = f"tandem-{uuid.uuid4().hex[:8]}"
+    per_peer = config.transfer.grpc_max_concurrent_transfers
+    receiver_transfer = dataclasses.replace(config.transfer, grpc_max_concurrent_transfers=num_prefill * per_peer)
+
+    def rendezvous(rank: int) -> DistRendezvous | None:
+        return None if store_port is None else DistRendezvous(store_host, store_port, rank, world, namespace)
+
+    prefill = [PrefillWorkerConfig(f"prefill-{i}", transport, config.transfer, rendezvous(i),
+                                   max_transfers_per_peer=per_peer if transport == "grpc" else None)
+               for i in range(num_prefill)]
+    decode = [DecodeWorkerConfig(f"decode-{j}", transport, receiver_transfer, config.kv_host,
+                                 rendezvous(num_prefill + j), tuple(range(num_prefill)),
+                                 max_live_requests=config.max_live_per_decode_worker,
+                                 expect_timeout_s=config.expect_timeout_s)
+              for j in range(config.num_decode_workers)]
+    return prefill, decode
+
+
+def launch_workers(config: ClusterConfig, address: str | None = None) -> LaunchedWorkers:
+    """Start (or join) Ray, place the workers and wait until every engine is loaded. On any failure
+    everything started here is released before the error propagates."""
+    owns_ray = connect_ray(address, config)
+    group = store = None
+    actors: list = []
+    try:
+        device = resolve_device(config)
+        transport = resolve_cluster_transport(config, device)
+        use_gpu = device == "cuda"
+        group = create_placement_group(config.num_workers, use_gpu, config.cpu_threads_per_worker,
+                                       config.placement_strategy, config.worker_start_timeout_s)
+        store_host = config.kv_host
+        store = start_store(store_host, 0) if transport in ("gloo", "nccl") else None
+        prefill, decode = worker_configs(config, transport, store_host, store.port if store else None)
+        model = str(Path(config.model).resolve()) if config.model is not None else None
+        spec = EngineSpec(model, config.dtype, device, config.engine, config.cpu_threads_per_worker)
+        threads = config.cpu_threads_per_worker
+        roles = [(PrefillActor, c) for c in prefill] + [(DecodeActor, c) for c in decode]
+        actors = [start_actor(cls, group, index, use_gpu, threads, spec, worker_config)
+                  for index, (cls, worker_config) in enumerate(roles)]
+        infos: list[WorkerInfo] = ray.get([a.info.remote() for a in actors], timeout=config.worker_start_timeout_s)
+    except BaseException:
+        if group is not None:
+            release_cluster(actors, ClusterResources(group, store, owns_ray))
+        elif owns_ray:
+            ray.shutdown()
+        raise
+    for info in infos:
+        logger.info("%s: %s on node %s (pid %d, GPUs %s), %d KV blocks, transport %s", info.name, info.device,
+                    info.node_id[:12], info.pid, ",".join(info.accelerator_ids) or "none", info.total_blocks, transport)
+    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray), model)

@@ -1,0 +1,176 @@
+"""The message order of one transfer over a PairChannel; both ends post the same sequence.
+
+  sender                                     receiver
+  ring doorbell seq  ----------------------> wakes (the first one also connects the pair)
+  int64 manifest length, uint8 manifest ---> decode, check fingerprint, allocate blocks
+                     <---------------------- int64 accept code (OK or why not; nothing more follows)
+  per run: int64 NEXT_RUN, run bytes ------> recv into staging
+      or: int64 NEXT_PLANES, 2L planes ----> recv into own blocks (contiguous) or staging
+  int64 COMMIT (or ABORT at any run) ------> verify length + checksum per run, scatter into own blocks
+                     <---------------------- int64 final status (OK / CHECKSUM_MISMATCH / CANCELLED / ...)
+  frees its blocks                            delivers (manifest, own block ids) or frees its blocks
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Executor
+
+import numpy as np
+import torch
+
+from kv_transfer.dist.channel import PairChannel
+from kv_transfer.incoming import IncomingTransfer
+from kv_transfer.manifest import MAX_MANIFEST_BYTES, ManifestError, decode_manifest
+from kv_transfer.outgoing import OutgoingTransfer
+from kv_transfer.pool import KVPoolView
+from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox, ReceiveOutcome
+from kv_transfer.staging import StagingPool
+from kv_transfer.status import KVTransferError, TransferStatus
+
+COMMIT, NEXT_RUN, ABORT, NEXT_PLANES = 0, 1, 2, 3
+
+
+def send_manifest(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float) -> None:
+    """Sends the length prefix and the manifest, then raises KVTransferError if the receiver declines."""
+    payload = torch.from_numpy(np.frombuffer(outgoing.manifest_bytes, dtype=np.uint8).copy()).to(channel.device)
+    channel.send_code(payload.numel(), deadline)
+    channel.send(payload, deadline)
+    accepted = channel.recv_code(deadline)
+    if accepted != TransferStatus.OK:
+        raise KVTransferError(TransferStatus(accepted), "receiver declined the transfer", outgoing.manifest.request_id)
+
+
+def _post_run(channel: PairChannel, outgoing: OutgoingTransfer, index: int) -> list:
+    """Posts run `index`: NEXT_PLANES + its 2 * num_layers pool planes (direct), or NEXT_RUN + its
+    gathered staging piece. Returns the works to wait for."""
+    control = NEXT_PLANES if outgoing.direct[index] else NEXT_RUN
+    return [channel.post_send(channel.code_tensor(control))] + [channel.post_send(p) for p in outgoing.pieces(index)]
+
+
+def send_runs(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float, cancel: threading.Event) -> bool:
+    """Sends every run, each announced by its control word, gathering run i+1 (unless direct) while run i
+    is on the wire; stops with ABORT if cancel is set. True if all runs went."""
+    outgoing.gather(0)
+    for index in range(len(outgoing.runs)):
+        if cancel.is_set():
+            channel.send_code(ABORT, deadline)
+            return False
+        works = _post_run(channel, outgoing, index)
+        if index + 1 < len(outgoing.runs):
+            outgoing.gather(index + 1)
+        for work in works:
+            channel.wait(work, deadline, "send")
+    commit = not cancel.is_set()
+    channel.send_code(COMMIT if commit else ABORT, deadline)
+    return commit
+
+
+def send_transfer(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float, cancel: threading.Event) -> None:
+    """The whole sender side; returns when the receiver has acked OK, raises KVTransferError otherwise."""
+    rid = outgoing.manifest.request_id
+    send_manifest(channel, outgoing, deadline)
+    sent_all = send_runs(channel, outgoing, deadline, cancel)
+    final = TransferStatus(channel.recv_code(deadline))
+    if not sent_all:
+        raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender", rid)
+    if final != TransferStatus.OK:
+        raise KVTransferError(final, "receiver reported failure", rid)
+
+
+def _receive_manifest(channel: PairChannel, pool: KVPoolView, staging: StagingPool, inbox: ReceiveInbox,
+                      deadline: float, lander: Executor) -> IncomingTransfer | None:
+    """Reads the manifest and answers accept/decline; None when declined (nothing is held then)."""
+    length = channel.recv_code(deadline)
+    if not 0 < length <= MAX_MANIFEST_BYTES:  # the stream cannot be trusted past this point
+        raise KVTransferError(TransferStatus.MALFORMED, f"manifest length {length} out of range")
+    raw = torch.empty(length, dtype=torch.uint8, device=channel.device)
+    channel.recv(raw, deadline)
+    try:
+        manifest = decode_manifest(raw.cpu().numpy().tobytes())
+        if inbox.is_cancelled(manifest.request_id):
+            raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
+        incoming = IncomingTransfer.accept(manifest, pool, staging, lander)
+    except (ManifestError, KVTransferError) as exc:
+        status = exc.status if isinstance(exc, KVTransferError) else TransferStatus.MALFORMED
+        channel.send_code(status, deadline)
+        inbox.put(ReceiveFailed(getattr(exc, "request_id", ""), status, str(exc)))
+        return None
+    channel.send_code(TransferStatus.OK, deadline)
+    return incoming
+
+
+def _receive_run(channel: PairChannel, incoming: IncomingTransfer, index: int, control: int, deadline: float) -> None:
+    """Receives run `index` as announced by control (one staging piece, or its planes: straight into this
+    side's blocks when they are contiguous), then lands it."""
+    if control == NEXT_RUN:
+        channel.recv(incoming.payloads[index], deadline)
+        incoming.landed(index)
+        return
+    targets, in_place = incoming.plane_targets(index, channel.device)
+    works = [channel.post_recv(target) for target in targets]
+    for work in works:
+        channel.wait(work, deadline, "recv")
+    incoming.landed(index, in_place=in_place)
+
+
+def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: float) -> bool:
+    """Receives runs (landing each as it completes) until COMMIT (True) or ABORT (False)."""
+    rid = incoming.manifest.request_id
+    for index in range(len(incoming.manifest.runs)):
+        control = channel.recv_code(deadline)
+        if control == ABORT:
+            return False
+        if control not in (NEXT_RUN, NEXT_PLANES):
+            raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {control}", rid)
+        _receive_run(channel, incoming, index, control, deadline)
+    control = channel.recv_code(deadline)
+    if control not in (COMMIT, ABORT):
+        raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {control}", rid)
+    return control == COMMIT
+
+
+def _finish(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, committed: bool, deadline: float) -> ReceiveOutcome:
+    """Verifies and writes the blocks (or not), then acks the sender with the outcome; frees on any failure."""
+    if not committed:
+        outcome = incoming.fail(TransferStatus.ABORTED_BY_SENDER, "the sender cancelled the transfer")
+    elif inbox.is_cancelled(incoming.manifest.request_id):
+        outcome = incoming.fail(TransferStatus.CANCELLED, "cancelled by the receiver")
+    else:
+        try:
+            outcome = incoming.commit()
+        except KVTransferError as exc:
+            outcome = incoming.fail(exc.status, exc.message)
+    status = outcome.status if isinstance(outcome, ReceiveFailed) else TransferStatus.OK
+    try:
+        channel.send_code(status, deadline)
+    except KVTransferError as exc:
+        if isinstance(outcome, ReceivedKV):  # the sender will count it as failed: do not keep the blocks
+            incoming.pool.free(outcome.block_ids)
+            outcome = ReceiveFailed(outcome.request_id, exc.status, f"could not ack the sender: {exc.message}")
+        inbox.put(outcome)
+        raise
+    return outcome
+
+
+def receive_transfer(channel: PairChannel, pool: KVPoolView, staging: StagingPool, inbox: ReceiveInbox,
+                     timeout_s: float, lander: Executor) -> None:
+    """The whole receiver side of one announced transfer; the outcome goes to the inbox.
+    Raises KVTransferError only when the link itself failed (after freeing whatever it held)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        incoming = _receive_manifest(channel, pool, staging, inbox, deadline, lander)
+    except KVTransferError as exc:  # the link failed before we learnt which request this was
+        inbox.put(ReceiveFailed(exc.request_id, exc.status, exc.message))
+        raise
+    if incoming is None:
+        return
+    try:
+        committed = _receive_runs(channel, incoming, deadline)
+    except KVTransferError as exc:
+        inbox.put(incoming.fail(exc.status, exc.message))
+        raise
+    except BaseException as exc:
+        inbox.put(incoming.fail(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        raise
+    inbox.put(_finish(channel, incoming, inbox, committed, deadline))

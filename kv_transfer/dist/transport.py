@@ -1,0 +1,187 @@
+"""torch.distributed transports (gloo on CPU, nccl on CUDA): one thread and one PairChannel per peer.
+
+Transfers to the same peer run in submission order on that peer's thread; transfers to different
+peers run in parallel. A link that fails (peer death, timeout, protocol error) stays failed: later
+transfers on it fail fast with PEER_FAILED; recovering means building new sender/receiver objects
+under a new DistRendezvous.namespace.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
+from kv_transfer.connector import KVReceiver, KVSender
+from kv_transfer.device_sync import record_ready_event
+from kv_transfer.dist.channel import RECEIVER, SENDER, PairChannel, connect_store, pair_prefix
+from kv_transfer.dist.protocol import receive_transfer, send_transfer
+from kv_transfer.outgoing import prepare_outgoing
+from kv_transfer.pool import KVPoolView
+from kv_transfer.results import ReceiveInbox, SendRequest, SendResult, TransferHandle
+from kv_transfer.staging import StagingPool
+from kv_transfer.status import KVTransferError, TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+def staging_device(backend: str, pool: KVPoolView) -> torch.device:
+    """nccl moves CUDA staging buffers; gloo moves host buffers (pinned when the pool is on CUDA)."""
+    return pool.device if backend == "nccl" else torch.device("cpu")
+
+
+def _open_channel(backend: str, rdzv: DistRendezvous, sender: int, receiver: int, role: int,
+                  device: torch.device, config: TransferConfig) -> PairChannel:
+    try:
+        store = connect_store(rdzv.host, rdzv.port, config.connect_timeout_s)
+    except Exception as exc:  # torch raises DistNetworkError / RuntimeError
+        raise KVTransferError(TransferStatus.PEER_FAILED, f"rendezvous store {rdzv.host}:{rdzv.port} unreachable: {exc}") from None
+    prefix = pair_prefix(rdzv.namespace, sender, receiver)
+    return PairChannel(backend, store, prefix, role, device, config.connect_timeout_s)
+
+
+class _SenderLink:
+    """The sending end of one pair: a queue of transfers drained in order by one thread."""
+
+    def __init__(self, owner: "TorchDistSender", peer_rank: int):
+        self.owner, self.peer_rank = owner, peer_rank
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.channel: PairChannel | None = None
+        self.seq = 0
+        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer_rank}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            request, handle, ready = job
+            self._transfer(request, handle, ready)
+        if self.channel is not None:
+            self.channel.close()
+
+    def _transfer(self, request: SendRequest, handle: TransferHandle, ready) -> None:
+        owner, started = self.owner, time.monotonic()
+        try:
+            if handle.cancel_requested.is_set() or owner.closed:
+                raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
+            outgoing = prepare_outgoing(owner.pool, request, owner.staging, ready, owner.config.max_run_bytes,
+                                        owner.config.direct_min_plane_bytes)
+            try:
+                self._ship(outgoing, handle)
+            finally:
+                owner.staging.release(outgoing.staging)
+            result = SendResult(request.request_id, outgoing.manifest.total_nbytes, time.monotonic() - started)
+        except KVTransferError as exc:
+            result = exc
+        except Exception as exc:  # a bug or a bad request must still free the blocks and fail the handle
+            log.exception("kv send %s failed", request.request_id)
+            result = KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", request.request_id)
+        owner.pool.free(request.block_ids)
+        handle.settle(result)
+
+    def _ship(self, outgoing, handle: TransferHandle) -> None:
+        owner = self.owner
+        if self.channel is None:
+            self.channel = _open_channel(owner.backend, owner.rendezvous, owner.rendezvous.rank, self.peer_rank,
+                                         SENDER, staging_device(owner.backend, owner.pool), owner.config)
+        seq, self.seq = self.seq, self.seq + 1
+        if self.channel.broken is None:
+            self.channel.ring(seq)
+            if seq == 0:
+                self.channel.connect()
+        deadline = time.monotonic() + owner.config.kv_transfer_timeout_s
+        send_transfer(self.channel, outgoing, deadline, handle.cancel_requested)
+
+
+class TorchDistSender(KVSender):
+    """KVSender over torch.distributed point-to-point (backend 'gloo' or 'nccl')."""
+
+    def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous, backend: str = "gloo"):
+        self.config, self.pool, self.rendezvous, self.backend = config, pool, rendezvous, backend
+        self.staging = StagingPool(staging_device(backend, pool), pin_memory=pool.device.type == "cuda",
+                                   max_cached_bytes=config.staging_cache_bytes)
+        self.closed = False
+        self._links: dict[int, _SenderLink] = {}
+        self._lock = threading.Lock()
+
+    def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
+        if not 0 <= peer.rank < self.rendezvous.world_size or peer.rank == self.rendezvous.rank:
+            raise ValueError(f"bad receiver rank {peer.rank} for sender rank {self.rendezvous.rank}")
+        handle = TransferHandle(request.request_id)
+        ready = record_ready_event(self.pool.device)
+        with self._lock:
+            if not self.closed:
+                link = self._links.get(peer.rank) or self._links.setdefault(peer.rank, _SenderLink(self, peer.rank))
+                link.jobs.put((request, handle, ready))
+                return handle
+        self.pool.free(request.block_ids)
+        handle.fail(TransferStatus.CANCELLED, "sender is closed")
+        return handle
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            links = list(self._links.values())
+        for link in links:
+            link.jobs.put(None)
+        for link in links:
+            link.thread.join(self.config.kv_transfer_timeout_s + self.config.connect_timeout_s)
+
+
+class _ReceiverLink:
+    """The receiving end of one pair: sleeps on the doorbell, then serves transfers one by one."""
+
+    def __init__(self, owner: "TorchDistReceiver", peer_rank: int):
+        self.owner, self.peer_rank = owner, peer_rank
+        rdzv = owner.rendezvous
+        self.channel = _open_channel(owner.backend, rdzv, peer_rank, rdzv.rank, RECEIVER,
+                                     staging_device(owner.backend, owner.pool), owner.config)
+        self.lander = ThreadPoolExecutor(1, thread_name_prefix=f"kv-land-{peer_rank}")
+        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer_rank}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        owner, seq = self.owner, 0
+        try:
+            while self.channel.wait_bell(seq, owner.stopping.is_set):
+                if seq == 0:
+                    self.channel.connect()
+                receive_transfer(self.channel, owner.pool, owner.staging, owner.inbox,
+                                 owner.config.kv_transfer_timeout_s, self.lander)
+                seq += 1
+        except KVTransferError as exc:
+            log.warning("kv link from rank %d closed: %s", self.peer_rank, exc)
+        except Exception:
+            log.exception("kv link from rank %d crashed", self.peer_rank)
+        finally:
+            self.channel.close()
+            self.lander.shutdown(wait=True)
+
+
+class TorchDistReceiver(KVReceiver):
+    """KVReceiver over torch.distributed; listens to the given sender ranks."""
+
+    def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous,
+                 peers: Sequence[int], backend: str = "gloo"):
+        self.config, self.pool, self.rendezvous, self.backend = config, pool, rendezvous, backend
+        self.inbox = ReceiveInbox(config.cancel_ttl_s)
+        self.staging = StagingPool(staging_device(backend, pool), pin_memory=pool.device.type == "cuda",
+                                   max_cached_bytes=config.staging_cache_bytes)
+        self.stopping = threading.Event()
+        self._control_store = connect_store(rendezvous.host, rendezvous.port, config.connect_timeout_s)
+        self._links = [_ReceiverLink(self, peer) for peer in peers]
+
+    @property
+    def address(self) -> ReceiverAddress:
+        return ReceiverAddress(self.backend, rank=self.rendezvous.rank)
+
+    def close(self) -> None:
+        self.stopping.set()
+        for link in self._links:
+            PairChannel.stop_waiting(self._control_store, link.channel.waiting_key)
+        for link in self._links:
+            link.thread.join(self.config.kv_transfer_timeout_s + 5)

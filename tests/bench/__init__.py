@@ -1,0 +1,1 @@
+"""cluster/bench/: `tandem bench serve` and `tandem bench compare` end to end, and their metrics."""

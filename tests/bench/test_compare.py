@@ -1,0 +1,102 @@
+"""`tandem bench compare`: mode flags, the ratio and goal arithmetic on hand-made runs, and one real
+end-to-end run over two modes (real `tandem serve` subprocesses, a local Ray for the disaggregated one)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from cluster.bench.compare import parse_rates
+from cluster.bench.compare_modes import ModeSettings, default_mode_names, parse_modes, serving_mode
+from cluster.bench.compare_report import ModeRun, format_markdown, goal_lines, ratio_rows, runs_json
+from cluster.bench.serve_metrics import RequestResult, compute_metrics
+from tests.test_serve_cli import TANDEM
+
+SETTINGS = ModeSettings(None, "auto", "cpu", "auto", max_model_len=1088, chunk_size=128,
+                        kv_cache_memory_mib=64, cpu_cores=4)
+
+
+def test_modes_become_the_serve_flags_that_make_them():
+    colocated = serving_mode("colocated", SETTINGS).serve_flags
+    assert ("--no-enable-chunked-prefill" in colocated
+            and colocated[colocated.index("--max-num-batched-tokens") + 1] == "1088")
+    chunked = serving_mode("colocated-chunked", SETTINGS).serve_flags
+    assert "--enable-chunked-prefill" in chunked and chunked[chunked.index("--max-num-batched-tokens") + 1] == "128"
+    disagg = serving_mode("disagg-1p3d", SETTINGS)
+    flags = disagg.serve_flags
+    assert disagg.is_disaggregated and flags[flags.index("--prefill-workers") + 1] == "1"
+    assert flags[flags.index("--decode-workers") + 1] == "3" and flags[flags.index("--cpu-threads") + 1] == "1"
+    assert flags[flags.index("--kv-cache-memory-mib") + 1] == "64"
+    assert flags[flags.index("--local-prefill-tokens") + 1] == "0"
+    local = serving_mode("disagg-1p1d-local300", SETTINGS).serve_flags
+    assert local[local.index("--local-prefill-tokens") + 1] == "300"
+
+
+def test_mode_and_rate_lists_are_validated():
+    assert parse_modes("colocated, disagg-2p1d,disagg-1p1d-local64") == ["colocated", "disagg-2p1d",
+                                                                         "disagg-1p1d-local64"]
+    for bad in ("", "colocated,colocated", "disagg-0p1d", "disaggregated", "disagg-1p1d-local"):
+        with pytest.raises(ValueError):
+            parse_modes(bad)
+    assert parse_rates("2, inf") == [2.0, float("inf")]
+    for bad in ("", "0", "-1", "fast"):
+        with pytest.raises(ValueError):
+            parse_rates(bad)
+    assert default_mode_names(num_gpus=0, cpu_cores=2) == ["colocated", "colocated-chunked", "disagg-1p1d",
+                                                           "disagg-1p1d-local256"]
+    assert default_mode_names(num_gpus=4, cpu_cores=2)[-1] == "disagg-2p2d"
+
+
+def _run(mode: str, ttft: float, gap: float) -> ModeRun:
+    """Two requests sent at 0 whose first token comes after `ttft` s, then tokens every `gap` s."""
+    results = [RequestResult(True, 8, 0.0, (ttft, ttft + gap, ttft + 2 * gap), (1, 1, 1),
+                             timing={"queue_ms": 1.0, "prefill_ms": 2.0, "transfer_ms": 3.0 if "disagg" in mode else 0})
+               for _ in range(2)]
+    return ModeRun(mode, 4.0, compute_metrics(results, duration=1.0), results, True)
+
+
+def test_ratios_and_the_goal_verdict():
+    runs = [_run("colocated", ttft=0.100, gap=0.200), _run("colocated-chunked", ttft=0.100, gap=0.050),
+            _run("disagg-1p1d", ttft=0.120, gap=0.080)]
+    rows = {(mode, base): (itl, ttft, tput) for _, mode, base, itl, ttft, tput in ratio_rows(runs)}
+    assert rows[("disagg-1p1d", "colocated")][:2] == pytest.approx((0.4, 1.2))
+    assert rows[("disagg-1p1d", "colocated-chunked")][:2] == pytest.approx((1.6, 1.2))
+    (line,) = goal_lines(runs)
+    assert "p99 ITL 0.40x" in line and "median TTFT 1.20x" in line and "NOT met" not in line
+    slower = [runs[0], _run("disagg-1p1d", ttft=0.200, gap=0.150)]
+    assert goal_lines(slower)[0].count("NOT met") == 2
+    markdown = format_markdown(runs, "tandem bench compare")
+    assert markdown.count("\n| colocated") == 2 and "\n| disagg-1p1d | 4 | 2 / 0 |" in markdown
+    assert "| 3.0 / 3.0 |" in markdown
+    document = runs_json(runs, {"burstiness": 1.0})
+    assert [run["mode"] for run in document["runs"]] == ["colocated", "colocated-chunked", "disagg-1p1d"]
+    assert document["runs"][2]["p99_itl_ms"] == pytest.approx(80.0)
+
+
+def test_compare_runs_each_mode_end_to_end(tmp_path):
+    results = tmp_path / "results"
+    done = subprocess.run([*TANDEM, "bench", "compare", "--modes", "colocated,disagg-1p1d", "--request-rates", "inf",
+                           "--num-prompts", "4", "--num-warmups", "1", "--mixed-long-fraction", "0.25",
+                           "--mixed-long-len", "80", "--mixed-short-len", "12", "--random-output-len", "4",
+                           "--kv-cache-memory-mib", "16", "--results-dir", str(results)],
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    document = json.loads((results / "results.json").read_text())
+    by_mode = {run["mode"]: run for run in document["runs"]}
+    assert set(by_mode) == {"colocated", "disagg-1p1d"}
+    for run in by_mode.values():
+        assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 16
+        assert run["pool_whole"] is True
+    assert by_mode["disagg-1p1d"]["disagg"]["transfer_ms_p50"] > 0
+    assert by_mode["colocated"]["disagg"]["transfer_ms_p50"] == 0
+    for name in ("results.md", "ttft_cdf.png", "itl_cdf.png", "ttft_breakdown.png",
+                 "server-colocated.log", "server-disagg-1p1d.log"):
+        assert (results / name).stat().st_size > 0, name
+    assert "| disagg-1p1d | inf | 4 / 0 |" in (results / "results.md").read_text()
+
+
+def test_compare_rejects_bad_flags_before_starting_anything(tmp_path):
+    done = subprocess.run([*TANDEM, "bench", "compare", "--modes", "colocated,warp", "--results-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown mode 'warp'" in done.stderr

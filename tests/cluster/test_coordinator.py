@@ -1,0 +1,171 @@
+"""Disaggregated serving on a real local Ray: prefill and decode workers in their own actor processes,
+KV over real gRPC on 127.0.0.1, the Coordinator driving them from this process.
+
+1 prefill + 1 decode: greedy output equals a colocated engine.LLM token for token, timing is filled in,
+cancel frees everything. 1 prefill + 2 decode: a killed decode worker fails only its own requests and
+the survivors keep serving. Every test ends with every alive worker's pool empty.
+"""
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import pytest
+import ray
+
+from cluster.backend import BackendUnavailable
+from cluster.coordinator.start import start_cluster
+from cluster.coordinator.request_flow import WorkerLost
+from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray, wait_until_idle
+from engine import LLM, SamplingParams
+from tests.support.engine_checks import random_prompts
+
+VOCAB = 256  # byte ids of the default model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    start_local_ray()
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_by_one(local_ray):
+    coordinator = start_cluster(cluster_config(1, 1))
+    yield coordinator
+    asyncio.run(coordinator.shutdown())
+
+
+@pytest.fixture(scope="module")
+def colocated() -> LLM:
+    return LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+
+
+def prompts_with_shared_prefixes(seed: int) -> list[list[int]]:
+    lengths = [1, 5, 16, 17, 40, 3, 90, 33, 8, 64, 21, 2,
+               7, 12, 25, 31, 47, 9, 4, 60, 15, 28, 11, 36, 6, 19, 44, 13, 26, 10]  # 32 with the two below
+    prompts = random_prompts(lengths, VOCAB, seed=seed)
+    prompts.append(prompts[6][:48] + prompts[1])     # shares 3 blocks with the 90-token prompt
+    prompts.append(list(prompts[9]))                 # the 64-token prompt again
+    return prompts
+
+
+def test_greedy_equals_colocated_with_timing(one_by_one, colocated):
+    prompts = prompts_with_shared_prefixes(seed=3)
+    params = greedy(10)
+    outs = colocated.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+    async def run_all():
+        results = await asyncio.gather(*(collect(one_by_one, request(f"g{i}", p, params))
+                                         for i, p in enumerate(prompts)))
+        await wait_until_idle(one_by_one)
+        return results
+
+    results = asyncio.run(run_all())
+    for prompt, out, (tokens, last) in zip(prompts, outs, results):
+        assert tokens == out.outputs[0].token_ids, f"prompt of {len(prompt)} tokens differs from colocated"
+        timing = last.timing
+        assert last.finish_reason == "length"
+        assert timing.ttft_ms >= timing.transfer_ms > 0 and timing.prefill_ms > 0 and timing.queue_ms >= 0
+        assert timing.kv_bytes > 0
+        assert (timing.prefill_worker, timing.decode_worker) == ("prefill-0", "decode-0")
+
+
+def test_first_token_that_ends_the_request_comes_from_the_prefill_worker(one_by_one, colocated):
+    prompt = random_prompts([12], VOCAB, seed=5)[0]
+    expected = colocated.generate(prompt_token_ids=[prompt], sampling_params=greedy(1), use_tqdm=False)
+
+    async def run():
+        result = await collect(one_by_one, request("one", prompt, greedy(1)))
+        await wait_until_idle(one_by_one)
+        return result
+
+    tokens, last = asyncio.run(run())
+    assert tokens == expected[0].outputs[0].token_ids and last.finish_reason == "length"
+    assert last.timing.kv_bytes == 0 and last.timing.prefill_worker == "prefill-0"
+
+
+def test_input_the_engine_rejects_is_a_value_error_and_frees_the_decode_side(one_by_one):
+    async def run():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(one_by_one, request("bad", [1, 2, 10_000], greedy(4)))
+        await wait_until_idle(one_by_one)
+
+    asyncio.run(run())
+
+
+def test_cancel_mid_stream_and_before_the_first_token_free_everything(one_by_one):
+    prompts = random_prompts([30, 50], VOCAB, seed=7)
+    long_run = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def read_two_chunks_then_leave():
+        seen = 0
+        async with aclosing(one_by_one.generate(request("mid", prompts[0], long_run))) as chunks:
+            async for chunk in chunks:
+                seen += len(chunk.token_ids)
+                if seen >= 2:
+                    break
+        return seen
+
+    async def leave_before_the_first_token(delay_s: float):  # routing, prefill or transfer under way
+        chunks = one_by_one.generate(request(f"early-{delay_s}", prompts[1], long_run))
+        first = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(delay_s)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await chunks.aclose()
+
+    async def run():
+        seen = await read_two_chunks_then_leave()
+        for delay_s in (0.0, 0.001, 0.004, 0.01, 0.02):
+            await leave_before_the_first_token(delay_s)
+        await wait_until_idle(one_by_one)
+        return seen
+
+    assert asyncio.run(run()) >= 2
+
+
+@pytest.fixture(scope="module")
+def one_by_two(local_ray):
+    coordinator = start_cluster(cluster_config(1, 2))
+    yield coordinator
+    asyncio.run(coordinator.shutdown())
+
+
+def test_killed_decode_worker_fails_its_requests_and_survivors_keep_serving(one_by_two):
+    prompts = random_prompts([20, 21, 22, 23], VOCAB, seed=9)
+    params = greedy(300)  # long enough that all four still decode when decode-1 is killed
+    victim = one_by_two.workers["decode-1"]
+
+    async def started(index: int, prompt: list[int], first_chunks: asyncio.Queue):
+        tokens, last = [], None
+        async with aclosing(one_by_two.generate(request(f"k{index}", prompt, params))) as chunks:
+            async for chunk in chunks:
+                if not tokens:
+                    first_chunks.put_nowait(index)
+                tokens += chunk.token_ids
+                last = chunk
+        return tokens, last
+
+    async def run():
+        first_chunks: asyncio.Queue = asyncio.Queue()
+        runs = [asyncio.ensure_future(started(i, p, first_chunks)) for i, p in enumerate(prompts)]
+        for _ in prompts:  # every request is decoding (round robin: k0, k2 on decode-0; k1, k3 on decode-1)
+            await asyncio.wait_for(first_chunks.get(), 30)
+        ray.kill(one_by_two._workers["decode-1"].actor)
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        after = await collect(one_by_two, request("after", prompts[0], greedy(8)))
+        health = await one_by_two.health()
+        await wait_until_idle(one_by_two)
+        return results, after, health, await one_by_two.worker_stats()
+
+    results, after, health, stats = asyncio.run(run())
+    lost = [r for r in results if isinstance(r, BaseException)]
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert len(lost) == 2 and all(isinstance(e, WorkerLost) and isinstance(e, BackendUnavailable) for e in lost)
+    assert [last.timing.decode_worker for _, last in served] == ["decode-0", "decode-0"]
+    assert all(len(tokens) == 300 for tokens, _ in served)
+    assert after[1].timing.decode_worker == "decode-0" and len(after[0]) == 8
+    assert victim.name not in stats and set(stats) == {"prefill-0", "decode-0"}
+    assert health.serving and health.decode_workers == 1 and health.details["dead_workers"] == ["decode-1"]

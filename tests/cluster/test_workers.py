@@ -1,0 +1,103 @@
+"""The prefill and decode workers without Ray (they must run bare): two engines in this process, KV over
+real gRPC on 127.0.0.1. Backpressure, timeouts, cancels, rejected input, deliveries nobody expects, and
+the per-peer transfer slots; every test ends with both pools empty."""
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from decode_worker import DecodeEnded, DecodeStatus, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
+from engine import LLM, SamplingParams
+from tests.support.engine_checks import random_prompts
+from kv_transfer import TransferConfig
+from prefill_worker import PrefillStatus, PrefillTask, PrefillWorker, PrefillWorkerConfig
+
+TRANSFER = TransferConfig(kv_transfer_timeout_s=10, connect_timeout_s=10)
+DECODE_BLOCKS = 8  # block size 16: 128 tokens
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def idle(worker) -> bool:
+    stats = worker.stats()
+    busy = getattr(stats, "running", 0) + getattr(stats, "waiting", 0) + getattr(stats, "live_requests", 0)
+    return busy == 0 and stats.engine_requests == 0 and stats.free_blocks == stats.total_blocks
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    worker = PrefillWorker(LLM(kv_cache_memory=8 << 20).engine,
+                           PrefillWorkerConfig("prefill-t", transfer=TRANSFER, max_transfers_per_peer=1))
+    yield worker
+    worker.stop()
+    assert idle(worker)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    worker = DecodeWorker(LLM(num_kv_blocks=DECODE_BLOCKS).engine,
+                          DecodeWorkerConfig("decode-t", transfer=TRANSFER, max_live_requests=3, expect_timeout_s=0.3))
+    yield worker
+    worker.stop()
+    assert idle(worker)
+
+
+def test_decode_worker_refuses_when_its_pool_is_promised_and_times_out_missing_kv(decode):
+    events: queue.Queue = queue.Queue()
+    prompts = random_prompts([100, 20], 256, seed=1)
+    assert decode.expect(ExpectedRequest("big", tuple(prompts[0]), GREEDY), events.put).accepted
+    refused = decode.expect(ExpectedRequest("small", tuple(prompts[1]), GREEDY), events.put)
+    assert not refused.accepted and "KV pool full" in refused.reason
+    ended = events.get(timeout=5)   # no KV ever comes for "big"
+    assert isinstance(ended, DecodeEnded) and ended.status is DecodeStatus.TIMEOUT
+    assert decode.expect(ExpectedRequest("small", tuple(prompts[1]), GREEDY), events.put).accepted
+    decode.cancel("small")
+    assert events.get(timeout=5) == DecodeEnded("small", DecodeStatus.CANCELLED, "cancelled")
+    wait_for(lambda: idle(decode))
+
+
+def test_cancel_that_overtakes_its_expect_still_cancels_it(decode):
+    """Ray may run an actor's cancel() before the stream call whose expect() it follows."""
+    events: queue.Queue = queue.Queue()
+    decode.cancel("early")
+    assert decode.expect(ExpectedRequest("early", (1, 2, 3), GREEDY), events.put).accepted
+    ended = events.get(timeout=5)
+    assert isinstance(ended, DecodeEnded) and ended.status is DecodeStatus.CANCELLED, ended
+    wait_for(lambda: idle(decode))
+
+
+def test_decode_worker_refuses_past_its_live_request_limit(decode):
+    events: queue.Queue = queue.Queue()
+    accepted = [decode.expect(ExpectedRequest(f"n{i}", (1, 2), GREEDY), events.put).accepted for i in range(4)]
+    assert accepted == [True, True, True, False]
+    for i in range(3):
+        decode.cancel(f"n{i}")
+    wait_for(lambda: idle(decode))
+
+
+def test_prefill_worker_rejects_bad_input_and_cancels_queued_work(prefill, decode):
+    bad = prefill.submit(PrefillTask("bad", (1, 99_999), GREEDY, decode.address)).result(10)
+    assert bad.status is PrefillStatus.INVALID and "vocabulary" in bad.error
+    long_prompt = tuple(random_prompts([1500], 256, seed=2)[0])
+    queued = [prefill.submit(PrefillTask(f"q{i}", long_prompt, GREEDY, decode.address)) for i in range(3)]
+    for i in range(3):
+        prefill.cancel(f"q{i}")
+    statuses = [future.result(10).status for future in queued]
+    assert statuses.count(PrefillStatus.CANCELLED) >= 2  # the first may already be on the wire
+    wait_for(lambda: idle(prefill) and idle(decode))
+
+
+def test_deliveries_nobody_expects_are_freed_and_slots_pass_in_order(prefill, decode):
+    prompts = random_prompts([40, 17, 33, 5], 256, seed=3)
+    futures = [prefill.submit(PrefillTask(f"u{i}", tuple(p), GREEDY, decode.address)) for i, p in enumerate(prompts)]
+    reports = [future.result(20) for future in futures]
+    assert [r.status for r in reports] == [PrefillStatus.SHIPPED] * 4 and all(r.kv_bytes > 0 for r in reports)
+    wait_for(lambda: idle(prefill) and idle(decode))

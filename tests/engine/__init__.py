@@ -1,0 +1,1 @@
+"""engine/: the model runtime against transformers on tiny checkpoints, allocator, scheduler, kernels."""

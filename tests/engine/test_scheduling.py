@@ -1,0 +1,140 @@
+"""Batching, chunking, prefix caching and preemption change how work is done, never the output."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LENGTHS = [3, 16, 17, 50, 129, 260]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return str(tiny_checkpoint("llama3"))
+
+
+def greedy_tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def prefill_kv(llm: LLM, prompts) -> list[torch.Tensor]:
+    """Prefill-only requests: the first token, and the prompt's K/V read out of the pool."""
+    engine, kv = llm.engine, llm.engine.kv_cache.kv
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, GREEDY, prefill_only=True)
+    results = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            results[delta.request_id] = delta
+    kv_per_prompt = []
+    for i, prompt in enumerate(prompts):
+        blocks = torch.tensor(results[f"p{i}"].kv_block_ids)
+        # [layers, 2, blocks * block_size, kv_heads, head_dim] -> the prompt's token slots
+        per_token = kv[:, :, blocks].flatten(2, 3)[:, :, :len(prompt)]
+        kv_per_prompt.append((results[f"p{i}"].new_token_ids[0], per_token.clone()))
+        assert engine.release_prefilled(f"p{i}")
+    return kv_per_prompt
+
+
+def test_packed_prefill_equals_prefilling_each_alone(ckpt):
+    llm = LLM(ckpt, max_num_batched_tokens=4096)
+    prompts = random_prompts(LENGTHS, 300, seed=2)
+    packed = prefill_kv(llm, prompts)
+    assert llm.engine.stats.num_steps == 1, "all prompts should go through one packed forward"
+    for prompt, (token, kv) in zip(prompts, packed):
+        [(alone_token, alone_kv)] = prefill_kv(llm, [prompt])
+        assert token == alone_token
+        torch.testing.assert_close(kv, alone_kv, rtol=1e-5, atol=1e-5)
+    assert_all_blocks_free(llm)
+
+
+def test_chunked_prefill_of_7_tokens_equals_whole(ckpt):
+    prompts = random_prompts(LENGTHS, 300, seed=3)
+    whole = LLM(ckpt, max_num_batched_tokens=4096)
+    chunked = LLM(ckpt, max_num_batched_tokens=7)
+    assert greedy_tokens(chunked, prompts) == greedy_tokens(whole, prompts)
+    assert chunked.engine.stats.num_steps > whole.engine.stats.num_steps
+    assert_all_blocks_free(whole)
+    assert_all_blocks_free(chunked)
+
+
+def test_long_prefill_threshold_lets_short_prompts_into_the_same_step_same_output(ckpt):
+    long_prompt, short_prompt = random_prompts([200, 5], 300, seed=4)
+    capped = LLM(ckpt, max_num_batched_tokens=512, long_prefill_token_threshold=32)
+    engine = capped.engine
+    engine.add_request("long", long_prompt, GREEDY, prefill_only=True)
+    engine.add_request("short", short_prompt, GREEDY, prefill_only=True)
+    first_step = {delta.request_id for delta in engine.step()}
+    assert first_step == {"short"}, "the short prompt should finish its prefill in the first step"
+    assert engine.get_sequence("long").num_computed_tokens == 32
+    for request_id in ("long", "short"):
+        engine.abort(request_id)
+    prompts = random_prompts(LENGTHS, 300, seed=5)
+    whole = LLM(ckpt, max_num_batched_tokens=4096)
+    assert greedy_tokens(capped, prompts) == greedy_tokens(whole, prompts)
+    assert_all_blocks_free(capped)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        LLM(ckpt, long_prefill_token_threshold=-1)
+
+
+def test_prefix_cache_hit_computes_fewer_tokens_same_output(ckpt):
+    block = 16
+    shared = random_prompts([5 * block], 300, seed=4)[0]
+    first, second = shared + [7, 8, 9], shared + [10, 11]
+    cached = LLM(ckpt, block_size=block)
+    uncached = LLM(ckpt, block_size=block, enable_prefix_caching=False)
+    assert greedy_tokens(cached, [first]) == greedy_tokens(uncached, [first])
+    before = cached.engine.stats.num_prefill_tokens
+    out = cached.generate(prompt_token_ids=[second], sampling_params=GREEDY)[0]
+    computed = cached.engine.stats.num_prefill_tokens - before
+    assert computed == len(second) - 5 * block, "the 5 shared full blocks must come from the cache"
+    assert out.metrics.num_cached_tokens == 5 * block
+    assert out.outputs[0].token_ids == greedy_tokens(uncached, [second])[0]
+    assert_all_blocks_free(cached)
+    assert_all_blocks_free(uncached)
+
+
+def test_identical_prompt_reuses_all_but_the_last_token(ckpt):
+    llm = LLM(ckpt, block_size=4)
+    prompt = random_prompts([32], 300, seed=5)[0]
+    first = greedy_tokens(llm, [prompt])
+    before = llm.engine.stats.num_prefill_tokens
+    assert greedy_tokens(llm, [prompt]) == first
+    # 31 tokens fit 7 full blocks (28 tokens): the last 4 are recomputed to get the logits.
+    assert llm.engine.stats.num_prefill_tokens - before == 4
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_by_recompute_gives_same_output(ckpt):
+    prompts = random_prompts([40, 45, 50, 55, 60, 65], 300, seed=6)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    roomy = LLM(ckpt, block_size=8)
+    tight = LLM(ckpt, block_size=8, num_kv_blocks=32, enable_prefix_caching=False)
+    assert greedy_tokens(tight, prompts, params) == greedy_tokens(roomy, prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0, "the small pool must force preemption"
+    assert_all_blocks_free(tight)
+    assert_all_blocks_free(roomy)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(ckpt):
+    llm = LLM(ckpt)
+    prompts = random_prompts([12, 30, 70], 300, seed=7)
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=123, ignore_eos=True)
+    other = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    alone = greedy_tokens(llm, prompts[:1], seeded)[0]
+    batched = llm.generate(prompt_token_ids=prompts, sampling_params=[seeded, other, other])
+    assert batched[0].outputs[0].token_ids == alone
+    reseeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=124, ignore_eos=True)
+    assert greedy_tokens(llm, prompts[:1], reseeded)[0] != alone
+    assert_all_blocks_free(llm)
+
+
+def test_top_k_1_is_greedy(ckpt):
+    llm = LLM(ckpt)
+    prompts = random_prompts([20, 33], 300, seed=8)
+    top1 = SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True)
+    assert greedy_tokens(llm, prompts, top1) == greedy_tokens(llm, prompts)
+    assert_all_blocks_free(llm)

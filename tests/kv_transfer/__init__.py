@@ -1,0 +1,1 @@
+"""kv_transfer/: the wire protocol, every transport between real processes, faults, engine pools."""

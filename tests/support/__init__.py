@@ -1,0 +1,1 @@
+"""Shared builders and rigs: tiny checkpoints, transformers oracles, peer processes, cluster and front-end rigs."""

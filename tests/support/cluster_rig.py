@@ -1,0 +1,63 @@
+"""Shared by the cluster tests: a local Ray on 127.0.0.1, small worker pools, and the end-of-test
+check that every worker's pool is empty."""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import aclosing
+
+import ray
+
+from cluster.backend import GenerationChunk, GenerationRequest
+from cluster.workers.cluster_config import ClusterConfig
+from engine import EngineConfig, SamplingParams
+
+POOL_BYTES = 16 << 20           # 256 blocks of the default model per worker
+SMALL_ENGINE = EngineConfig(kv_cache_memory=POOL_BYTES)
+
+
+def start_local_ray() -> None:
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8,
+             log_to_driver=False)
+
+
+def cluster_config(num_prefill: int, num_decode: int, transport: str = "grpc") -> ClusterConfig:
+    return ClusterConfig(model=None, device="cpu", num_prefill_workers=num_prefill, num_decode_workers=num_decode,
+                         transport=transport, engine=SMALL_ENGINE, expect_timeout_s=30.0,
+                         worker_start_timeout_s=60.0)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def request(request_id: str, prompt: list[int], params: SamplingParams) -> GenerationRequest:
+    return GenerationRequest(request_id, tuple(prompt), params, time.perf_counter())
+
+
+async def collect(backend, generation: GenerationRequest) -> tuple[list[int], GenerationChunk]:
+    """All tokens of a request and its last chunk."""
+    tokens, last = [], None
+    async with aclosing(backend.generate(generation)) as chunks:
+        async for chunk in chunks:
+            tokens += chunk.token_ids
+            last = chunk
+    return tokens, last
+
+
+def is_idle(stats) -> bool:
+    """A worker holds no request and no block."""
+    busy = getattr(stats, "running", 0) + getattr(stats, "waiting", 0) + getattr(stats, "live_requests", 0)
+    return busy == 0 and stats.engine_requests == 0 and stats.free_blocks == stats.total_blocks
+
+
+async def wait_until_idle(coordinator, timeout_s: float = 15.0) -> dict:
+    """Waits until every alive worker is idle; fails naming the busy ones."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await coordinator.worker_stats()
+        if all(is_idle(s) for s in stats.values()):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers still hold requests or blocks: {stats}")
+        await asyncio.sleep(0.05)

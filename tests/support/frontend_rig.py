@@ -1,0 +1,51 @@
+"""Shared by the front-end tests: a LocalEngineBackend over a real engine, and the end-of-test checks
+that every KV block is free and no request is live."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
+from engine import SamplingParams
+
+IDLE_TIMEOUT_S = 10.0
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def assert_pool_free(engine) -> None:
+    assert engine.num_live_requests == 0
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+async def wait_until_idle(engine, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Waits for the engine thread to finish or abort everything, then checks the pool is free."""
+    deadline = time.monotonic() + timeout_s
+    while (engine.num_live_requests or engine.num_free_blocks != engine.num_total_blocks) \
+            and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert_pool_free(engine)
+
+
+async def wait_until_busy(engine, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Waits until the engine holds a live request (admitted by its thread)."""
+    deadline = time.monotonic() + timeout_s
+    while engine.num_live_requests == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+    assert engine.num_live_requests > 0
+
+
+@contextlib.asynccontextmanager
+async def local_backend(engine, **config_fields):
+    """A LocalEngineBackend owning `engine` for the block; on a clean exit the pool must be free
+    before the backend shuts down (so shutdown never hides a leak), and after."""
+    backend = LocalEngineBackend(engine, LocalBackendConfig(**config_fields))
+    try:
+        yield backend
+        await wait_until_idle(engine)
+    finally:
+        await backend.shutdown()
+    assert_pool_free(engine)
