@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-import ray
 from ray.exceptions import RayActorError
 
 from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk,

@@ -1,4 +1,4 @@
-"""The `ray job submit` entrypoint: serve disaggregated on the Ray cluster's resources and send N requests.
+"""The `ray job submit` job (run through deploy/job.py): serve disaggregated on the Ray cluster's resources and send N requests.
 
     ray job submit --address http://HEAD:8265 --working-dir . -- python deploy/job.py --requests 8
 
@@ -17,12 +17,8 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script (`python deploy/job.py`): import the repo's packages
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cluster.drivers.grpc_workload import RequestResult, mixed_workload, run_workload, summarize  # noqa: E402
+from cluster.drivers.grpc_workload import RequestResult, mixed_workload, run_workload, summarize
 
 
 @dataclass(frozen=True)

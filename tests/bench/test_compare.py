@@ -11,7 +11,7 @@ from cluster.bench.compare import parse_rates
 from cluster.bench.compare_modes import ModeSettings, default_mode_names, parse_modes, serving_mode
 from cluster.bench.compare_report import ModeRun, format_markdown, goal_lines, ratio_rows, runs_json
 from cluster.bench.serve_metrics import RequestResult, compute_metrics
-from tests.test_serve_cli import TANDEM
+from tests.support.serve_process import TANDEM
 
 SETTINGS = ModeSettings(None, "auto", "cpu", "auto", max_model_len=1088, chunk_size=128,
                         kv_cache_memory_mib=64, cpu_cores=4)

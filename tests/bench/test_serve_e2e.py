@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.test_serve_cli import TANDEM, start_serve
+from tests.support.serve_process import TANDEM, start_serve
 
 LABELS = ("============ Serving Benchmark Result ============", "Successful requests:", "Benchmark duration (s):",
           "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",

@@ -1,42 +1,16 @@
 """`tandem serve` and `tandem client` as users run them: real processes, loopback, SIGTERM shutdown."""
 from __future__ import annotations
 
-import contextlib
 import json
-import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-TANDEM = [sys.executable, "-m", "cluster.cli"]
-
-
-@contextlib.contextmanager
-def start_serve(*args: str):
-    """Runs `tandem serve ... --grpc-port 0 --http-port 0` and yields (process, gRPC port, HTTP port) once
-    it listens; SIGTERMs it at the end if it still runs."""
-    proc = subprocess.Popen([*TANDEM, "serve", "--grpc-port", "0", "--http-port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        banner = ""
-        for line in proc.stdout:
-            banner += line
-            match = re.search(r"gRPC 127\.0\.0\.1:(\d+), HTTP http://127\.0\.0\.1:(\d+)/v1", line)
-            if match:
-                yield proc, int(match.group(1)), int(match.group(2))
-                break
-        else:
-            pytest.fail(f"tandem serve exited before listening:\n{banner}")
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
-
+from tests.support.serve_process import TANDEM, start_serve
 
 @pytest.fixture
 def server():
