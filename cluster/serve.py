@@ -14,12 +14,12 @@ import asyncio
 import signal
 from dataclasses import dataclass, field
 
-from cluster.backend import Backend
-from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.http_server import HttpServerConfig, start_http_server
-from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.api.metrics import ServingMetrics
+from cluster.backend import Backend
+from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
+from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
 from engine.config import EngineConfig
 
 

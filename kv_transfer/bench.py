@@ -28,6 +28,7 @@ from kv_transfer.manifest import ModelFingerprint
 from kv_transfer.results import ReceivedKV, SendRequest
 from kv_transfer.testing import FreeListPool
 
+
 def bench_fingerprint(num_layers: int = 8) -> ModelFingerprint:
     """Llama-3-8B's KV block layout (8 KV heads x 128, bf16, 16 tokens: 64 KiB per layer per block) with
     num_layers layers: 512 KiB blocks and 1 MiB planes per 16 MiB run at 8; Llama-3-8B's own 32 layers

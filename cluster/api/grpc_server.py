@@ -16,11 +16,10 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.api.api_key import ApiKeyCheck
-from cluster.backend import (Backend, BackendOverloaded, BackendUnavailable, GenerationChunk,
-                             GenerationRequest)
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import ServingMetrics
 from cluster.api.request_validation import build_sampling_params, check_prompt_token_ids, encode_prompt
+from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from proto import tandem_pb2, tandem_pb2_grpc
 
 logger = logging.getLogger("tandem.cluster.grpc")

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from cluster.api.api_key import ApiKeyCheck
-from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
 from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel, parse_chat_request,
-                                     parse_completion_request, parse_json_body)
+                                         parse_completion_request, parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
+from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 
 logger = logging.getLogger("tandem.cluster.http")
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}

@@ -11,9 +11,9 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from cluster.api.metrics import ServingMetrics
 from cluster.backend import (Backend, BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk,
                              GenerationRequest)
-from cluster.api.metrics import ServingMetrics
 
 
 class MeteredBackend:

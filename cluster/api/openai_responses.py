@@ -5,9 +5,8 @@ JSON objects OpenAI's clients expect, plus Tandem's `tandem_timing` on the last 
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import dataclasses
+from abc import ABC, abstractmethod
 
 from cluster.backend import GenerationChunk, Timing
 

@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 
 from cluster.bench.checkpoint import SHAPES, build_bench_checkpoint
-from cluster.bench.compare_plots import require_matplotlib, write_plots
 from cluster.bench.compare_modes import ModeSettings, default_mode_names, parse_modes, serving_mode
+from cluster.bench.compare_plots import require_matplotlib, write_plots
 from cluster.bench.compare_report import ModeRun, format_markdown, runs_json
 from cluster.bench.compare_server import ServerProcess, ServerStartError
-from cluster.bench.serve import check_counts, add_workload_arguments, workload_from_args
+from cluster.bench.serve import add_workload_arguments, check_counts, workload_from_args
 from cluster.bench.serve_client import ClientConfig, ServerUnreachable, run_requests
 from cluster.bench.serve_metrics import compute_metrics, parse_goodput
 from cluster.bench.serve_workloads import arrival_gaps, generate_requests

@@ -1,11 +1,12 @@
 """Coordinator: the Backend of disaggregated serving, over prefill and decode worker actors on Ray.
 
-Per request (on the front end's asyncio loop): pick a decode worker (cluster.coordinator.routing), ask it to expect
-the request (it accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then let
-a RequestFlow drive prefill -> KV transfer -> decode and stream the chunks back. Decode events come back
-on one stream per decode worker (cluster/coordinator/decode_events.py), routed to per-request mailboxes. The coordinator keeps the
-load accounting, and stops routing to a worker as soon as any call finds it dead. A request whose prefill
-worker dies before the request delivered anything starts over on a surviving prefill worker.
+Per request (on the front end's asyncio loop): pick a decode worker (cluster.coordinator.routing), ask it to
+expect the request (it accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then
+let a RequestFlow drive prefill -> KV transfer -> decode and stream the chunks back. Decode events come back
+on one stream per decode worker (cluster/coordinator/decode_events.py), routed to per-request mailboxes. The
+coordinator keeps the load accounting, and stops routing to a worker as soon as any call finds it dead. A
+request whose prefill worker dies before the request delivered anything starts over on a surviving prefill
+worker.
 """
 from __future__ import annotations
 
@@ -18,15 +19,14 @@ from dataclasses import dataclass
 
 from ray.exceptions import RayActorError
 
-from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk,
-                             GenerationRequest)
-from cluster.workers.cluster_config import ClusterConfig
+from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.coordinator.decode_events import DecodeEventPump
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
-from cluster.workers.actors import WorkerInfo
-from cluster.workers.placement import ClusterResources, release_cluster
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
 from cluster.coordinator.routing import Router
+from cluster.workers.actors import WorkerInfo
+from cluster.workers.cluster_config import ClusterConfig
+from cluster.workers.placement import ClusterResources, release_cluster
 from decode_worker import ExpectedRequest
 
 logger = logging.getLogger("tandem.cluster.coordinator")

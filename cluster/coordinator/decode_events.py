@@ -18,7 +18,6 @@ from typing import Callable
 
 from ray.exceptions import RayActorError
 
-
 logger = logging.getLogger("tandem.cluster.decode_events")
 
 

@@ -1,14 +1,14 @@
 """RequestFlow: one request across processes, driven from the coordinator's asyncio loop.
 
-The decode worker has already accepted the request (its expect() answered with an Admission). The flow
-then sends the PrefillTask to the prefill worker and merges two sources into one event queue: the prefill
-worker's PrefillReport (first token, timings, KV bytes, or why it failed) and the request's mailbox on
-the decode worker's event stream (DecodeChunk / DecodeEnded, cluster/coordinator/decode_events.py). Decode chunks go to the consumer as they arrive; the final one waits for the
-report, whose timings it carries. A worker that dies ends the request with WorkerLost (its `role` says
-which side), except a prefill worker that dies after the KV landed (the decode worker already streams):
-the request then goes on and ends without prefill timings. Any other failure ends it with RequestFailed
-(or ValueError for input a worker rejected); either way the other worker is told to cancel. A consumer
-that stops early cancels the request on both workers.
+The decode worker has already accepted the request (its expect() answered with an Admission). The flow then
+sends the PrefillTask to the prefill worker and merges two sources into one event queue: the prefill worker's
+PrefillReport (first token, timings, KV bytes, or why it failed) and the request's mailbox on the decode
+worker's event stream (DecodeChunk / DecodeEnded, cluster/coordinator/decode_events.py). Decode chunks go to
+the consumer as they arrive; the final one waits for the report, whose timings it carries. A worker that dies
+ends the request with WorkerLost (its `role` says which side), except a prefill worker that dies after the KV
+landed (the decode worker already streams): the request then goes on and ends without prefill timings. Any
+other failure ends it with RequestFailed (or ValueError for input a worker rejected); either way the other
+worker is told to cancel. A consumer that stops early cancels the request on both workers.
 """
 from __future__ import annotations
 

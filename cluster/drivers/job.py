@@ -1,4 +1,5 @@
-"""The `ray job submit` job (run through deploy/job.py): serve disaggregated on the Ray cluster's resources and send N requests.
+"""The `ray job submit` job (deploy/job.py runs it): serve disaggregated on the Ray cluster's resources
+and send N requests.
 
     ray job submit --address http://HEAD:8265 --working-dir . -- python deploy/job.py --requests 8
 
@@ -88,9 +89,9 @@ def worker_counts(plan: JobPlan) -> tuple[int, int, str, int | None]:
 
 async def serve_and_send(plan: JobPlan) -> tuple[list[RequestResult], float, bool]:
     """Start the cluster and the gRPC front end, send the requests, check the pools, stop both."""
-    from cluster.workers.cluster_config import ClusterConfig
-    from cluster.coordinator.start import start_cluster
     from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
+    from cluster.coordinator.start import start_cluster
+    from cluster.workers.cluster_config import ClusterConfig
     from engine import EngineConfig
     prefill, decode, device, memory = worker_counts(plan)
     config = ClusterConfig(model=plan.model, dtype=plan.dtype, device=device, num_prefill_workers=prefill,

@@ -88,8 +88,9 @@ async def _serve_workload(backend, plan: DemoPlan) -> tuple[list[RequestResult],
 
 async def _run_disaggregated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[bool, str]]:
     import ray
-    from cluster.workers.cluster_config import ClusterConfig
+
     from cluster.coordinator.start import start_cluster
+    from cluster.workers.cluster_config import ClusterConfig
     from engine import EngineConfig
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
              logging_level=logging.ERROR, num_cpus=max(os.cpu_count() or 1, plan.num_prefill_workers

@@ -13,8 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk,
-                             GenerationRequest)
+from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.local.engine_loop import ChunkSink, EngineLoad, EngineLoop
 from engine.llm_engine import LLMEngine
 

@@ -10,10 +10,10 @@ a Coordinator over the workers.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import logging
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray

@@ -12,8 +12,8 @@ from kv_transfer.connector import KVReceiver
 from kv_transfer.grpc.admission import AdmissionQueue
 from kv_transfer.grpc.codec import PUSH_METHOD, SERVICE_NAME, DecodedChunk, channel_options, decode_chunk
 from kv_transfer.grpc.heap import keep_heap_for_messages
-from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.grpc.loop_thread import EventLoopThread
+from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest, ManifestError, decode_manifest
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox

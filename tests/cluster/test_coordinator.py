@@ -14,10 +14,11 @@ import pytest
 import ray
 
 from cluster.backend import BackendUnavailable
-from cluster.coordinator.start import start_cluster
 from cluster.coordinator.request_flow import WorkerLost
-from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray, wait_until_idle
+from cluster.coordinator.start import start_cluster
 from engine import LLM, SamplingParams
+from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray,
+                                       wait_until_idle)
 from tests.support.engine_checks import random_prompts
 
 VOCAB = 256  # byte ids of the default model's tokenizer

@@ -20,15 +20,15 @@ import grpc
 import pytest
 import ray
 
-from cluster.workers.cluster_config import ClusterConfig
-from cluster.coordinator.start import start_cluster
 from cluster.api.grpc_server import start_grpc_server
 from cluster.api.http_server import start_http_server
-from tests.support.cluster_rig import start_local_ray, wait_until_idle
+from cluster.coordinator.start import start_cluster
+from cluster.workers.cluster_config import ClusterConfig
 from engine import LLM, EngineConfig
+from proto import tandem_pb2, tandem_pb2_grpc
+from tests.support.cluster_rig import start_local_ray, wait_until_idle
 from tests.support.engine_checks import random_prompts
 from tests.support.frontend_rig import local_backend
-from proto import tandem_pb2, tandem_pb2_grpc
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (1, 5, 16, 17, 40, 100)   # block size 16: 1, 1, 1, 2, 3 and 7 blocks

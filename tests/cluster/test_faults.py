@@ -23,11 +23,12 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.backend import BackendUnavailable
-from cluster.coordinator.start import start_cluster
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
-from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray, wait_until_idle
+from cluster.coordinator.start import start_cluster
 from decode_worker import DecodeChunk
 from engine import LLM
+from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray,
+                                       wait_until_idle)
 from tests.support.engine_checks import random_prompts
 
 VOCAB = 256               # byte ids of the default model's tokenizer

@@ -10,11 +10,11 @@ import time
 import grpc
 import pytest
 
-from cluster.backend import GenerationRequest
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
+from cluster.backend import GenerationRequest
 from engine import LLM, SamplingParams
-from tests.support.frontend_rig import assert_pool_free, greedy, local_backend, wait_until_busy, wait_until_idle
 from proto import tandem_pb2, tandem_pb2_grpc
+from tests.support.frontend_rig import assert_pool_free, greedy, local_backend, wait_until_busy, wait_until_idle
 
 KV_BYTES = 8 << 20
 API_KEY = "s3cret-key"

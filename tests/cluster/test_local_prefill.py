@@ -12,8 +12,9 @@ import pytest
 import ray
 
 from cluster.coordinator.start import start_cluster
-from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray, wait_until_idle
 from engine import LLM, SamplingParams
+from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray,
+                                       wait_until_idle)
 from tests.support.engine_checks import random_prompts
 
 VOCAB = 256

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.backend import BackendHealth
 from cluster.api.metrics import ServingMetrics
+from cluster.backend import BackendHealth
 
 MODEL = "tandem-default"
 

@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.serve_process import TANDEM, start_serve
 
+
 @pytest.fixture
 def server():
     with start_serve() as serving:

@@ -10,9 +10,9 @@ import pytest
 
 from decode_worker import DecodeEnded, DecodeStatus, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
 from engine import LLM, SamplingParams
-from tests.support.engine_checks import random_prompts
 from kv_transfer import TransferConfig
 from prefill_worker import PrefillStatus, PrefillTask, PrefillWorker, PrefillWorkerConfig
+from tests.support.engine_checks import random_prompts
 
 TRANSFER = TransferConfig(kv_transfer_timeout_s=10, connect_timeout_s=10)
 DECODE_BLOCKS = 8  # block size 16: 128 tokens

@@ -12,10 +12,11 @@ from typing import Callable
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.support.engine_checks import random_prompts
-from tests.support.kv_engine_peer import AwaitShipped, PoolState, Prefill, PrefillPeerProcess, PrefillPeerSpec, Ship, prompt_kv_digest
 from kv_transfer import DistRendezvous, KVReceiver, ReceivedKV, TransferConfig, create_receiver, start_store
 from kv_transfer.engine_pool import admit_received, engine_pool_view, take_prefilled
+from tests.support.engine_checks import random_prompts
+from tests.support.kv_engine_peer import (AwaitShipped, PoolState, Prefill, PrefillPeerProcess, PrefillPeerSpec, Ship,
+                                          prompt_kv_digest)
 
 BLOCK_SIZE = 8
 PREFILL_BLOCKS = 128   # A hands out ids < 128; B reserves its first 128 ids, so the two sides' ids differ

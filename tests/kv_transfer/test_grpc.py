@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from kv_transfer import TransferConfig, create_receiver
 from tests.support import kv_scenarios as sc
 from tests.support.kv_peer import BF16, FP32, Fault, PeerProcess, PeerSpec
-from kv_transfer import TransferConfig, create_receiver
 
 TIMEOUT_S = 20.0
 SHORT_TIMEOUT_S = 1.0

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from tests.support import kv_scenarios as sc
-from tests.support.kv_peer import FP32, SENDER_BLOCKS, Start
 from kv_transfer import (KVTransferError, ReceiverAddress, SendRequest, TransferConfig, TransferStatus, create_receiver,
                          create_sender)
 from kv_transfer.grpc.admission import AdmissionQueue
@@ -23,6 +21,8 @@ from kv_transfer.results import ReceiveFailed, ReceiveInbox
 from kv_transfer.staging import StagingPool
 from kv_transfer.testing import FreeListPool, fill_blocks
 from proto import tandem_pb2
+from tests.support import kv_scenarios as sc
+from tests.support.kv_peer import FP32, SENDER_BLOCKS, Start
 
 TIMEOUT_S = 20.0
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
-from tests.support.kv_plane_sender import CORRUPT_RANK, NAMESPACE, PLANE_FP, SENDER_BLOCKS, SENDER_RANK, PlaneJob, run_plane_sender
-from tests.support.kv_scenarios import expected_bytes
 from kv_transfer import DistRendezvous, ReceivedKV, ReceiveFailed, TransferConfig, create_receiver, start_store
 from kv_transfer.testing import FreeListPool, blocks_bytes
+from tests.support.kv_plane_sender import (CORRUPT_RANK, NAMESPACE, PLANE_FP, SENDER_BLOCKS, SENDER_RANK, PlaneJob,
+                                           run_plane_sender)
+from tests.support.kv_scenarios import expected_bytes
 
 RECEIVER_BLOCKS = 48
 CONSECUTIVE = 16  # the receiver hands out ids 0..15 in order first, then shuffled ones

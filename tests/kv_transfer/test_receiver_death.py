@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.kv_peer import FP32
-from tests.support.kv_receiver_peer import SENDER_RANK, ReceiverProcess, ReceiverSpec, rendezvous
 from kv_transfer import KVTransferError, SendRequest, TransferConfig, TransferStatus, create_sender, start_store
 from kv_transfer.testing import FreeListPool, fill_blocks
+from tests.support.kv_peer import FP32
+from tests.support.kv_receiver_peer import SENDER_RANK, ReceiverProcess, ReceiverSpec, rendezvous
 
 SENDER_BLOCKS = 32
 TIMEOUT_S = 120.0  # far beyond the wait below: a failure in time is the peer's death, not a timeout

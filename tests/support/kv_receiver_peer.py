@@ -7,9 +7,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from tests.support.kv_peer import FP32
 from kv_transfer import DistRendezvous, KVPoolView, TransferConfig, create_receiver
 from kv_transfer.testing import FreeListPool
+from tests.support.kv_peer import FP32
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
 ALLOCATING = "allocating"

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.support.kv_peer import BF16, FP32, SENDER_BLOCKS, Cancel, Fault, FreeCounts, Outcome, PeerProcess, Start, Wait
 from kv_transfer import KVPoolView, KVReceiver, ModelFingerprint, ReceivedKV, ReceiveFailed
 from kv_transfer.pool import TORCH_DTYPES
 from kv_transfer.testing import FreeListPool, blocks_bytes, fill_blocks
+from tests.support.kv_peer import (BF16, FP32, SENDER_BLOCKS, Cancel, Fault, FreeCounts, Outcome, PeerProcess, Start,
+                                   Wait)
 
 RECEIVER_BLOCKS = 96
 

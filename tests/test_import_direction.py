@@ -1,0 +1,66 @@
+"""Imports point one way (engine <- kv_transfer <- workers <- cluster <- deploy), and cluster/'s rooms keep
+theirs: the real import graph has no arrow against the rules of tests/support/import_graph.py, and the
+checker does catch each kind of wrong arrow when one is planted."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.import_graph import (ALLOWED_CLUSTER_ROOMS, CLUSTER_ENTRY_POINTS, PRODUCT_PACKAGES,
+                                        cluster_room, installed_sources, package_sources, violations)
+
+
+def test_imports_point_one_way():
+    sources = installed_sources()
+    assert {module.split(".")[0] for module in sources} >= set(PRODUCT_PACKAGES)
+    assert len(sources) > 100, "the walk found too few modules to mean anything"
+    found = violations(sources)
+    assert not found, "imports against the direction:\n" + "\n".join(map(str, found))
+
+
+def test_every_cluster_room_has_rules():
+    """A new subpackage or top-level module of cluster/ must be added to the room table (or be an entry point)."""
+    rooms = {cluster_room(module) for module in installed_sources(("cluster",))}
+    assert rooms - CLUSTER_ENTRY_POINTS == set(ALLOWED_CLUSTER_ROOMS)
+
+
+def _plant(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        for parent in path.relative_to(root).parents:
+            if parent != Path("."):
+                (root / parent / "__init__.py").touch()
+    sources: dict[str, Path] = {}
+    for package in {Path(relative).parts[0] for relative in files}:
+        sources.update(package_sources(root / package, package))
+    return sources
+
+
+def test_checker_reports_each_kind_of_wrong_arrow(tmp_path):
+    sources = _plant(tmp_path, {
+        "engine/model.py": "def f():\n    from cluster.api import grpc_server\n",          # engine -> cluster
+        "engine/config.py": "",
+        "kv_transfer/manifest.py": "import engine.config\n",                                 # only the pool glue may
+        "kv_transfer/engine_pool.py": "from engine import config\nimport proto\n",           # allowed
+        "prefill_worker/worker.py": "import decode_worker.worker\nimport deploy.job\n",      # sibling; deploy
+        "decode_worker/worker.py": "import ray\nfrom kv_transfer import manifest\n",          # no Ray; allowed
+        "cluster/backend.py": "",
+        "cluster/api/grpc_server.py": "from ..backend import x\nfrom cluster.coordinator import start\n",
+        "cluster/coordinator/start.py": "from ..workers import launch\n",                     # allowed (relative)
+        "cluster/workers/launch.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from cluster.coordinator.start import y\n",          # workers -> coordinator
+        "cluster/serve.py": "import cluster.api.grpc_server, cluster.workers.launch, tests.support\n",
+        "deploy/job.py": "import cluster.serve\nimport tests\n",                               # scripts: anything
+    })
+    found = {(v.importer, v.imported) for v in violations(sources)}
+    assert found == {
+        ("engine.model", "cluster.api.grpc_server"),
+        ("kv_transfer.manifest", "engine.config"),
+        ("prefill_worker.worker", "decode_worker.worker"),
+        ("prefill_worker.worker", "deploy.job"),
+        ("decode_worker.worker", "ray"),
+        ("cluster.api.grpc_server", "cluster.coordinator.start"),
+        ("cluster.workers.launch", "cluster.coordinator.start"),
+        ("cluster.serve", "tests.support"),
+    }
