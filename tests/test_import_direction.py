@@ -3,6 +3,7 @@ theirs: the real import graph has no arrow against the rules of tests/support/im
 checker does catch each kind of wrong arrow when one is planted."""
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from tests.support.import_graph import (ALLOWED_CLUSTER_ROOMS, CLUSTER_ENTRY_POINTS, PRODUCT_PACKAGES,
@@ -64,3 +65,11 @@ def test_checker_reports_each_kind_of_wrong_arrow(tmp_path):
         ("cluster.workers.launch", "cluster.coordinator.start"),
         ("cluster.serve", "tests.support"),
     }
+
+
+def test_every_package_says_what_it_is_for():
+    """Each package's __init__.py opens with a docstring (what the room owns, which process it runs in)."""
+    packages = {m: p for m, p in installed_sources().items() if p.name == "__init__.py"}
+    assert "cluster.api" in packages and "kv_transfer.grpc" in packages
+    silent = [m for m, p in packages.items() if len(ast.get_docstring(ast.parse(p.read_text())) or "") < 40]
+    assert not silent, f"packages without a docstring saying what they are for: {silent}"
