@@ -2,11 +2,14 @@
 
 A block is free when its reference count is 0. Free blocks sit in an LRU queue; a free block that
 still holds a full, hashed block of tokens stays findable by its hash until the allocator hands it
-out again (evicting the hash). Hashes are chained: hash(parent_hash, tokens of this block), so a hit
-on block i means blocks 0..i all match.
+out again (evicting the hash). Hashes are chained: sha256(parent digest, tokens of this block), so a hit
+on block i means blocks 0..i all match. The digest is collision-resistant on purpose: with a
+non-cryptographic hash (Python's `hash()` of a tuple), two different prefixes can be built to share a
+chained hash, and one request would then attend to another's KV (the class of vLLM's CVE-2025-25183).
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -14,9 +17,17 @@ from collections.abc import Sequence
 NO_HASH = None
 
 
-def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash of a full block, chained to the hash of the block before it (None for the first)."""
-    return hash((parent_hash, tuple(token_ids)))
+BlockHash = bytes  # a sha256 digest
+
+
+def chain_hash(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Digest of a full block, chained to the digest of the block before it (None for the first).
+
+    sha256 over the parent's digest (32 bytes, or none for the first block) and the block's token ids as
+    decimal text with separators: unambiguous for any int, the same in every process and run."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(",".join(map(str, token_ids)).encode())
+    return digest.digest()
 
 
 class BlockAllocator:
@@ -31,9 +42,9 @@ class BlockAllocator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [NO_HASH] * num_blocks
+        self._block_hash: list[BlockHash | None] = [NO_HASH] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._lock = threading.Lock()
 
@@ -77,7 +88,7 @@ class BlockAllocator:
                 if count == 1:
                     self._free[block_id] = None
 
-    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[int]]:
+    def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[BlockHash]]:
         """Longest run of cached full blocks that prefixes token_ids, at most max_blocks of them.
 
         Takes a reference on every block it returns. Returns (block_ids, their chained hashes).
@@ -99,8 +110,8 @@ class BlockAllocator:
                 self._take_reference(block_id)
         return block_ids, hashes
 
-    def register_full_block(self, block_id: int, parent_hash: int | None,
-                            token_ids: Sequence[int]) -> int:
+    def register_full_block(self, block_id: int, parent_hash: BlockHash | None,
+                            token_ids: Sequence[int]) -> BlockHash:
         """Record that block_id now holds these block_size tokens; returns the block's chained hash.
 
         If another block already holds the same prefix, the first one stays the cached copy.

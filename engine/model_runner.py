@@ -49,7 +49,7 @@ class ModelRunner:
             return (), []
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [S, vocab]
         seqs = batch.sampled_seqs
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.num_tokens for s in seqs])
         return seqs, tokens
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:

@@ -1,6 +1,7 @@
 """Sampler: one next token per sampled row, greedy or temperature / top-k / top-p, seedable per request."""
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -8,15 +9,24 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for the token at `position` (its index in the
+    sequence, prompt included): a function of (seed, position) alone, the same in every process."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class Sampler:
-    """Picks tokens from logits. Rows with a seed draw from their own generator, so a seeded request
-    gets the same tokens whatever else shares its batch; unseeded rows share the engine's generator."""
+    """Picks tokens from logits. A seeded row draws with a generator seeded from (seed, position), so a
+    seeded request gets the same tokens whatever shares its batch and whichever engine samples which of
+    its tokens; unseeded rows share the engine's generator."""
 
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[torch.Generator | None]) -> list[int]:
+                 positions: Sequence[int]) -> list[int]:
+        """One token per row of logits; positions[i] is the index the new token of row i will have."""
         # logits: [S, vocab] float32, one row per sampled sequence
         tokens = logits.argmax(dim=-1).tolist()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -24,7 +34,9 @@ class Sampler:
             return tokens
         probs, order = _filtered_probs(logits[random_rows].cpu(), [params[i] for i in random_rows])
         for j, row in enumerate(random_rows):
-            generator = generators[row] or self.generator
+            seed = params[row].seed
+            generator = self.generator if seed is None else \
+                torch.Generator().manual_seed(position_seed(seed, positions[row]))
             choice = torch.multinomial(probs[j], 1, generator=generator).item()
             tokens[row] = int(order[j, choice])
         return tokens

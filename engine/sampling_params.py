@@ -5,13 +5,16 @@ import math
 from dataclasses import dataclass
 
 MAX_TOP_K = 2 ** 31 - 1  # larger values mean "no cut" anyway; this keeps them inside int tensors
+GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: below this, dividing logits by it overflows to inf / NaN
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings; validated on construction (ValueError on bad values).
 
-    temperature 0 means greedy; top_k -1 means no top-k cut; top_p 1.0 means no nucleus cut.
+    temperature below 1e-5 (0 included) means greedy; top_k -1 means no top-k cut; top_p 1.0 means no
+    nucleus cut. A seeded request draws the token at position p from (seed, p) alone, so it gets the
+    same tokens wherever it runs (colocated, prefilled on one worker and decoded on another, migrated).
     `stop` strings end generation and are cut from the returned text; `stop_token_ids` end it and
     stay in `token_ids`. The model's EOS ends it too unless `ignore_eos`.
     """
@@ -47,7 +50,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _check_int(name: str, value) -> None:

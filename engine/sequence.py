@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -36,13 +34,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache (stats)
         self.num_hashed_blocks = 0       # leading full blocks registered in the prefix cache
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained sha256 digests of the full blocks
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
     def num_tokens(self) -> int:

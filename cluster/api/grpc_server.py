@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.api.api_key import ApiKeyCheck
+from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import ServingMetrics
 from cluster.api.request_validation import build_sampling_params, check_prompt_token_ids, encode_prompt
@@ -110,8 +111,7 @@ def _status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, BackendUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(error)
-    logger.error("request %s failed", request_id, exc_info=error)
-    return grpc.StatusCode.INTERNAL, f"internal error: {error}"
+    return grpc.StatusCode.INTERNAL, report_internal_error(logger, error, request_id)
 
 
 def _response(request_id: str, chunk: GenerationChunk) -> tandem_pb2.GenerateResponse:

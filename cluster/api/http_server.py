@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from cluster.api.api_key import ApiKeyCheck
+from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
 from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel, parse_chat_request,
@@ -57,8 +58,8 @@ def backend_error(error: Exception) -> OpenAIError:
         return OpenAIError(503, str(error), type="service_unavailable", code="backend_unavailable")
     if isinstance(error, ValueError):
         return OpenAIError(400, str(error), code="invalid_value")
-    logger.error("request failed", exc_info=error)
-    return OpenAIError(500, f"internal error: {error}", type="internal_error", code="internal_error")
+    return OpenAIError(500, report_internal_error(logger, error, None), type="internal_error",
+                       code="internal_error")
 
 
 def error_response(error: OpenAIError) -> web.Response:

@@ -73,6 +73,23 @@ def test_greedy_equals_colocated_with_timing(one_by_one, colocated):
         assert (timing.prefill_worker, timing.decode_worker) == ("prefill-0", "decode-0")
 
 
+def test_seeded_sampling_equals_colocated(one_by_one, colocated):
+    """A seeded request's draw for position p depends on (seed, p) alone: the prefill worker samples the
+    first token and the decode worker the rest, and the tokens are the colocated engine's."""
+    prompts = random_prompts([7, 40], VOCAB, seed=8)
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=40, seed=77, ignore_eos=True)
+    outs = colocated.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+
+    async def run_all():
+        results = await asyncio.gather(*(collect(one_by_one, request(f"s{i}", p, params))
+                                         for i, p in enumerate(prompts)))
+        await wait_until_idle(one_by_one)
+        return results
+
+    for out, (tokens, last) in zip(outs, asyncio.run(run_all())):
+        assert tokens == out.outputs[0].token_ids and last.timing.kv_bytes > 0
+
+
 def test_first_token_that_ends_the_request_comes_from_the_prefill_worker(one_by_one, colocated):
     prompt = random_prompts([12], VOCAB, seed=5)[0]
     expected = colocated.generate(prompt_token_ids=[prompt], sampling_params=greedy(1), use_tqdm=False)

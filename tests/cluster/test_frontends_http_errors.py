@@ -155,3 +155,26 @@ def test_backend_gone_means_503(served):
 
     asyncio.run(scenario())
 
+
+
+def test_a_failed_engine_step_is_a_500_without_the_exception_text(served, monkeypatch):
+    real_step, failures = served.step, []
+
+    def step_that_fails_once():
+        if not failures:
+            failures.append(True)
+            raise RuntimeError("simulated device fault at /secret/path")
+        return real_step()
+
+    monkeypatch.setattr(served, "step", step_that_fails_once)
+
+    async def scenario():
+        async with http_client(served) as session:
+            status, body = await post(session, "/v1/completions", completion_body("doomed", 4))
+            assert_openai_error(status, body, 500, "internal_error")
+            assert "incident" in body["error"]["message"] and "secret" not in body["error"]["message"]
+            await wait_until_idle(served)
+            status, ok = await post(session, "/v1/completions", completion_body("after", 3))
+            assert status == 200 and len(ok["choices"][0]["token_ids"]) == 3
+
+    asyncio.run(scenario())

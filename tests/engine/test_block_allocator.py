@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_allocator import BlockAllocator
+from tests.support.old_hash_collision import colliding_first_block, old_chain_hash, tuple_hash
 
 
 def fill(allocator: BlockAllocator, tokens: list[int]) -> list[int]:
@@ -64,3 +65,21 @@ def test_disabled_prefix_caching_never_hits():
     allocator = BlockAllocator(4, 2, enable_prefix_caching=False)
     allocator.free(fill(allocator, [1, 2, 3, 4]))
     assert allocator.lookup_prefix([1, 2, 3, 4], max_blocks=2) == ([], [])
+
+
+def test_prefixes_built_to_collide_under_the_old_hash_share_no_block():
+    """B0 + T is not served A0 + T's second block although the two collide under the old hash()."""
+    a0, tail = [1, 2, 3, 4], [7, 7, 7, 7]
+    assert tuple_hash((None, tuple(a0))) == hash((None, tuple(a0)))  # the model of CPython's hash holds
+    b0 = colliding_first_block(a0)
+    a_hash, b_hash = old_chain_hash(None, a0), old_chain_hash(None, b0)
+    assert b0 != a0 and a_hash != b_hash and old_chain_hash(a_hash, tail) == old_chain_hash(b_hash, tail)
+
+    allocator = BlockAllocator(8, 4)
+    a_blocks = fill(allocator, a0 + tail)      # one prompt's two blocks, cached
+    b_first = fill(allocator, b0)              # another prompt's first block, cached
+    hit, hashes = allocator.lookup_prefix(b0 + tail, max_blocks=2)
+    assert hit == b_first and len(hashes) == 1  # B's own first block, never A's second
+    assert allocator.lookup_prefix(a0 + tail, max_blocks=2)[0] == a_blocks  # A still hits both
+    allocator.free(hit + a_blocks + a_blocks + b_first)
+    assert allocator.num_free_blocks == 8

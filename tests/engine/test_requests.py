@@ -8,6 +8,7 @@ from engine import LLM, SamplingParams
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=2024, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -121,14 +122,16 @@ def test_abort_frees_blocks_mid_generation(llm):
     assert_all_blocks_free(llm)
 
 
-def test_prefill_engine_hands_kv_to_decode_engine(ckpt):
-    """Prefill-only on one engine, copy the KV blocks, decode-only on another: same tokens."""
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_prefill_engine_hands_kv_to_decode_engine(ckpt, params):
+    """Prefill-only on one engine, copy the KV blocks, decode-only on another: the same tokens as one
+    engine doing both, greedy and seeded (a seeded draw depends on (seed, position) alone)."""
     prefill, decode, colocated = LLM(ckpt, block_size=8), LLM(ckpt, block_size=8), LLM(ckpt, block_size=8)
     prompts = random_prompts([1, 9, 8, 70], 300, seed=4)
-    expected = [o.outputs[0].token_ids for o in colocated.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    expected = [o.outputs[0].token_ids for o in colocated.generate(prompt_token_ids=prompts, sampling_params=params)]
     offset = decode.engine.reserve_blocks(3)  # offsets the decode side's block ids from the prefill side's
     for i, prompt in enumerate(prompts):
-        prefill.engine.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)
+        prefill.engine.add_request(f"r{i}", prompt, params, prefill_only=True)
     firsts = {}
     while prefill.engine.has_unfinished_requests():
         firsts.update({d.request_id: d for d in prefill.engine.step()})
@@ -141,7 +144,7 @@ def test_prefill_engine_hands_kv_to_decode_engine(ckpt):
         decode.engine.kv_cache.kv[:, :, torch.tensor(dst)] = prefill.engine.kv_cache.kv[:, :, torch.tensor(src)]
         assert prefill.engine.release_prefilled(f"r{i}")
         first = firsts[f"r{i}"].new_token_ids[0]
-        delta = decode.engine.add_prefilled_request(f"r{i}", prompt, first, GREEDY, dst)
+        delta = decode.engine.add_prefilled_request(f"r{i}", prompt, first, params, dst)
         tokens[f"r{i}"] = list(delta.new_token_ids)
     while decode.engine.has_unfinished_requests():
         for d in decode.engine.step():
@@ -154,6 +157,20 @@ def test_prefill_engine_hands_kv_to_decode_engine(ckpt):
     decode.engine.free_blocks(offset)
     for llm in (prefill, decode, colocated):
         assert_all_blocks_free(llm)
+
+
+def test_a_tiny_temperature_is_greedy_and_harms_no_batch_mate(llm):
+    """temperature 1e-40 would overflow the logits to inf (softmax NaN); below 1e-5 it means greedy, and
+    the seeded request sampled in the same batch gets the tokens it gets alone."""
+    prompts = random_prompts([10, 20, 30], 300, seed=12)
+    tiny = SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts[:2], sampling_params=greedy)]
+    expected.append(llm.generate(prompt_token_ids=prompts[2:], sampling_params=seeded)[0].outputs[0].token_ids)
+    together = llm.generate(prompt_token_ids=prompts, sampling_params=[tiny, tiny, seeded])
+    assert [o.outputs[0].token_ids for o in together] == expected
+    assert_all_blocks_free(llm)
 
 
 def test_chat_uses_the_template_without_a_double_bos(tiny_checkpoint):
