@@ -12,12 +12,15 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class ExpectedRequest:
     """A request whose prompt KV a prefill worker is about to send here (same request_id), or, with
-    prefill_locally, a short prompt this worker prefills itself (conditional disaggregation)."""
+    prefill_locally, a short prompt this worker prefills itself (conditional disaggregation).
+    num_resumed_tokens > 0: a request that continues here after its decode worker died; the last that
+    many prompt_token_ids are the tokens already generated (and streamed) before."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     prefill_locally: bool = False
+    num_resumed_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,8 @@ class DecodeWorker:
         running decodes) and decodes on; no KV is expected."""
         try:
             self._engine.add_request(request.request_id, request.prompt_token_ids, request.params,
-                                     arrival_time=time.perf_counter())
+                                     arrival_time=time.perf_counter(),
+                                     num_resumed_tokens=request.num_resumed_tokens)
         except ValueError as error:
             self._end(request.request_id, emit, DecodeStatus.INVALID, str(error))
             return
@@ -213,7 +214,7 @@ class DecodeWorker:
         request = waiting.request
         try:  # on failure admit_received frees the blocks itself
             delta = admit_received(self._engine, outcome, request.prompt_token_ids, request.params,
-                                   arrival_time=time.perf_counter())
+                                   arrival_time=time.perf_counter(), num_resumed_tokens=request.num_resumed_tokens)
         except ValueError as error:
             self._end(request.request_id, waiting.emit, DecodeStatus.INVALID, str(error))
             return

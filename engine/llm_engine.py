@@ -49,11 +49,17 @@ class LLMEngine:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
-                    *, prefill_only: bool = False, arrival_time: float | None = None) -> None:
-        """Queue a request (validated: ValueError on bad input, nothing changes then)."""
-        self._validate(request_id, prompt_token_ids, params)
+                    *, prefill_only: bool = False, arrival_time: float | None = None,
+                    num_resumed_tokens: int = 0) -> None:
+        """Queue a request (validated: ValueError on bad input, nothing changes then).
+
+        num_resumed_tokens > 0 resumes a request that another engine started: the last that many of
+        prompt_token_ids are tokens it already generated. They count towards max_tokens and stop
+        checks, and the text deltas continue exactly where that engine's would have: the same tokens
+        (greedy, or seeded: draws depend on (seed, position)), and none of the resumed text again."""
+        self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only,
-                       arrival_time=arrival_time)
+                       arrival_time=arrival_time, num_resumed_tokens=num_resumed_tokens)
         self._track(seq)
         self.scheduler.add_waiting(seq)
 
@@ -69,14 +75,15 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                               params: SamplingParams, block_ids: Seq[int],
-                              arrival_time: float | None = None) -> StepDelta:
+                              arrival_time: float | None = None, num_resumed_tokens: int = 0) -> StepDelta:
         """Admit a request whose prompt KV already sits in block_ids (from reserve_blocks).
 
         The sequence owns the blocks from here on (they are freed when it ends). Returns the first
         token's delta, final already if that token ends the request (max_tokens=1, EOS, stop);
-        otherwise decoding continues in the following steps.
+        otherwise decoding continues in the following steps. num_resumed_tokens: as in add_request
+        (the KV in block_ids then covers the resumed tokens too).
         """
-        self._validate(request_id, prompt_token_ids, params)
+        self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
         if isinstance(first_token, bool) or not isinstance(first_token, int) \
                 or not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token!r} is outside the vocabulary "
@@ -84,7 +91,8 @@ class LLMEngine:
         needed = -(-len(prompt_token_ids) // self.config.block_size)
         if len(block_ids) < needed:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {len(prompt_token_ids)} prompt tokens")
-        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=arrival_time)
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
+                       num_resumed_tokens=num_resumed_tokens)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         self._track(seq)
@@ -94,9 +102,12 @@ class LLMEngine:
 
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
-        self._texts[seq.request_id] = OutputText.create(self.tokenizer, seq.token_ids, seq.params.stop)
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        self._texts[seq.request_id] = OutputText.create(self.tokenizer, prompt, seq.params.stop,
+                                                        resumed_token_ids=seq.output_token_ids)
 
-    def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams,
+                  num_resumed_tokens: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
@@ -110,6 +121,10 @@ class LLMEngine:
         if len(prompt) > self.max_model_len:
             raise ValueError(f"prompt has {len(prompt)} tokens, more than the model's context of "
                              f"{self.max_model_len}")
+        if isinstance(num_resumed_tokens, bool) or not isinstance(num_resumed_tokens, int) \
+                or not 0 <= num_resumed_tokens < min(len(prompt), params.max_tokens):
+            raise ValueError(f"num_resumed_tokens must be in [0, {min(len(prompt), params.max_tokens)}) "
+                             f"(fewer than the known tokens and than max_tokens), got {num_resumed_tokens!r}")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:

@@ -80,8 +80,16 @@ class OutputText:
     stopped: bool = field(default=False)
 
     @classmethod
-    def create(cls, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...]):
-        return cls(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop)
+    def create(cls, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
+               resumed_token_ids: tuple[int, ...] | list[int] = ()):
+        """The text state after the prompt, or, for a resumed request, after replaying the tokens it
+        already generated one by one with their deltas taken, exactly as the engine that generated
+        them did: its next delta is the text that engine would have emitted next."""
+        output = cls(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop)
+        for token in resumed_token_ids:
+            output.append([token])
+            output.take_delta(final=False)
+        return output
 
     def append(self, token_ids: list[int]) -> bool:
         """Add tokens; returns True if a stop string appeared (the text is then cut before it)."""

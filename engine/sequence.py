@@ -18,14 +18,17 @@ class Sequence:
     """Mutable per-request state owned by the engine's scheduler.
 
     token_ids holds prompt + generated tokens. num_computed_tokens counts the leading tokens whose
-    K/V are in the sequence's blocks; the rest are computed by the next scheduled steps.
+    K/V are in the sequence's blocks; the rest are computed by the next scheduled steps. A resumed
+    request (one that continues elsewhere after its worker died) arrives with its already generated
+    tokens at the end of `known_token_ids`; num_resumed_tokens says how many, so they count as output.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 *, prefill_only: bool = False, arrival_time: float | None = None) -> None:
+    def __init__(self, request_id: str, known_token_ids: list[int], params: SamplingParams,
+                 *, prefill_only: bool = False, arrival_time: float | None = None,
+                 num_resumed_tokens: int = 0) -> None:
         self.request_id = request_id
-        self.token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
+        self.token_ids: list[int] = list(known_token_ids)
+        self.num_prompt_tokens = len(known_token_ids) - num_resumed_tokens
         self.params = params
         self.prefill_only = prefill_only
         self.status = SequenceStatus.WAITING

@@ -58,9 +58,9 @@ def take_prefilled(engine: PagedEngine, request_id: str) -> SendRequest:
     Call it on the thread that steps the engine.
     """
     seq = engine.get_sequence(request_id)
-    if seq is None or seq.num_output_tokens != 1:
+    if seq is None or seq.num_computed_tokens != seq.num_tokens - 1:
         raise ValueError(f"request {request_id!r} is not a prefilled request with exactly one sampled token")
-    num_tokens, first_token = seq.num_prompt_tokens, seq.token_ids[-1]
+    num_tokens, first_token = seq.num_computed_tokens, seq.token_ids[-1]  # a resumed request's outputs too
     block_ids = engine.take_prefilled_blocks(request_id)
     return SendRequest(request_id, tuple(block_ids), num_tokens, first_token)
 
@@ -78,11 +78,12 @@ def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress,
 
 
 def admit_received(engine: PagedEngine, received: ReceivedKV, prompt_token_ids: Sequence[int], params: Any,
-                   arrival_time: float | None = None) -> Any:
+                   arrival_time: float | None = None, num_resumed_tokens: int = 0) -> Any:
     """Admits a delivered transfer as a prefilled request; returns the first token's StepDelta.
 
     The prompt must be the one the manifest describes (same length); the first token comes from the
-    manifest. On success the engine's sequence owns received.block_ids (freed when it ends). On any
+    manifest (for a resumed request: the prompt and the tokens generated before, the last
+    num_resumed_tokens). On success the engine's sequence owns received.block_ids (freed when it ends). On any
     error (ValueError: a length mismatch, a bad or duplicate request) the blocks are freed here and
     the exception propagates, so no path leaks them. Call it on the thread that steps the engine.
     """
@@ -95,7 +96,8 @@ def admit_received(engine: PagedEngine, received: ReceivedKV, prompt_token_ids: 
             raise ValueError(f"request {manifest.request_id!r}: first token {manifest.first_token} is outside "
                              f"the vocabulary")
         return engine.add_prefilled_request(manifest.request_id, prompt_token_ids, manifest.first_token, params,
-                                            received.block_ids, arrival_time=arrival_time)
+                                            received.block_ids, arrival_time=arrival_time,
+                                            num_resumed_tokens=num_resumed_tokens)
     except BaseException:
         _release_after_failed_admission(engine, manifest.request_id, received.block_ids)
         raise

@@ -24,12 +24,14 @@ class PrefillStatus(str, Enum):
 
 @dataclass(frozen=True)
 class PrefillTask:
-    """Prefill `prompt_token_ids`, sample the first token with `params`, ship the KV to `decode_address`."""
+    """Prefill `prompt_token_ids`, sample the first token with `params`, ship the KV to `decode_address`.
+    num_resumed_tokens > 0: the last that many prompt_token_ids were generated before (a resumed request)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     decode_address: ReceiverAddress
+    num_resumed_tokens: int = 0
 
 
 @dataclass(frozen=True)

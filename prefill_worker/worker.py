@@ -153,7 +153,7 @@ class PrefillWorker:
             return
         try:
             self._engine.add_request(task.request_id, task.prompt_token_ids, task.params, prefill_only=True,
-                                     arrival_time=time.perf_counter())
+                                     arrival_time=time.perf_counter(), num_resumed_tokens=task.num_resumed_tokens)
         except ValueError as error:
             command.future.set_result(_failed(report, PrefillStatus.INVALID, str(error)))
             return
@@ -279,7 +279,7 @@ class PrefillWorker:
         for request_id, live in self._live.items():
             seq = engine.get_sequence(request_id) if live.handle is None else None
             if seq is not None:
-                queued += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                queued += max(0, seq.num_tokens - seq.num_computed_tokens)
         shipping = sum(1 for live in self._live.values() if live.handle is not None)
         return PrefillStats(self.name, queued, len(self._live), shipping, engine.num_live_requests,
                             engine.num_free_blocks, engine.num_total_blocks)

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError
 from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.coordinator.decode_events import DecodeEventPump
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
+from cluster.coordinator.migration import StreamProgress, resume_refusal
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
 from cluster.coordinator.routing import Router
 from cluster.workers.actors import WorkerInfo
@@ -78,45 +79,47 @@ class Coordinator:
         BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
         mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed.
 
-        If the request's prefill worker dies before any chunk was delivered (queued, prefilling or
-        shipping on it, or it was dead before the coordinator knew), the request starts over, with a new
-        decode admission, on another alive prefill worker: the consumer sees nothing of it but a longer
-        TTFT. Each retry follows a prefill worker being marked dead, so there are fewer retries than
-        prefill workers; WorkerLost once none is left, or once a chunk was delivered."""
+        If a worker of the request dies (its prefill worker before the KV landed, or its decode worker
+        at any point), the request migrates (cluster/coordinator/migration.py): it continues, with a
+        new decode admission, as prompt + the tokens streamed so far on the surviving workers, and the
+        consumer sees only a longer gap. Each migration follows a worker being marked dead, so there
+        are fewer than there are workers; WorkerLost once no worker of the needed role is left."""
         if self._closed:
             raise BackendUnavailable("the coordinator is shut down")
+        progress = StreamProgress(request)
         while True:
-            delivered = False
             try:
-                async with aclosing(self._attempt(request)) as chunks:
+                async with aclosing(self._attempt(progress.next_attempt(), progress.num_resumed_tokens)) as chunks:
                     async for chunk in chunks:
-                        delivered = True
-                        yield chunk
+                        yield progress.delivered(chunk)
                 return
             except WorkerLost as lost:
-                if delivered or lost.role != "prefill" or self._router.alive_counts()[0] == 0:
-                    raise
-                logger.warning("request %s: %s; starting it over on another prefill worker",
-                               request.request_id, lost)
+                refusal = resume_refusal(lost.role, *self._router.alive_counts(), progress, len(self._workers))
+                if refusal is not None:
+                    raise WorkerLost(f"{lost}; {refusal}", lost.role) from lost
+                progress.migrations += 1
+                logger.warning("request %s: %s; it continues on the surviving workers after %d streamed tokens",
+                               request.request_id, lost, progress.num_resumed_tokens)
 
-    async def _attempt(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def _attempt(self, request: GenerationRequest, resumed: int = 0) -> AsyncIterator[GenerationChunk]:
         """One try at the request under a new internal id: decode admission, then prefill, transfer and
         decode (or, for a prompt shorter than local_prefill_tokens, prefill and decode on the decode
-        worker). Whatever way it ends, the router's claims for it are released and no worker keeps it."""
+        worker). `resumed`: the last that many prompt tokens were streamed by an earlier attempt. Whatever
+        way it ends, the router's claims for it are released and no worker keeps it."""
         local = len(request.prompt_token_ids) < self._config.local_prefill_tokens
         if not local and self._router.alive_counts()[0] == 0:
             raise BackendUnavailable("no prefill worker is alive")
         request_id = f"{request.request_id}#{next(self._numbers)}"
         blocks = self._router.decode_blocks_for(
-            min(len(request.prompt_token_ids) + request.params.max_tokens, self.max_model_len))
-        decode, mailbox = await self._open_decode(request, request_id, blocks, local)
+            min(len(request.prompt_token_ids) - resumed + request.params.max_tokens, self.max_model_len))
+        decode, mailbox = await self._open_decode(request, request_id, blocks, local, resumed)
         try:
             if local:
                 flow = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
                                         self._router.is_alive)
                 source = flow.chunks()
             else:
-                source = self._disaggregated(request, request_id, decode, mailbox)
+                source = self._disaggregated(request, request_id, decode, mailbox, resumed)
             async with aclosing(source) as chunks:
                 async for chunk in chunks:
                     yield chunk
@@ -125,7 +128,7 @@ class Coordinator:
             self._pumps[decode.info.name].close(request_id)
 
     async def _disaggregated(self, request: GenerationRequest, request_id: str, decode: Worker,
-                             mailbox: asyncio.Queue) -> AsyncIterator[GenerationChunk]:
+                             mailbox: asyncio.Queue, resumed: int) -> AsyncIterator[GenerationChunk]:
         """Prefill on a prefill worker, KV to `decode` (which accepted the request), decode there."""
         prompt_tokens = len(request.prompt_token_ids)
         prefill_name = self._router.pick_prefill(request.prompt_token_ids)
@@ -136,7 +139,8 @@ class Coordinator:
         self._router.claim_prefill(prefill.info.name, prompt_tokens)
         release_prefill = _once(lambda: self._router.prefill_done(prefill.info.name, prompt_tokens))
         hooks = FlowHooks(self._worker_lost, self._router.is_alive, release_prefill)
-        flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, mailbox, hooks)
+        flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, mailbox, hooks,
+                           num_resumed_tokens=resumed)
         try:
             async with aclosing(flow.chunks()) as chunks:
                 async for chunk in chunks:
@@ -144,11 +148,13 @@ class Coordinator:
         finally:
             release_prefill()
 
-    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, local: bool):
+    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, local: bool,
+                           resumed: int):
         """The first decode worker (in routing order) that accepts the request, and the request's
         mailbox on that worker's event stream. The request's blocks are claimed on that worker (the
         caller releases them with decode_done and closes the mailbox with the pump's close())."""
-        expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params, prefill_locally=local)
+        expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params, prefill_locally=local,
+                                   num_resumed_tokens=resumed)
         refusals = []
         for name in self._router.decode_order():
             worker, pump = self._workers[name], self._pump(name)

@@ -77,12 +77,15 @@ class _Broken:
 
 class RequestFlow:
     def __init__(self, request: GenerationRequest, request_id: str, prefill: WorkerRef, decode: WorkerRef,
-                 decode_address: ReceiverAddress, decode_mailbox: asyncio.Queue, hooks: FlowHooks) -> None:
+                 decode_address: ReceiverAddress, decode_mailbox: asyncio.Queue, hooks: FlowHooks,
+                 num_resumed_tokens: int = 0) -> None:
         """decode_mailbox: this request's events from the decode worker's stream (a DecodeEventPump
-        mailbox), ending with a final event or a WorkerStreamLost."""
+        mailbox), ending with a final event or a WorkerStreamLost. num_resumed_tokens: the last that many
+        prompt tokens were streamed by an earlier attempt (a migrated request)."""
         self._request, self._rid = request, request_id
         self._prefill, self._decode, self._mailbox, self._hooks = prefill, decode, decode_mailbox, hooks
-        self._task = PrefillTask(request_id, request.prompt_token_ids, request.params, decode_address)
+        self._task = PrefillTask(request_id, request.prompt_token_ids, request.params, decode_address,
+                                 num_resumed_tokens)
         self._report: PrefillReport | None = None
         self._held_final: DecodeChunk | None = None
         self._decoded_any = self._ended = self._decode_ended = False

@@ -8,6 +8,8 @@ the survivors keep serving. Every test ends with every alive worker's pool empty
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from contextlib import aclosing
 
 import pytest
@@ -151,14 +153,21 @@ def one_by_two(local_ray):
     asyncio.run(coordinator.shutdown())
 
 
-def test_killed_decode_worker_fails_its_requests_and_survivors_keep_serving(one_by_two):
+def test_killed_decode_workers_requests_migrate_and_finish_token_for_token(one_by_two, colocated):
+    """SIGKILL of one of two decode workers' processes while all four requests decode: the two
+    on it continue on the survivor as prompt + streamed tokens; every client gets the colocated engine's
+    tokens (greedy, and seeded for k3), no error; the dead worker is no longer routed to."""
     prompts = random_prompts([20, 21, 22, 23], VOCAB, seed=9)
     params = greedy(300)  # long enough that all four still decode when decode-1 is killed
+    seeded = SamplingParams(max_tokens=300, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    per_request = [params, params, params, seeded]  # k3, seeded, is on the worker that dies
+    expected = [o.outputs[0].token_ids for o in colocated.generate(prompt_token_ids=prompts,
+                                                                    sampling_params=per_request, use_tqdm=False)]
     victim = one_by_two.workers["decode-1"]
 
     async def started(index: int, prompt: list[int], first_chunks: asyncio.Queue):
         tokens, last = [], None
-        async with aclosing(one_by_two.generate(request(f"k{index}", prompt, params))) as chunks:
+        async with aclosing(one_by_two.generate(request(f"k{index}", prompt, per_request[index % 4]))) as chunks:
             async for chunk in chunks:
                 if not tokens:
                     first_chunks.put_nowait(index)
@@ -171,19 +180,30 @@ def test_killed_decode_worker_fails_its_requests_and_survivors_keep_serving(one_
         runs = [asyncio.ensure_future(started(i, p, first_chunks)) for i, p in enumerate(prompts)]
         for _ in prompts:  # every request is decoding (round robin: k0, k2 on decode-0; k1, k3 on decode-1)
             await asyncio.wait_for(first_chunks.get(), 30)
-        ray.kill(one_by_two._workers["decode-1"].actor)
-        results = await asyncio.gather(*runs, return_exceptions=True)
+        os.kill(victim.pid, signal.SIGKILL)
+        results = await asyncio.gather(*runs)
         after = await collect(one_by_two, request("after", prompts[0], greedy(8)))
         health = await one_by_two.health()
         await wait_until_idle(one_by_two)
         return results, after, health, await one_by_two.worker_stats()
 
     results, after, health, stats = asyncio.run(run())
-    lost = [r for r in results if isinstance(r, BaseException)]
-    served = [r for r in results if not isinstance(r, BaseException)]
-    assert len(lost) == 2 and all(isinstance(e, WorkerLost) and isinstance(e, BackendUnavailable) for e in lost)
-    assert [last.timing.decode_worker for _, last in served] == ["decode-0", "decode-0"]
-    assert all(len(tokens) == 300 for tokens, _ in served)
+    assert [tokens for tokens, _ in results] == expected
+    assert [last.timing.decode_worker for _, last in results] == ["decode-0"] * 4
+    assert all(last.finish_reason == "length" and last.timing.ttft_ms > 0 for _, last in results)
     assert after[1].timing.decode_worker == "decode-0" and len(after[0]) == 8
     assert victim.name not in stats and set(stats) == {"prefill-0", "decode-0"}
     assert health.serving and health.decode_workers == 1 and health.details["dead_workers"] == ["decode-1"]
+
+    async def last_one_dies():  # with no decode worker left, the error says so
+        first_chunks: asyncio.Queue = asyncio.Queue()
+        run = asyncio.ensure_future(started(9, prompts[0], first_chunks))
+        await asyncio.wait_for(first_chunks.get(), 30)
+        ray.kill(one_by_two._workers["decode-0"].actor)
+        with pytest.raises(WorkerLost, match="no decode worker is left") as lost:
+            await run
+        assert isinstance(lost.value, BackendUnavailable)
+        with pytest.raises(BackendUnavailable):
+            await collect(one_by_two, request("none", prompts[0], greedy(2)))
+
+    asyncio.run(last_one_dies())

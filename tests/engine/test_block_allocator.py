@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_allocator import BlockAllocator
-from tests.support.old_hash_collision import colliding_first_block, old_chain_hash, tuple_hash
+from tests.support.old_hash_collision import colliding_first_blocks, old_chain_hash, tuple_hash
 
 
 def fill(allocator: BlockAllocator, tokens: list[int]) -> list[int]:
@@ -69,9 +69,9 @@ def test_disabled_prefix_caching_never_hits():
 
 def test_prefixes_built_to_collide_under_the_old_hash_share_no_block():
     """B0 + T is not served A0 + T's second block although the two collide under the old hash()."""
-    a0, tail = [1, 2, 3, 4], [7, 7, 7, 7]
+    a0, b0 = colliding_first_blocks(4)
+    tail = [7, 7, 7, 7]
     assert tuple_hash((None, tuple(a0))) == hash((None, tuple(a0)))  # the model of CPython's hash holds
-    b0 = colliding_first_block(a0)
     a_hash, b_hash = old_chain_hash(None, a0), old_chain_hash(None, b0)
     assert b0 != a0 and a_hash != b_hash and old_chain_hash(a_hash, tail) == old_chain_hash(b_hash, tail)
 

@@ -173,6 +173,42 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_batch_mate(llm):
     assert_all_blocks_free(llm)
 
 
+def stream(engine, request_id: str, prompt, params, *, num_resumed_tokens: int = 0, stop_after: int | None = None):
+    """Steps `engine` with one request; returns (tokens, text) it streamed, ending early (abort) once
+    stop_after tokens came."""
+    engine.add_request(request_id, prompt, params, num_resumed_tokens=num_resumed_tokens)
+    tokens, text = [], ""
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+            text += delta.new_text
+        if stop_after is not None and len(tokens) >= stop_after:
+            engine.abort(request_id)
+            break
+    return tokens, text
+
+
+@pytest.mark.parametrize("kind", ["greedy", "greedy-stop-string", "seeded"])
+def test_a_resumed_request_continues_token_for_token(llm, kind):
+    """A request cut off after k tokens and resumed on an engine as prompt + those k tokens
+    (num_resumed_tokens=k) streams exactly the rest of the uninterrupted run: tokens, text, finish."""
+    prompt = random_prompts([25], 300, seed=13)[0]
+    params = {"greedy": GREEDY, "greedy-stop-string": GREEDY, "seeded": SEEDED}[kind]
+    if kind == "greedy-stop-string":  # a stop string late in the text, so text is held back on the way
+        whole_text = stream(llm.engine, "probe", prompt, GREEDY)[1]
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[whole_text[-4:-1]])
+    whole = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0]
+    for k in (1, 4):
+        head_tokens, head_text = stream(llm.engine, f"head{k}", prompt, params, stop_after=k)
+        tail_tokens, tail_text = stream(llm.engine, f"tail{k}", prompt + head_tokens[:k], params,
+                                        num_resumed_tokens=k)
+        assert head_tokens[:k] + tail_tokens == whole.token_ids
+        assert head_text + tail_text == whole.text
+    with pytest.raises(ValueError, match="num_resumed_tokens"):
+        llm.engine.add_request("bad", prompt, params, num_resumed_tokens=len(prompt))
+    assert_all_blocks_free(llm)
+
+
 def test_chat_uses_the_template_without_a_double_bos(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("llama")))
     tokenizer = llm.get_tokenizer()

@@ -24,6 +24,18 @@ def tuple_hash(items) -> int:
     return 1546275796 if acc == MASK else _signed(acc)
 
 
+def colliding_first_blocks(block_size: int) -> tuple[list[int], list[int]]:
+    """Two first blocks (A0, B0) built as colliding_first_block explains (hash(None), part of every first
+    block's hash, differs between processes, so some A0 leave no room for a twin: try the next)."""
+    for first in range(1, 1000):
+        a0 = [first] + list(range(2, block_size + 1))
+        try:
+            return a0, colliding_first_block(a0)
+        except ValueError:
+            continue
+    raise AssertionError("no first block has a twin")
+
+
 def colliding_first_block(first_block: list[int]) -> list[int]:
     """A first block (same length, different ints) whose old hash is first_block's +- 2**61 - 1."""
     h = old_chain_hash(None, first_block)
