@@ -43,6 +43,7 @@ class ServeConfig:
     cpu_threads: int | None = None
     kv_host: str = "127.0.0.1"
     local_prefill_tokens: int = 0
+    worker_stall_timeout_s: float = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-tokens", type=int, default=0,
                         help="conditional disaggregation: prompts shorter than this are prefilled on their "
                              "decode worker, skipping the prefill worker and the KV transfer (0: off)")
+    parser.add_argument("--worker-stall-timeout-s", type=float, default=30.0,
+                        help="disaggregated: a worker whose step thread died or has work but completed no step "
+                             "for this long (or that does not answer a health check within it) is declared "
+                             "lost: killed, and its requests continue on the other workers")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the colocated engine (default: all cores) or of each CPU "
                              "worker (default: 1)")
@@ -124,10 +129,12 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--cpu-threads must be >= 1")
     if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and args.mode == "colocated"):
         raise ValueError("--local-prefill-tokens must be >= 0 and needs --mode disaggregated")
+    if not args.worker_stall_timeout_s > 0:
+        raise ValueError("--worker-stall-timeout-s must be > 0")
     return ServeConfig(args.model, args.dtype, args.device, args.mode, prefill_workers, args.decode_workers,
                        args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                        args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
-                       args.cpu_threads, args.kv_host, args.local_prefill_tokens)
+                       args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +158,8 @@ def start_backend(config: ServeConfig) -> Backend:
                             num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                             transport=config.transport, placement_strategy=config.placement_strategy,
                             engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
-                            kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens)
+                            kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens,
+                            worker_stall_timeout_s=config.worker_stall_timeout_s)
     return start_cluster(cluster, address=config.address)
 
 

@@ -25,6 +25,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,
                                     EmitEvent, ExpectedRequest)
 from engine.command_queue import take_commands
+from engine.step_watch import StepHealth, StepWatch
 from engine.llm_engine import LLMEngine
 from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, create_receiver
 from kv_transfer.engine_pool import admit_received, engine_pool_view
@@ -83,6 +84,7 @@ class DecodeWorker:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
         self._pump = threading.Thread(target=self._pump_inbox, name=f"{self.name}-inbox", daemon=True)
+        self._watch = StepWatch(self._thread)
         self._thread.start()
         self._pump.start()
 
@@ -113,6 +115,10 @@ class DecodeWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def health(self, stall_timeout_s: float) -> StepHealth:
+        """Unhealthy when the step thread died or is stuck in a step for stall_timeout_s. Changes nothing."""
+        return self._watch.health(stall_timeout_s)
 
     def stop(self) -> None:
         """End every request (DecodeEnded(SHUTDOWN)), wait for transfers in flight, free whatever they
@@ -145,6 +151,7 @@ class DecodeWorker:
                 if self._engine.has_unfinished_requests():
                     self._step()
                 self._stats = self._snapshot()
+                self._watch.beat()
         finally:
             self._end_all(DecodeStatus.SHUTDOWN, "the decode worker is stopping")
             self._stats = self._snapshot()
@@ -154,7 +161,8 @@ class DecodeWorker:
         timeout = None
         if self._waiting:
             timeout = max(0.0, min(w.deadline for w in self._waiting.values()) - time.monotonic())
-        return take_commands(self._commands, block=not self._engine.has_unfinished_requests(), timeout=timeout)
+        return take_commands(self._commands, block=not self._engine.has_unfinished_requests(), timeout=timeout,
+                             watch=self._watch)
 
     def _apply(self, commands: list) -> bool:
         for command in commands:

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.command_queue import take_commands
+from engine.step_watch import StepHealth, StepWatch
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepDelta
 from kv_transfer import KVTransferError, TransferHandle, create_sender
@@ -77,6 +78,7 @@ class PrefillWorker:
         self._stopped = threading.Event()
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
+        self._watch = StepWatch(self._thread)
         self._thread.start()
 
     # ---- any thread ----------------------------------------------------------------------------
@@ -108,6 +110,10 @@ class PrefillWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def health(self, stall_timeout_s: float) -> StepHealth:
+        """Unhealthy when the step thread died or is stuck in a step for stall_timeout_s. Changes nothing."""
+        return self._watch.health(stall_timeout_s)
+
     def stop(self) -> None:
         """Cancel every task (reports CANCELLED), wait for transfers in flight to end (they free their
         blocks), join the thread. Blocks; idempotent."""
@@ -125,13 +131,14 @@ class PrefillWorker:
                 if self._engine.has_unfinished_requests():
                     self._step()
                 self._stats = self._snapshot()
+                self._watch.beat()
         finally:
             self._end_all("the prefill worker is stopping")
             self._stats = self._snapshot()
 
     def _next_commands(self) -> list:
         """Blocks for a command while the engine is idle; otherwise takes whatever is queued."""
-        return take_commands(self._commands, block=not self._engine.has_unfinished_requests())
+        return take_commands(self._commands, block=not self._engine.has_unfinished_requests(), watch=self._watch)
 
     def _apply(self, commands: list) -> bool:
         for command in commands:

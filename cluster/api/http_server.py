@@ -135,8 +135,12 @@ class OpenAIFrontEnd:
 
     async def health(self, request: web.Request) -> web.Response:
         health = await self._backend.health()
-        body = {"status": "ok" if health.serving else "unavailable", "model": health.model,
+        failures = health.details.get("worker_failures") or {}
+        status = "unavailable" if not health.serving else "degraded" if failures else "ok"
+        body = {"status": status, "model": health.model,
                 "prefill_workers": health.prefill_workers, "decode_workers": health.decode_workers}
+        if failures:  # which workers were lost, and why (the survivors serve)
+            body["lost_workers"] = failures
         return web.json_response(body, status=200 if health.serving else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

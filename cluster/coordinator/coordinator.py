@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import ray
 from ray.exceptions import RayActorError
 
 from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.coordinator.decode_events import DecodeEventPump
+from cluster.coordinator.health_monitor import HealthMonitor
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
@@ -61,6 +63,8 @@ class Coordinator:
                               workers[0].info.block_size)
         self._numbers = itertools.count()
         self._pumps: dict[str, DecodeEventPump] = {}
+        self._monitor: HealthMonitor | None = None
+        self._failures: dict[str, str] = {}   # lost worker -> why
         self._closed = False
 
     @property
@@ -86,6 +90,7 @@ class Coordinator:
         are fewer than there are workers; WorkerLost once no worker of the needed role is left."""
         if self._closed:
             raise BackendUnavailable("the coordinator is shut down")
+        self._watch_health()
         progress = StreamProgress(request)
         while True:
             try:
@@ -195,8 +200,28 @@ class Coordinator:
             self._worker_lost(name, error)
 
     def _worker_lost(self, name: str, error: BaseException | None = None) -> None:
-        if self._router.mark_dead(name):
-            logger.error("worker %s is gone (%s); no longer routing to it", name, error)
+        self._declare_lost(name, f"it died or its event stream broke: {error}")
+
+    def _declare_lost(self, name: str, reason: str) -> None:
+        """Worker `name` no longer serves: stop routing to it and kill it, so that nothing of it keeps
+        running unread and every request it held fails over (and migrates). Once per worker."""
+        if not self._router.mark_dead(name):
+            return
+        self._failures[name] = reason
+        logger.error("worker %s is lost (%s); no longer routing to it", name, reason)
+        if not self._closed:
+            try:
+                ray.kill(self._workers[name].actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def _watch_health(self) -> None:
+        """Starts the health monitor on the running loop (first use, or the caller's loop changed)."""
+        if self._monitor is None or not self._monitor.on_running_loop():
+            stall = self._config.worker_stall_timeout_s
+            actors = {name: worker.actor for name, worker in self._workers.items()}
+            self._monitor = HealthMonitor(actors, self._router.is_alive, self._declare_lost, stall,
+                                          interval_s=min(5.0, stall / 3))
 
     async def worker_stats(self) -> dict:
         """PrefillStats / DecodeStats of every alive worker, by name (a worker that does not answer
@@ -217,6 +242,7 @@ class Coordinator:
         """Serving while at least one prefill and one decode worker are alive; details sum the decode
         workers' load (the keys ServingMetrics reads), give each alive worker's load under "workers",
         and list the dead workers."""
+        self._watch_health()
         stats = await self.worker_stats()
         num_prefill, num_decode = self._router.alive_counts()
         decode = [s for name, s in stats.items() if self._workers[name].info.role == "decode"]
@@ -225,6 +251,7 @@ class Coordinator:
                    "free_kv_blocks": sum(s.free_blocks for s in decode),
                    "total_kv_blocks": sum(s.total_blocks for s in decode),
                    "dead_workers": sorted(n for n in self._workers if not self._router.is_alive(n)),
+                   "worker_failures": dict(self._failures),
                    "workers": {name: _worker_load(self._workers[name].info.role, s) for name, s in stats.items()}}
         serving = not self._closed and num_prefill > 0 and num_decode > 0
         return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
@@ -241,6 +268,8 @@ class Coordinator:
             await asyncio.wait([asyncio.ensure_future(s) for s in stops], timeout=STOP_TIMEOUT_S)
         for pump in self._pumps.values():  # the stopped workers already ended every request
             pump.stop()
+        if self._monitor is not None:
+            self._monitor.stop()
         await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
 
 

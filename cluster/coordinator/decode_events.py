@@ -22,16 +22,14 @@ logger = logging.getLogger("tandem.cluster.decode_events")
 
 
 class WorkerStreamLost(Exception):
-    """Put in the mailboxes of a decode worker's requests when its event stream breaks."""
+    """Put in the mailboxes of a decode worker's requests when its event stream breaks. The worker is
+    then lost whatever broke the stream: the coordinator kills it (its requests cannot be read any
+    more) and they migrate; re-reading a broken stream could skip events that were in flight, while a
+    migration resumes exactly where each client is."""
 
     def __init__(self, worker: str, error: BaseException) -> None:
         super().__init__(f"decode worker {worker}: {error}")
         self.worker, self.error = worker, error
-
-    @property
-    def died(self) -> bool:
-        """The actor died (the stream broke with RayActorError), rather than failing otherwise."""
-        return isinstance(self.error, RayActorError)
 
 
 class DecodeEventPump:

@@ -14,7 +14,7 @@ from typing import Callable
 
 from cluster.backend import GenerationChunk, GenerationRequest, Timing
 from cluster.coordinator.decode_events import WorkerStreamLost
-from cluster.coordinator.request_flow import RequestFailed, WorkerLost, WorkerRef, decode_ended_error
+from cluster.coordinator.request_flow import WorkerLost, WorkerRef, decode_ended_error
 from decode_worker import DecodeEnded
 
 
@@ -26,7 +26,7 @@ class LocalPrefillFlow:
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The request's chunks, the last with finish_reason and Timing. Raises what the decode worker's
-        end or loss means (decode_ended_error, WorkerLost, RequestFailed); a consumer that stops early
+        end or loss means (decode_ended_error, WorkerLost); a consumer that stops early
         cancels the request on the decode worker."""
         dispatched, first, ended = time.perf_counter(), None, False
         try:
@@ -47,10 +47,8 @@ class LocalPrefillFlow:
         name = self._decode.name
         if isinstance(event, DecodeEnded):
             return decode_ended_error(event, name)
-        if event.died:
-            self._worker_lost(name, event.error)
-            return WorkerLost(f"decode worker {name} died: {event.error}", role="decode")
-        return RequestFailed(f"decode worker {name} failed: {event.error}")
+        self._worker_lost(name, event.error)
+        return WorkerLost(f"decode worker {name} is lost: {event.error}", role="decode")
 
     def _timing(self, dispatched: float, first: float) -> Timing:
         arrival = self._request.arrival_time

@@ -122,7 +122,7 @@ class RequestFlow:
         while True:
             event = await self._mailbox.get()
             if isinstance(event, WorkerStreamLost):
-                events.put_nowait(_Broken("decode", self._decode.name, event.error, lost=event.died))
+                events.put_nowait(_Broken("decode", self._decode.name, event.error, lost=True))
                 return
             events.put_nowait(event)
             if is_final(event):

@@ -81,6 +81,10 @@ class _WorkerActor:
     async def stats(self):
         return self._worker.stats()
 
+    async def health(self, stall_timeout_s: float):
+        """StepHealth: unhealthy when the worker's step thread died or is stuck in a step."""
+        return self._worker.health(stall_timeout_s)
+
     async def stop(self) -> None:
         """End every request, wait for transfers in flight, stop the worker's threads."""
         await asyncio.to_thread(self._worker.stop)

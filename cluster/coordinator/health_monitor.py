@@ -1,0 +1,62 @@
+"""HealthMonitor: finds workers that are alive as processes but no longer serve (wedged), and reports them.
+
+Every interval it asks each worker the coordinator still routes to for its health (`actor.health`: the
+step thread is alive and has completed a step within the stall timeout, or sleeps for lack of work). A
+worker that answers unhealthy, or does not answer within the stall timeout (its process hangs), or whose
+actor is gone, is handed to `declare_lost(name, reason)`: the coordinator stops routing to it and kills
+it, so its requests migrate to the survivors. Runs on the coordinator's asyncio loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from ray.exceptions import RayActorError
+
+logger = logging.getLogger("tandem.cluster.health")
+
+
+class HealthMonitor:
+    def __init__(self, actors: dict[str, object], is_alive: Callable[[str], bool],
+                 declare_lost: Callable[[str, str], None], stall_timeout_s: float, interval_s: float) -> None:
+        self._actors, self._is_alive, self._declare_lost = actors, is_alive, declare_lost
+        self._stall_timeout_s, self._interval_s = stall_timeout_s, interval_s
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run())
+
+    def on_running_loop(self) -> bool:
+        return self._loop is asyncio.get_running_loop() and not self._task.done()
+
+    def stop(self) -> None:
+        if not self._loop.is_closed():
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            names = [name for name in self._actors if self._is_alive(name)]
+            await asyncio.gather(*(self.check(name) for name in names))
+
+    async def check(self, name: str) -> str | None:
+        """One health check of worker `name`; declares it lost and returns the reason if it fails."""
+        try:
+            ref = self._actors[name].health.remote(self._stall_timeout_s)
+            health = await asyncio.wait_for(_awaited(ref), self._stall_timeout_s)
+        except asyncio.TimeoutError:
+            reason = f"it did not answer a health check within {self._stall_timeout_s:g}s"
+        except RayActorError as error:
+            reason = f"its actor died: {error}"
+        except Exception as error:  # noqa: BLE001 - any failure to answer counts against the worker
+            reason = f"its health check failed: {error!r}"
+        else:
+            if health.healthy:
+                return None
+            reason = health.reason
+        if self._is_alive(name):
+            self._declare_lost(name, reason)
+        return reason
+
+
+async def _awaited(ref):
+    return await ref
