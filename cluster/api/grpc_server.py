@@ -7,6 +7,7 @@ request and frees its blocks. Health needs no API key (for probes).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -19,7 +20,8 @@ from cluster.api.api_key import ApiKeyCheck
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import ServingMetrics
-from cluster.api.request_validation import build_sampling_params, check_prompt_token_ids, encode_prompt
+from cluster.api.request_validation import (OFF_LOOP_INPUT_CHARS, build_sampling_params, check_prompt_token_ids,
+                                            encode_prompt)
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from proto import tandem_pb2, tandem_pb2_grpc
 
@@ -56,7 +58,10 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
     async def Generate(self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         arrival = time.perf_counter()
         try:
-            generation = self._generation_request(request, arrival)
+            if len(request.prompt) > OFF_LOOP_INPUT_CHARS:  # tokenizing a large prompt: not on the loop
+                generation = await asyncio.to_thread(self._generation_request, request, arrival)
+            else:
+                generation = self._generation_request(request, arrival)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         failure: Exception | None = None

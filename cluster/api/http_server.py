@@ -8,6 +8,7 @@ aborted and its blocks freed.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from cluster.api.api_key import ApiKeyCheck
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
+from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
 from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel, parse_chat_request,
                                          parse_completion_request, parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
@@ -112,7 +114,11 @@ class OpenAIFrontEnd:
     async def _generate(self, request: web.Request, parse, shape_type: type[ResponseShape],
                         id_prefix: str) -> web.StreamResponse:
         arrival = time.perf_counter()
-        call: ParsedRequest = parse(parse_json_body(await request.read()), self._served)
+        body = await request.read()
+        if len(body) > OFF_LOOP_INPUT_CHARS:  # tokenizing and templating a large input: not on the loop
+            call: ParsedRequest = await asyncio.to_thread(lambda: parse(parse_json_body(body), self._served))
+        else:
+            call = parse(parse_json_body(body), self._served)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids)
         generation = GenerationRequest(request_id, call.prompt_token_ids, call.params, arrival)

@@ -12,6 +12,8 @@ from engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+OFF_LOOP_INPUT_CHARS = 8192          # inputs longer than this are tokenized on a worker thread
 SEED_RANGE = (-(2 ** 63), 2 ** 63)  # what a torch.Generator takes and gRPC's int64 carries
 MAX_TOP_K = 2 ** 31 - 1              # the sampler builds an int64 tensor of top_k values
 
@@ -30,13 +32,13 @@ def check_prompt_token_ids(ids: Sequence, tokenizer, max_model_len: int) -> tupl
     fits the model's context."""
     if len(ids) == 0:
         raise ValueError("the prompt is empty: give at least one token")
+    if len(ids) > max_model_len:  # before any per-token work
+        raise ValueError(f"the prompt has {len(ids)} tokens, more than the model's context of "
+                         f"{max_model_len} tokens")
     vocab = tokenizer.vocab_size
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
             raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab})")
-    if len(ids) > max_model_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens, more than the model's context of "
-                         f"{max_model_len} tokens")
     return tuple(ids)
 
 
@@ -46,8 +48,8 @@ def build_sampling_params(*, max_tokens: int | None = None, temperature: float |
                           stop_token_ids: Sequence[int] | None = None,
                           ignore_eos: bool = False) -> SamplingParams:
     """SamplingParams from wire values; None takes SamplingParams' default. Rejects NaN and
-    infinities, seeds outside int64, and more than MAX_STOP_STRINGS or overlong stop strings, on top
-    of SamplingParams' own checks."""
+    infinities, seeds outside int64, more than MAX_STOP_STRINGS or overlong stop strings, and more than
+    MAX_STOP_TOKEN_IDS stop token ids, on top of SamplingParams' own checks."""
     values = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
               "seed": seed, "stop": stop, "stop_token_ids": stop_token_ids}
     for name in ("temperature", "top_p"):
@@ -59,6 +61,8 @@ def build_sampling_params(*, max_tokens: int | None = None, temperature: float |
     if isinstance(top_k, int) and top_k > MAX_TOP_K:
         raise ValueError(f"top_k must be at most {MAX_TOP_K}, got {top_k}")
     _check_stop(stop)
+    if isinstance(stop_token_ids, (list, tuple)) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(stop_token_ids)}")
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"ignore_eos must be a boolean, got {ignore_eos!r}")
     given = {name: value for name, value in values.items() if value is not None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import aiohttp
 import pytest
@@ -40,6 +41,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "top_p": 2}, 400, "invalid_value"),
     ({"prompt": "x", "top_k": 0}, 400, "invalid_value"),
     ({"prompt": "x", "stop": [1]}, 400, "invalid_type"),
+    ({"prompt": "x", "stop_token_ids": list(range(65))}, 400, "invalid_value"),
     ({"prompt": "x", "seed": 2 ** 70}, 400, "invalid_value"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model_not_found"),
     (b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}', 413, "request_too_large"),
@@ -178,3 +180,26 @@ def test_a_failed_engine_step_is_a_500_without_the_exception_text(served, monkey
             assert status == 200 and len(ok["choices"][0]["token_ids"]) == 3
 
     asyncio.run(scenario())
+
+
+def test_a_large_prompt_is_tokenized_off_the_event_loop(served, monkeypatch):
+    """One big input must not stall the other streams: above OFF_LOOP_INPUT_CHARS the body is parsed and
+    tokenized on a worker thread (small ones stay on the loop: a thread hop costs more than they do)."""
+    tokenizer, threads = served.tokenizer, []
+    real_encode = tokenizer.encode
+
+    def recording_encode(text, **kwargs):
+        threads.append(threading.current_thread())
+        return real_encode(text, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+
+    async def scenario():
+        async with http_client(served) as session:
+            small, _ = await post(session, "/v1/completions", completion_body("short", 2))
+            big, _ = await post(session, "/v1/completions", completion_body("many words " * 1000, 2))
+            return threading.current_thread(), small, big
+
+    loop_thread, small, big = asyncio.run(scenario())
+    assert small == 200 and big in (200, 400)  # 400: longer than the context, found after tokenizing
+    assert threads[0] is loop_thread and threads[1] is not loop_thread
