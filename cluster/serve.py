@@ -44,6 +44,7 @@ class ServeConfig:
     kv_host: str = "127.0.0.1"
     local_prefill_tokens: int = 0
     worker_stall_timeout_s: float = 30.0
+    max_prefill_queue_tokens: int = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="disaggregated: a worker whose step thread died or has work but completed no step "
                              "for this long (or that does not answer a health check within it) is declared "
                              "lost: killed, and its requests continue on the other workers")
+    parser.add_argument("--max-prefill-queue-tokens", type=int, default=1 << 20,
+                        help="disaggregated: answer 429 / RESOURCE_EXHAUSTED while every prefill worker's queue "
+                             "would pass this many prompt tokens with the request (0: no bound)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the colocated engine (default: all cores) or of each CPU "
                              "worker (default: 1)")
@@ -131,10 +135,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--local-prefill-tokens must be >= 0 and needs --mode disaggregated")
     if not args.worker_stall_timeout_s > 0:
         raise ValueError("--worker-stall-timeout-s must be > 0")
+    if args.max_prefill_queue_tokens < 0:
+        raise ValueError("--max-prefill-queue-tokens must be >= 0 (0: no bound)")
     return ServeConfig(args.model, args.dtype, args.device, args.mode, prefill_workers, args.decode_workers,
                        args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                        args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
-                       args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s)
+                       args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
+                       args.max_prefill_queue_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +166,8 @@ def start_backend(config: ServeConfig) -> Backend:
                             transport=config.transport, placement_strategy=config.placement_strategy,
                             engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
                             kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens,
-                            worker_stall_timeout_s=config.worker_stall_timeout_s)
+                            worker_stall_timeout_s=config.worker_stall_timeout_s,
+                            max_prefill_queue_tokens=config.max_prefill_queue_tokens)
     return start_cluster(cluster, address=config.address)
 
 

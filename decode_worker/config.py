@@ -12,8 +12,9 @@ class DecodeWorkerConfig:
     `host`:0 (a free port), gloo/nccl need `rendezvous` (this worker's receiver rank) and `peer_ranks`
     (the prefill workers' sender ranks).
 
-    Admission (backpressure): expect() refuses a request when `max_live_requests` are live, or when the
-    free blocks minus those promised to expected requests cannot hold its prompt plus `headroom_blocks`.
+    Admission (backpressure): expect() refuses a request when `max_live_requests` (or the engine's
+    max_num_seqs, if lower) are live, or when the pool cannot spare its prompt's blocks plus
+    `headroom_blocks`; an accepted request's prompt blocks are reserved until its KV arrives.
     An expected request whose KV has not arrived after `expect_timeout_s` ends with TIMEOUT."""
 
     name: str = "decode-0"

@@ -46,6 +46,7 @@ class DecodeStatus(str, Enum):
     CANCELLED = "cancelled"            # cancel() ended it
     TIMEOUT = "timeout"                # its KV did not arrive within expect_timeout_s
     TRANSFER_FAILED = "transfer_failed"  # the receiver gave up on its KV (message says why)
+    NO_ROOM = "no_room"                # its KV found no room in the pool (overload: retry later)
     INVALID = "invalid"                # admission rejected the KV (e.g. prompt length mismatch)
     FAILED = "failed"                  # an engine step failed
     SHUTDOWN = "shutdown"              # the worker stopped

@@ -27,7 +27,7 @@ from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeE
 from engine.command_queue import take_commands
 from engine.step_watch import StepHealth, StepWatch
 from engine.llm_engine import LLMEngine
-from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, create_receiver
+from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, TransferStatus, create_receiver
 from kv_transfer.engine_pool import admit_received, engine_pool_view
 
 logger = logging.getLogger("tandem.decode_worker")
@@ -69,10 +69,12 @@ class DecodeWorker:
 
     def __init__(self, engine: LLMEngine, config: DecodeWorkerConfig) -> None:
         self.name, self._engine, self._config = config.name, engine, config
-        self._receiver = create_receiver(config.transfer, engine_pool_view(engine), config.transport,
-                                         rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
+        max_live = min(config.max_live_requests, engine.config.max_num_seqs)  # transferred requests count too
         self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
-                                           config.max_live_requests, config.headroom_blocks)
+                                           engine.reserve_blocks, engine.free_blocks, max_live, config.headroom_blocks)
+        pool = engine_pool_view(engine, allocate_for=self._admission.take_reserved)
+        self._receiver = create_receiver(config.transfer, pool, config.transport,
+                                         rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
         self._commands: queue.Queue = queue.Queue()
         self._waiting: dict[str, _Waiting] = {}
         self._running: dict[str, EmitEvent] = {}
@@ -190,6 +192,7 @@ class DecodeWorker:
     def _prefill_here(self, request: ExpectedRequest, emit: EmitEvent) -> None:
         """Conditional disaggregation: the engine prefills the prompt itself (chunked, mixed with the
         running decodes) and decodes on; no KV is expected."""
+        self._admission.unreserve(request.request_id)  # the engine allocates the prompt's blocks itself
         try:
             self._engine.add_request(request.request_id, request.prompt_token_ids, request.params,
                                      arrival_time=time.perf_counter(),
@@ -197,7 +200,6 @@ class DecodeWorker:
         except ValueError as error:
             self._end(request.request_id, emit, DecodeStatus.INVALID, str(error))
             return
-        self._admission.kv_admitted(request.request_id)
         self._running[request.request_id] = emit
 
     def _cancel(self, request_id: str) -> None:
@@ -214,7 +216,9 @@ class DecodeWorker:
         if not isinstance(outcome, ReceivedKV):  # ReceiveFailed: the receiver freed everything
             if waiting is not None:
                 message = f"{outcome.status.name}: {outcome.message}"
-                self._end(outcome.request_id, waiting.emit, DecodeStatus.TRANSFER_FAILED, message)
+                status = DecodeStatus.NO_ROOM if outcome.status is TransferStatus.REJECTED_NO_BLOCKS \
+                    else DecodeStatus.TRANSFER_FAILED
+                self._end(outcome.request_id, waiting.emit, status, message)
             return
         if waiting is None:  # cancelled or timed out meanwhile: nobody wants these blocks
             self._engine.free_blocks(outcome.block_ids)
@@ -226,7 +230,6 @@ class DecodeWorker:
         except ValueError as error:
             self._end(request.request_id, waiting.emit, DecodeStatus.INVALID, str(error))
             return
-        self._admission.kv_admitted(request.request_id)
         self._running[request.request_id] = waiting.emit
         self._emit_chunk(DecodeChunk(request.request_id, delta.new_token_ids, delta.new_text, delta.finish_reason))
 

@@ -13,7 +13,7 @@ Decode side (the thread that steps the engine):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from kv_transfer.config import ReceiverAddress
 from kv_transfer.connector import KVSender
@@ -41,11 +41,13 @@ class PagedEngine(Protocol):
                               params: Any, block_ids: Sequence[int], arrival_time: float | None = None) -> Any: ...
 
 
-def engine_pool_view(engine: PagedEngine) -> KVPoolView:
+def engine_pool_view(engine: PagedEngine,
+                     allocate_for: Callable[[str, int], list[int] | None] | None = None) -> KVPoolView:
     """The engine's KV pool as the transfer plane sees it. allocate/free are the engine's thread-safe
     reserve_blocks/free_blocks, so sender and receiver threads may call them while another thread
-    steps the engine. The view changes nothing by itself."""
-    return KVPoolView(engine.kv_cache.kv, engine.reserve_blocks, engine.free_blocks)
+    steps the engine; allocate_for (a decode worker's reservations) is passed through. The view changes
+    nothing by itself."""
+    return KVPoolView(engine.kv_cache.kv, engine.reserve_blocks, engine.free_blocks, allocate_for)
 
 
 def take_prefilled(engine: PagedEngine, request_id: str) -> SendRequest:

@@ -56,7 +56,7 @@ class IncomingTransfer:
         diff = pool.fingerprint.mismatch(manifest.fingerprint)
         if diff:
             raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV layout differs: {diff}", rid)
-        block_ids = pool.allocate(manifest.num_blocks)
+        block_ids = pool.allocate_incoming(rid, manifest.num_blocks)
         if block_ids is None:
             raise KVTransferError(TransferStatus.REJECTED_NO_BLOCKS, f"no room for {manifest.num_blocks} blocks", rid)
         try:

@@ -18,13 +18,22 @@ class KVPoolView:
 
     kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (index 0 = K, 1 = V), on cpu or cuda.
     allocate(n) returns n free block ids (any order, not necessarily contiguous) or None when there is no room.
-    free(ids) returns blocks to the pool. Both callbacks are called from transfer threads, so they must be
+    free(ids) returns blocks to the pool. allocate_for(request_id, n), when given, is what receivers call
+    instead of allocate: the blocks set aside for that request's KV (a decode worker reserves them when
+    it accepts the request). The callbacks are called from transfer threads, so they must be
     thread-safe; each block handed to the plane is freed through `free` exactly once.
     """
 
     kv: torch.Tensor
     allocate: Callable[[int], list[int] | None]
     free: Callable[[Sequence[int]], None]
+    allocate_for: Callable[[str, int], list[int] | None] | None = None
+
+    def allocate_incoming(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """Blocks for `request_id`'s incoming KV: allocate_for when given, else allocate."""
+        if self.allocate_for is not None:
+            return self.allocate_for(request_id, num_blocks)
+        return self.allocate(num_blocks)
 
     def __post_init__(self) -> None:
         if self.kv.dim() != 6 or self.kv.shape[1] != 2:

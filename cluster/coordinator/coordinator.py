@@ -140,6 +140,10 @@ class Coordinator:
         if prefill_name is None:  # the last one died while the decode worker was asked
             decode.actor.cancel.remote(request_id)
             raise BackendUnavailable("no prefill worker is alive")
+        refusal = self._router.prefill_refusal(prompt_tokens, self._config.max_prefill_queue_tokens)
+        if refusal is not None:
+            decode.actor.cancel.remote(request_id)
+            raise BackendOverloaded(refusal)
         prefill = self._workers[prefill_name]
         self._router.claim_prefill(prefill.info.name, prompt_tokens)
         release_prefill = _once(lambda: self._router.prefill_done(prefill.info.name, prompt_tokens))

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from ray.exceptions import RayActorError
 
-from cluster.backend import BackendUnavailable, GenerationChunk, GenerationRequest, Timing
+from cluster.backend import BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest, Timing
 from cluster.coordinator.decode_events import WorkerStreamLost
 from decode_worker import DecodeChunk, DecodeEnded, DecodeStatus, is_final
 from kv_transfer.config import ReceiverAddress
@@ -47,6 +47,8 @@ def decode_ended_error(event: DecodeEnded, worker: str) -> Exception:
         return ValueError(event.message)
     if event.status is DecodeStatus.SHUTDOWN:
         return BackendUnavailable(f"decode worker {worker} stopped: {event.message}")
+    if event.status is DecodeStatus.NO_ROOM:
+        return BackendOverloaded(f"decode worker {worker} had no room for the request's KV: {event.message}")
     return RequestFailed(f"decode worker {worker}: {event.status.value}: {event.message}")
 
 

@@ -73,6 +73,16 @@ class Router:
             self._affinity.popitem(last=False)
         return shortest.name
 
+    def prefill_refusal(self, prompt_tokens: int, max_queue_tokens: int) -> str | None:
+        """Why a prompt of `prompt_tokens` must be refused for now (429), or None: every alive prefill
+        worker's queue would pass max_queue_tokens with it (0: no bound). A prompt longer than the bound
+        is refused only while the queues hold anything, so that it is not refused forever."""
+        queues = [load.queued_tokens for load in self._prefill.values() if load.alive]
+        if not max_queue_tokens or not queues or min(queues) == 0 or min(queues) + prompt_tokens <= max_queue_tokens:
+            return None
+        return (f"the prefill queues hold at least {min(queues)} tokens each; with this prompt's {prompt_tokens} "
+                f"that passes the limit of {max_queue_tokens}")
+
     def decode_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 

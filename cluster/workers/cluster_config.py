@@ -23,7 +23,9 @@ class ClusterConfig:
     local_prefill_tokens: conditional disaggregation; prompts shorter than this are prefilled on their
     decode worker, without a prefill worker or a KV transfer (0: every prompt goes to a prefill worker).
     worker_stall_timeout_s: a worker whose step thread died, or has work but completed no step for this
-    long, or that does not answer a health check within it, is declared lost (killed; its requests migrate)."""
+    long, or that does not answer a health check within it, is declared lost (killed; its requests migrate).
+    max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would
+    pass this many prompt tokens with it (0: no bound)."""
 
     model: str | None = None
     model_name: str | None = None
@@ -42,6 +44,7 @@ class ClusterConfig:
     expect_timeout_s: float = 60.0
     worker_start_timeout_s: float = 300.0
     worker_stall_timeout_s: float = 30.0
+    max_prefill_queue_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
@@ -58,6 +61,8 @@ class ClusterConfig:
             raise ValueError("cpu_threads_per_worker must be >= 1")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+        if self.max_prefill_queue_tokens < 0:
+            raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no bound)")
         if not self.worker_stall_timeout_s > 0:
             raise ValueError("worker_stall_timeout_s must be > 0")
 

@@ -8,6 +8,7 @@ the survivors keep serving. Every test ends with every alive worker's pool empty
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 from contextlib import aclosing
@@ -15,7 +16,7 @@ from contextlib import aclosing
 import pytest
 import ray
 
-from cluster.backend import BackendUnavailable
+from cluster.backend import BackendOverloaded, BackendUnavailable
 from cluster.coordinator.request_flow import WorkerLost
 from cluster.coordinator.start import start_cluster
 from engine import LLM, SamplingParams
@@ -90,6 +91,29 @@ def test_seeded_sampling_equals_colocated(one_by_one, colocated):
 
     for out, (tokens, last) in zip(outs, asyncio.run(run_all())):
         assert tokens == out.outputs[0].token_ids and last.timing.kv_bytes > 0
+
+
+def test_past_the_prefill_queue_bound_requests_are_refused_as_overloaded(one_by_one):
+    """With max_prefill_queue_tokens 500, of three concurrent 400-token prompts on one prefill worker the
+    first is queued and served; a prompt that would pass the bound is refused (429), holding nothing."""
+    prompts = random_prompts([400, 400, 400], VOCAB, seed=12)
+    unbounded = one_by_one._config
+    one_by_one._config = dataclasses.replace(unbounded, max_prefill_queue_tokens=500)
+
+    async def run_all():
+        results = await asyncio.gather(*(collect(one_by_one, request(f"q{i}", p, greedy(2)))
+                                         for i, p in enumerate(prompts)), return_exceptions=True)
+        await wait_until_idle(one_by_one)
+        return results
+
+    try:
+        results = asyncio.run(run_all())
+    finally:
+        one_by_one._config = unbounded
+    refused = [r for r in results if isinstance(r, BackendOverloaded)]
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert refused and served and len(refused) + len(served) == 3, results
+    assert "prefill queues" in str(refused[0]) and all(len(tokens) == 2 for tokens, _ in served)
 
 
 def test_first_token_that_ends_the_request_comes_from_the_prefill_worker(one_by_one, colocated):

@@ -101,3 +101,29 @@ def test_deliveries_nobody_expects_are_freed_and_slots_pass_in_order(prefill, de
     reports = [future.result(20) for future in futures]
     assert [r.status for r in reports] == [PrefillStatus.SHIPPED] * 4 and all(r.kv_bytes > 0 for r in reports)
     wait_for(lambda: idle(prefill) and idle(decode))
+
+
+def test_an_accepted_requests_blocks_are_reserved_until_its_kv_lands(prefill, decode):
+    """expect() takes the prompt's blocks out of the pool at once: when everything else in the pool is
+    gone (here taken directly, as growing decodes would take it) the KV still lands, in those blocks."""
+    events: queue.Queue = queue.Queue()
+    prompt = tuple(random_prompts([28], 256, seed=4)[0])  # 2 blocks; 28 + 4 tokens still fit in them
+    engine = decode._engine
+    free_before = engine.num_free_blocks
+    assert decode.expect(ExpectedRequest("kept", prompt, GREEDY), events.put).accepted
+    assert engine.num_free_blocks == free_before - 2
+    wait_for(lambda: decode.stats().promised_blocks == 2)
+    others = engine.reserve_blocks(engine.num_free_blocks)   # the rest of the pool is taken
+    try:
+        report = prefill.submit(PrefillTask("kept", prompt, GREEDY, decode.address)).result(20)
+        assert report.status is PrefillStatus.SHIPPED
+        tokens, last = [], None
+        while last is None or not (isinstance(last, DecodeEnded) or last.finish_reason):
+            last = events.get(timeout=10)
+            tokens += getattr(last, "token_ids", ())
+        assert not isinstance(last, DecodeEnded), last
+        assert len(tokens) == GREEDY.max_tokens and last.finish_reason == "length"
+    finally:
+        engine.free_blocks(others)
+        decode.cancel("nobody")  # a command wakes the idle step thread, which refreshes stats()
+    wait_for(lambda: idle(prefill) and idle(decode))
