@@ -144,14 +144,15 @@ class GrpcReceiver(KVReceiver):
         return _ack(status, outcome.request_id, message, nbytes)
 
     async def _read_manifest(self, context) -> Manifest:
-        """The stream's first chunk, decoded; KVTransferError(MALFORMED) if it is not a valid manifest."""
+        """The stream's first chunk, decoded and checked against this pool's limits (sizes, layout) before
+        anything is allocated; KVTransferError(MALFORMED / REJECTED_FINGERPRINT) if it is not acceptable."""
         first = await self._next_chunk(context)
         if first is None or first.manifest is None:
             raise KVTransferError(TransferStatus.MALFORMED, "the first chunk must carry the manifest")
         try:
-            return decode_manifest(first.manifest)
-        except ManifestError as exc:
-            raise KVTransferError(TransferStatus.MALFORMED, str(exc)) from None
+            return decode_manifest(first.manifest, self.pool.manifest_limits)
+        except ManifestError as exc:  # MALFORMED, or REJECTED_FINGERPRINT
+            raise KVTransferError(exc.status, str(exc)) from None
 
     def _accept(self, manifest: Manifest) -> IncomingTransfer:
         """Checks the cancel list and the fingerprint, then allocates (KVTransferError if any says no)."""
