@@ -7,9 +7,10 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import (KVTransferError, Manifest, ManifestError, ModelFingerprint, SendRequest, TransferStatus,
-                         decode_manifest, encode_manifest, resolve_transport)
+from kv_transfer import (KVTransferError, Manifest, ManifestError, ModelFingerprint, SendRequest, TransferConfig,
+                         TransferStatus, decode_manifest, encode_manifest, resolve_transport)
 from kv_transfer.checksum import checksum_blocks
+from kv_transfer.grpc.auth import SECRET_METADATA_KEY, is_authorized
 from kv_transfer.grpc.codec import decode_chunk, encode_checksum_chunk, encode_data_chunk
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import FingerprintMismatch, ManifestLimits
@@ -96,6 +97,21 @@ def test_runs_are_summed_before_they_are_expanded_even_without_limits():
     raw["runs"] = [[3, 2**50, 2**50 * FP.block_nbytes, None]]  # expanding it would never end
     with pytest.raises(ManifestError, match="already cover"):
         decode_manifest(msgpack.packb(raw))
+
+
+def test_cluster_secret_stays_out_of_reprs_and_errors():
+    secret = "s3cret-" * 4
+    config = TransferConfig(cluster_secret=secret)
+    assert secret not in repr(config) and config.cluster_secret == secret
+    for bad in ("short", "has a space in it ....", "\u00e9" * 20):
+        with pytest.raises(ValueError) as err:
+            TransferConfig(cluster_secret=bad)
+        assert bad not in str(err.value)
+    metadata = ((SECRET_METADATA_KEY, secret),)
+    assert is_authorized(None, None) and is_authorized(None, metadata) and is_authorized(secret, metadata)
+    assert not is_authorized(secret, None) and not is_authorized(secret, ((SECRET_METADATA_KEY, secret[:-1]),))
+    assert not is_authorized(secret, metadata * 2)  # exactly one value
+    assert not is_authorized(secret, ((SECRET_METADATA_KEY, "\u00e9" * 28),))
 
 
 def test_garbage_is_not_a_manifest():
