@@ -1,7 +1,7 @@
 """Configuration and addressing for the KV transfer plane (frozen, picklable, no torch state)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TRANSPORTS = ("auto", "gloo", "nccl", "grpc", "ipc")
 IMPLEMENTED_TRANSPORTS = ("gloo", "nccl", "grpc")
@@ -37,6 +37,10 @@ class TransferConfig:
     # device; smaller runs are gathered into one message. None: every run is gathered. The receiver takes a
     # direct run (gloo/nccl) or any run (gRPC) straight into its blocks when their ids are consecutive.
     direct_min_plane_bytes: int | None = 256 << 10
+    # The cluster's KV secret (gRPC): a sender sends it with every Push stream; a receiver that has one
+    # refuses, before reading anything, a stream without it (UNAUTHENTICATED). None: a sender sends none and
+    # a receiver accepts any stream (tests, benchmarks). Never in repr or logs. gloo/nccl do not use it.
+    cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -51,6 +55,13 @@ class TransferConfig:
             raise ValueError("cancel_ttl_s must be positive")
         if not 0 < self.grpc_chunk_bytes < self.grpc_max_message_bytes:
             raise ValueError("grpc_chunk_bytes must be positive and below grpc_max_message_bytes")
+        if self.cluster_secret is not None and not _valid_secret(self.cluster_secret):  # the value never in a message
+            raise ValueError("cluster_secret must be 16 to 256 printable ASCII characters without spaces")
+
+
+def _valid_secret(secret: object) -> bool:
+    """A secret gRPC can carry as a metadata value unchanged, long enough not to be guessed."""
+    return isinstance(secret, str) and 16 <= len(secret) <= 256 and all(33 <= ord(c) <= 126 for c in secret)
 
 
 @dataclass(frozen=True)

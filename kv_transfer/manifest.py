@@ -1,7 +1,9 @@
 """The wire manifest of one KV transfer: what the receiver must allocate and how to verify it.
 
 Encoded with msgpack as a map with string keys. decode_manifest validates every field and the
-consistency of runs, blocks and byte lengths, and raises ManifestError with a precise reason.
+consistency of runs, blocks and byte lengths, and raises ManifestError with a precise reason. A receiver
+passes its ManifestLimits (its pool's layout and size): then everything whose size the sender chose is
+checked against the pool before it is built or walked, so a crafted manifest costs O(pool blocks) at most.
 """
 from __future__ import annotations
 
@@ -11,15 +13,29 @@ from typing import Any
 import msgpack
 
 from kv_transfer.checksum import CHECKSUM_ALGO
+from kv_transfer.status import TransferStatus
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
+MAX_STRING_BYTES = 2048  # request_id is at most 512 characters: 2048 bytes of UTF-8
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _U64 = 1 << 64
+# The longest encoding of a manifest within ManifestLimits: the map, its keys, three strings and the scalars,
+# plus per block a uint64 id and at most one run of one block (array header, three uint64, a uint64 checksum).
+_FIXED_BYTES = 8 << 10
+_BYTES_PER_BLOCK = 9 + 1 + 4 * 9
 
 
 class ManifestError(ValueError):
-    """A manifest that cannot be decoded or is inconsistent."""
+    """A manifest that cannot be decoded or is inconsistent; status is what the receiver answers."""
+
+    status = TransferStatus.MALFORMED
+
+
+class FingerprintMismatch(ManifestError):
+    """A well-formed manifest for a KV layout other than the receiver's pool."""
+
+    status = TransferStatus.REJECTED_FINGERPRINT
 
 
 @dataclass(frozen=True)
@@ -48,6 +64,23 @@ class ModelFingerprint:
         """A readable description of how `other` differs from self, or None if they match."""
         diffs = [f"{k}: {v} != {getattr(other, k)}" for k, v in asdict(self).items() if v != getattr(other, k)]
         return "; ".join(diffs) or None
+
+
+@dataclass(frozen=True)
+class ManifestLimits:
+    """What a receiver could ever accept: its pool's KV layout and its size in blocks (the whole pool, free
+    or not). decode_manifest(data, limits) refuses anything beyond them before building it."""
+
+    fingerprint: ModelFingerprint
+    max_blocks: int
+
+    def __post_init__(self) -> None:
+        _check_int(self.max_blocks, "max_blocks", minimum=1)
+
+    @property
+    def max_manifest_bytes(self) -> int:
+        """The most bytes a manifest of at most max_blocks blocks can take (capped by MAX_MANIFEST_BYTES)."""
+        return min(MAX_MANIFEST_BYTES, _FIXED_BYTES + self.max_blocks * _BYTES_PER_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -100,17 +133,18 @@ def _check_int(value: Any, name: str, minimum: int = 0, limit: int = _U64) -> No
 
 
 def _validate(m: Manifest) -> None:
+    """O(blocks), and no run is expanded before the runs' block counts are known to sum to the block list."""
     if not isinstance(m.request_id, str) or not 0 < len(m.request_id) <= 512:
         raise ManifestError("request_id must be a non-empty string of at most 512 characters")
     _check_int(m.num_tokens, "num_tokens", minimum=1)
     _check_int(m.first_token, "first_token")
     if m.checksum_algo != CHECKSUM_ALGO:
         raise ManifestError(f"unknown checksum_algo {m.checksum_algo!r}")
-    for i, block in enumerate(m.block_ids):
-        _check_int(block, f"block_ids[{i}]")
     expected_blocks = -(-m.num_tokens // m.fingerprint.block_size)
     if len(m.block_ids) != expected_blocks:
         raise ManifestError(f"{m.num_tokens} tokens need {expected_blocks} blocks, manifest lists {len(m.block_ids)}")
+    for i, block in enumerate(m.block_ids):
+        _check_int(block, f"block_ids[{i}]")
     if len(set(m.block_ids)) != len(m.block_ids):
         raise ManifestError("block_ids contain duplicates")
     _validate_runs(m)
@@ -119,17 +153,24 @@ def _validate(m: Manifest) -> None:
 def _validate_runs(m: Manifest) -> None:
     if not m.runs:
         raise ManifestError("manifest has no runs")
-    covered: list[int] = []
-    for i, run in enumerate(m.runs):
+    total = 0
+    for i, run in enumerate(m.runs):  # O(runs): sizes first, nothing expanded
         _check_int(run.start_block, f"runs[{i}].start_block")
         _check_int(run.num_blocks, f"runs[{i}].num_blocks", minimum=1)
         if run.checksum is not None:
             _check_int(run.checksum, f"runs[{i}].checksum")
         if run.nbytes != run.num_blocks * m.fingerprint.block_nbytes:
             raise ManifestError(f"runs[{i}].nbytes={run.nbytes} != {run.num_blocks} blocks * {m.fingerprint.block_nbytes}")
-        covered.extend(range(run.start_block, run.start_block + run.num_blocks))
-    if tuple(covered) != tuple(m.block_ids):
-        raise ManifestError("runs do not cover block_ids exactly and in order")
+        total += run.num_blocks
+        if total > len(m.block_ids):
+            raise ManifestError(f"runs[..{i}] already cover {total} blocks, manifest lists {len(m.block_ids)}")
+    if total != len(m.block_ids):
+        raise ManifestError(f"runs cover {total} blocks, manifest lists {len(m.block_ids)}")
+    first = 0
+    for run in m.runs:  # the counts sum to len(block_ids): this walks each listed block once
+        if m.block_ids[first : first + run.num_blocks] != tuple(range(run.start_block, run.start_block + run.num_blocks)):
+            raise ManifestError("runs do not cover block_ids exactly and in order")
+        first += run.num_blocks
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -165,23 +206,55 @@ def _decode_run(i: int, raw: Any) -> RunInfo:
     return RunInfo(*raw)
 
 
-def decode_manifest(data: bytes) -> Manifest:
-    """Parses and validates manifest bytes; raises ManifestError on anything malformed."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
+def _unpack(data: bytes, limits: ManifestLimits | None) -> Any:
+    """msgpack-decodes data; with limits, every list holds at most limits.max_blocks entries and the whole
+    encoding fits limits.max_manifest_bytes, checked before (and while) anything is built."""
+    max_bytes = MAX_MANIFEST_BYTES if limits is None else limits.max_manifest_bytes
+    if len(data) > max_bytes:
+        raise ManifestError(f"manifest of {len(data)} bytes exceeds {max_bytes}"
+                            + ("" if limits is None else f" (the most {limits.max_blocks} blocks can take)"))
+    bounds = {} if limits is None else {
+        "max_array_len": max(limits.max_blocks, 4), "max_map_len": len(_TOP_KEYS), "max_str_len": MAX_STRING_BYTES,
+        "max_bin_len": 0, "max_ext_len": 0}
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, **bounds)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ManifestError(f"manifest is not valid msgpack: {exc}") from None
-    top = _expect_map(raw, _TOP_KEYS, "manifest")
+        within = "" if limits is None else f" within this receiver's bounds (lists of at most {limits.max_blocks} entries)"
+        raise ManifestError(f"manifest is not valid msgpack{within}: {exc}") from None
+
+
+def _check_limits(top: dict, fingerprint: ModelFingerprint, limits: ManifestLimits) -> None:
+    """O(1) checks of the sizes the sender chose against what this receiver's pool could ever hold."""
+    diff = limits.fingerprint.mismatch(fingerprint)
+    if diff:
+        raise FingerprintMismatch(f"KV layout differs: {diff}")
+    _check_int(top["num_tokens"], "num_tokens", minimum=1)
+    max_tokens = limits.max_blocks * fingerprint.block_size
+    if top["num_tokens"] > max_tokens:
+        raise ManifestError(f"num_tokens={top['num_tokens']} exceeds the {max_tokens} tokens this receiver's pool"
+                            f" of {limits.max_blocks} blocks could ever hold")
+    if len(top["runs"]) > len(top["block_ids"]):
+        raise ManifestError(f"{len(top['runs'])} runs for {len(top['block_ids'])} blocks")
+
+
+def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manifest:
+    """Parses and validates manifest bytes; raises ManifestError on anything malformed (FingerprintMismatch
+    for a layout other than limits.fingerprint). With limits (a receiver's pool), in this order and before
+    anything the size of which the sender chose is built: the encoding's length, every list's length, the
+    fingerprint, num_tokens, the number of runs; then the runs' block counts must sum to the block list
+    before any run is expanded. Changes nothing."""
+    top = _expect_map(_unpack(data, limits), _TOP_KEYS, "manifest")
     if top["version"] != MANIFEST_VERSION:
         raise ManifestError(f"manifest version {top['version']!r} unsupported (expected {MANIFEST_VERSION})")
     if not isinstance(top["block_ids"], list) or not isinstance(top["runs"], list):
         raise ManifestError("block_ids and runs must be lists")
     try:
+        fingerprint = ModelFingerprint(**_expect_map(top["fingerprint"], _FP_KEYS, "fingerprint"))
+        if limits is not None:
+            _check_limits(top, fingerprint, limits)
         return Manifest(
             request_id=top["request_id"],
-            fingerprint=ModelFingerprint(**_expect_map(top["fingerprint"], _FP_KEYS, "fingerprint")),
+            fingerprint=fingerprint,
             num_tokens=top["num_tokens"],
             block_ids=tuple(top["block_ids"]),
             first_token=top["first_token"],

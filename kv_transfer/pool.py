@@ -6,7 +6,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from kv_transfer.manifest import ModelFingerprint
+from kv_transfer.manifest import ManifestLimits, ModelFingerprint
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -54,6 +54,11 @@ class KVPoolView:
     @property
     def fingerprint(self) -> ModelFingerprint:
         return fingerprint_of(self.kv)
+
+    @property
+    def manifest_limits(self) -> ManifestLimits:
+        """What a manifest for this pool may ask for: its layout, and at most every block it has."""
+        return ManifestLimits(self.fingerprint, self.num_blocks)
 
 
 def fingerprint_of(kv: torch.Tensor) -> ModelFingerprint:

@@ -17,6 +17,7 @@ class TransferStatus(IntEnum):
     ABORTED_BY_SENDER = 9
     INTERNAL = 10
     REJECTED_BUSY = 11  # the receiver's queue of waiting transfers is full
+    UNAUTHENTICATED = 12  # the receiver refused the stream: missing or wrong cluster secret (gRPC status)
 
 
 class KVTransferError(RuntimeError):

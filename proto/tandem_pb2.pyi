@@ -21,6 +21,7 @@ class KVStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_ABORTED_BY_SENDER: _ClassVar[KVStatus]
     KV_INTERNAL: _ClassVar[KVStatus]
     KV_REJECTED_BUSY: _ClassVar[KVStatus]
+    KV_UNAUTHENTICATED: _ClassVar[KVStatus]
 KV_OK: KVStatus
 KV_REJECTED_FINGERPRINT: KVStatus
 KV_REJECTED_NO_BLOCKS: KVStatus
@@ -33,6 +34,7 @@ KV_PEER_FAILED: KVStatus
 KV_ABORTED_BY_SENDER: KVStatus
 KV_INTERNAL: KVStatus
 KV_REJECTED_BUSY: KVStatus
+KV_UNAUTHENTICATED: KVStatus
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")

@@ -188,7 +188,9 @@ class KVTransferServicer:
         one run_checksum chunk right after its last byte, before the next run's bytes. Server -> client: a KVAck right after the manifest (KV_OK with
         final=false: accepted, send the data; anything else is final: rejected, send nothing more), then
         one final KVAck after the blocks are verified and written (or the transfer failed). A client that
-        sees a final ack stops writing and half-closes.
+        sees a final ack stops writing and half-closes. A receiver started with a cluster secret first
+        checks the call metadata "tandem-kv-secret" and ends a call without the right one with the gRPC
+        status UNAUTHENTICATED before it reads any chunk.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

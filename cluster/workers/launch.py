@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import secrets
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,16 +76,21 @@ def worker_configs(config: ClusterConfig, transport: str, store_host: str, store
 
     gRPC: a prefill worker keeps at most grpc_max_concurrent_transfers transfers in flight to one decode
     worker, and a decode worker's receiver streams as many as all prefill workers may send at once (a call
-    past that, e.g. one whose predecessor's call has not quite ended yet, waits in the receiver's queue)."""
+    past that, e.g. one whose predecessor's call has not quite ended yet, waits in the receiver's queue).
+
+    Every call makes a new cluster secret (TransferConfig.cluster_secret, in every worker's config, not in
+    any repr): the gRPC KV receivers accept streams only from senders holding it. gloo/nccl pairs meet only
+    through this cluster's own store under its own namespace."""
     world, num_prefill = config.num_workers, config.num_prefill_workers
     namespace = f"tandem-{uuid.uuid4().hex[:8]}"
-    per_peer = config.transfer.grpc_max_concurrent_transfers
-    receiver_transfer = dataclasses.replace(config.transfer, grpc_max_concurrent_transfers=num_prefill * per_peer)
+    transfer = dataclasses.replace(config.transfer, cluster_secret=secrets.token_hex(32))
+    per_peer = transfer.grpc_max_concurrent_transfers
+    receiver_transfer = dataclasses.replace(transfer, grpc_max_concurrent_transfers=num_prefill * per_peer)
 
     def rendezvous(rank: int) -> DistRendezvous | None:
         return None if store_port is None else DistRendezvous(store_host, store_port, rank, world, namespace)
 
-    prefill = [PrefillWorkerConfig(f"prefill-{i}", transport, config.transfer, rendezvous(i),
+    prefill = [PrefillWorkerConfig(f"prefill-{i}", transport, transfer, rendezvous(i),
                                    max_transfers_per_peer=per_peer if transport == "grpc" else None)
                for i in range(num_prefill)]
     decode = [DecodeWorkerConfig(f"decode-{j}", transport, receiver_transfer, config.kv_host,

@@ -86,13 +86,13 @@ def _receive_manifest(channel: PairChannel, pool: KVPoolView, staging: StagingPo
         raise KVTransferError(TransferStatus.MALFORMED, f"manifest length {length} out of range")
     raw = torch.empty(length, dtype=torch.uint8, device=channel.device)
     channel.recv(raw, deadline)
-    try:
-        manifest = decode_manifest(raw.cpu().numpy().tobytes())
+    try:  # checked against this pool's limits before anything is allocated
+        manifest = decode_manifest(raw.cpu().numpy().tobytes(), pool.manifest_limits)
         if inbox.is_cancelled(manifest.request_id):
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
         incoming = IncomingTransfer.accept(manifest, pool, staging, lander)
     except (ManifestError, KVTransferError) as exc:
-        status = exc.status if isinstance(exc, KVTransferError) else TransferStatus.MALFORMED
+        status = exc.status  # ManifestError: MALFORMED or REJECTED_FINGERPRINT
         channel.send_code(status, deadline)
         inbox.put(ReceiveFailed(getattr(exc, "request_id", ""), status, str(exc)))
         return None

@@ -10,6 +10,7 @@ import grpc
 from kv_transfer.config import ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVReceiver
 from kv_transfer.grpc.admission import AdmissionQueue
+from kv_transfer.grpc.auth import REFUSAL, is_authorized
 from kv_transfer.grpc.codec import PUSH_METHOD, SERVICE_NAME, DecodedChunk, channel_options, decode_chunk
 from kv_transfer.grpc.heap import keep_heap_for_messages
 from kv_transfer.grpc.loop_thread import EventLoopThread
@@ -31,7 +32,9 @@ def _ack(status: TransferStatus, request_id: str = "", error: str = "", nbytes: 
 class GrpcReceiver(KVReceiver):
     """Binds host:port (port 0 picks a free one) and accepts Push streams into the pool: up to
     config.grpc_max_concurrent_transfers at once, up to config.grpc_max_queued_transfers more waiting in
-    arrival order (their manifests read, nothing allocated), any further one rejected (REJECTED_BUSY)."""
+    arrival order (their manifests read, nothing allocated), any further one rejected (REJECTED_BUSY).
+    With config.cluster_secret, a stream without it is ended UNAUTHENTICATED before anything is read
+    (counted in `unauthenticated`, nothing in the inbox)."""
 
     def __init__(self, config: TransferConfig, pool: KVPoolView, host: str = "127.0.0.1", port: int = 0):
         self.config, self.pool = config, pool
@@ -43,6 +46,7 @@ class GrpcReceiver(KVReceiver):
         self._lander = ThreadPoolExecutor(1, thread_name_prefix="kv-grpc-land")
         self._server: grpc.aio.Server | None = None
         self.admission = AdmissionQueue(config.grpc_max_concurrent_transfers, config.grpc_max_queued_transfers)
+        self.unauthenticated = 0  # streams refused for a missing or wrong cluster secret (loop thread only)
         self.host = host
         self.port = self._loop.run(self._start(host, port), timeout=config.connect_timeout_s)
 
@@ -66,7 +70,13 @@ class GrpcReceiver(KVReceiver):
         """One transfer: manifest, admission (maybe a wait in the queue), allocate, stream into the blocks or
         staging, verify (+ scatter), final ack. Whatever ends it (bad data, full queue, timeout, client gone,
         receiver cancel) frees the blocks first and puts exactly one outcome in the inbox; a delivery reaches
-        the inbox only after its final ack went out."""
+        the inbox only after its final ack went out. A stream without this cluster's secret is ended with
+        UNAUTHENTICATED first: nothing read, nothing allocated, nothing in the inbox."""
+        if not is_authorized(self.config.cluster_secret, context.invocation_metadata()):
+            self.unauthenticated += 1
+            log.warning("refused a KV stream from %s: missing or wrong cluster secret", context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSAL)
+        await context.send_initial_metadata(())  # at once: a sender may wait for it before its first write
         final, received, drain = await self._run_transfer(context)
         try:
             await context.write(final)
@@ -144,14 +154,15 @@ class GrpcReceiver(KVReceiver):
         return _ack(status, outcome.request_id, message, nbytes)
 
     async def _read_manifest(self, context) -> Manifest:
-        """The stream's first chunk, decoded; KVTransferError(MALFORMED) if it is not a valid manifest."""
+        """The stream's first chunk, decoded and checked against this pool's limits (sizes, layout) before
+        anything is allocated; KVTransferError(MALFORMED / REJECTED_FINGERPRINT) if it is not acceptable."""
         first = await self._next_chunk(context)
         if first is None or first.manifest is None:
             raise KVTransferError(TransferStatus.MALFORMED, "the first chunk must carry the manifest")
         try:
-            return decode_manifest(first.manifest)
-        except ManifestError as exc:
-            raise KVTransferError(TransferStatus.MALFORMED, str(exc)) from None
+            return decode_manifest(first.manifest, self.pool.manifest_limits)
+        except ManifestError as exc:  # MALFORMED, or REJECTED_FINGERPRINT
+            raise KVTransferError(exc.status, str(exc)) from None
 
     def _accept(self, manifest: Manifest) -> IncomingTransfer:
         """Checks the cancel list and the fingerprint, then allocates (KVTransferError if any says no)."""

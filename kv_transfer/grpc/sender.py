@@ -13,6 +13,7 @@ from kv_transfer.connector import KVSender
 from kv_transfer.device_sync import record_ready_event
 from kv_transfer.grpc.codec import (PUSH_PATH, channel_options, chunk_parts, encode_checksum_chunk, encode_data_chunk,
                                     encode_manifest_chunk)
+from kv_transfer.grpc.auth import secret_metadata
 from kv_transfer.grpc.heap import keep_heap_for_messages
 from kv_transfer.grpc.loop_thread import EventLoopThread
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
@@ -25,6 +26,7 @@ from proto import tandem_pb2
 _GRPC_TO_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: TransferStatus.TIMEOUT,
     grpc.StatusCode.CANCELLED: TransferStatus.CANCELLED,
+    grpc.StatusCode.UNAUTHENTICATED: TransferStatus.UNAUTHENTICATED,  # not this receiver's cluster secret
 }
 
 
@@ -33,15 +35,18 @@ class GrpcSender(KVSender):
     bytes in chunks of config.grpc_chunk_bytes followed by its checksum, and the final KVAck saying whether
     the blocks were written. The manifest goes out before any checksum is taken: run i is checksummed while
     the verdict (i = 0) or run i-1 is on the wire. One send() ends within 2 * kv_transfer_timeout_s (the
-    receiver's queue wait, then the transfer)."""
+    receiver's queue wait, then the transfer). Every stream carries config.cluster_secret (if any) as call
+    metadata; a receiver that refuses it fails the transfer with UNAUTHENTICATED."""
 
     def __init__(self, config: TransferConfig, pool: KVPoolView):
         self.config, self.pool = config, pool
+        self._metadata = secret_metadata(config.cluster_secret)
         if config.grpc_keep_heap:
             keep_heap_for_messages(config.grpc_chunk_bytes)
         self.staging = StagingPool("cpu", pin_memory=pool.device.type == "cuda", max_cached_bytes=config.staging_cache_bytes)
         self._loop = EventLoopThread("kv-grpc-send")
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._answered: set[str] = set()  # targets whose receiver has accepted a stream (loop thread only)
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self.closed = False
@@ -103,7 +108,7 @@ class GrpcSender(KVSender):
         (stopping early if the server gives up), read the final ack. Raises KVTransferError unless the
         receiver acked the written blocks."""
         rid = outgoing.manifest.request_id
-        call = self._stub(target)(timeout=self._deadline_s)
+        call = self._stub(target)(timeout=self._deadline_s, metadata=self._metadata)
         loop, push_task = asyncio.get_running_loop(), asyncio.current_task()
 
         def stop_push() -> None:
@@ -114,6 +119,7 @@ class GrpcSender(KVSender):
         handle.on_cancel(lambda: loop.call_soon_threadsafe(stop_push))
         first_checksum: asyncio.Future | None = None
         try:
+            await self._opened(call, target, rid)
             await call.write(encode_manifest_chunk(outgoing.manifest_bytes))
             first_checksum = _checksum_soon(outgoing, 0)  # while the verdict travels
             ack = await self._read_ack(call, rid)
@@ -128,14 +134,26 @@ class GrpcSender(KVSender):
             if not handle.cancel_requested.is_set():
                 raise  # the deadline (wait_for) cancelled us: reported as TIMEOUT by the caller
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender", rid) from None
-        except grpc.aio.AioRpcError as exc:
-            status = _GRPC_TO_STATUS.get(exc.code(), TransferStatus.PEER_FAILED)
-            raise KVTransferError(status, f"{exc.code().name}: {exc.details()}", rid) from None
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:  # invalid: written after the call ended
+            self._answered.discard(target)  # the next stream to it waits for the receiver's answer again
+            raise await _call_error(call, rid, exc) from None
         finally:  # nothing may still read the pool once the caller frees the blocks
             if first_checksum is not None:
                 await asyncio.wait([first_checksum])
         if ack.status != tandem_pb2.KV_OK:
             raise KVTransferError(TransferStatus(ack.status), ack.error or "receiver reported failure", rid)
+
+    async def _opened(self, call, target: str, rid: str) -> None:
+        """On the first stream to a target (and after one that failed), waits for the receiver's first
+        answer (it sends its headers at once) before writing: a receiver that refuses the stream
+        (UNAUTHENTICATED: not this cluster's secret) has then ended the call, and its status is reported as
+        it is; a write racing with the refusal would fail with INTERNAL instead. Later streams do not wait."""
+        if target in self._answered:
+            return
+        await call.initial_metadata()
+        if call.done():
+            raise await _call_error(call, rid)
+        self._answered.add(target)
 
     @staticmethod
     async def _read_ack(call, rid: str) -> tandem_pb2.KVAck:
@@ -183,6 +201,18 @@ class GrpcSender(KVSender):
         for channel in self._channels.values():
             self._loop.run(channel.close(), timeout=10)
         self._loop.stop()
+
+
+async def _call_error(call, rid: str, exc: Exception | None = None) -> KVTransferError:
+    """The KVTransferError for a call that failed (with exc): the gRPC status it raised, else the status the
+    ended call carries (UNAUTHENTICATED -> UNAUTHENTICATED, DEADLINE_EXCEEDED -> TIMEOUT, ... PEER_FAILED)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code, details = exc.code(), exc.details()
+    elif call.done():
+        code, details = await call.code(), await call.details()
+    else:  # a write after our own half-close: not the receiver's doing
+        return KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
+    return KVTransferError(_GRPC_TO_STATUS.get(code, TransferStatus.PEER_FAILED), f"{code.name}: {details}", rid)
 
 
 def _gather_soon(outgoing: OutgoingTransfer, index: int) -> asyncio.Future:

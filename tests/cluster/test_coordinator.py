@@ -2,7 +2,7 @@
 KV over real gRPC on 127.0.0.1, the Coordinator driving them from this process.
 
 1 prefill + 1 decode: greedy output equals a colocated engine.LLM token for token, timing is filled in,
-cancel frees everything. 1 prefill + 2 decode: a killed decode worker fails only its own requests and
+cancel frees everything, a KV sender from outside the cluster (no secret, or another one) is refused. 1 prefill + 2 decode: a killed decode worker fails only its own requests and
 the survivors keep serving. Every test ends with every alive worker's pool empty.
 """
 from __future__ import annotations
@@ -20,6 +20,8 @@ from cluster.backend import BackendOverloaded, BackendUnavailable
 from cluster.coordinator.request_flow import WorkerLost
 from cluster.coordinator.start import start_cluster
 from engine import LLM, SamplingParams
+from kv_transfer import ModelFingerprint, SendRequest, TransferConfig, TransferStatus, create_sender
+from kv_transfer.testing import FreeListPool
 from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray,
                                        wait_until_idle)
 from tests.support.engine_checks import random_prompts
@@ -168,6 +170,29 @@ def test_cancel_mid_stream_and_before_the_first_token_free_everything(one_by_one
         return seen
 
     assert asyncio.run(run()) >= 2
+
+
+def test_kv_receivers_refuse_senders_from_outside_the_cluster(one_by_one):
+    """start_cluster hands its workers a secret: a gRPC KV sender without it (another secret, or none) is
+    refused UNAUTHENTICATED by decode-0's receiver, and the cluster keeps serving over the same receiver."""
+    decode = one_by_one.workers["decode-0"]
+    layout = ModelFingerprint(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=4)
+    for secret in ("f" * 64, None):  # the stream is refused before its manifest (any layout) is read
+        pool = FreeListPool(layout, 8)
+        sender = create_sender(TransferConfig(transport="grpc", cluster_secret=secret), pool.view(), "grpc")
+        pool.take((0, 1))
+        handle = sender.send(decode.kv_address, SendRequest("outsider", (0, 1), 8, first_token=1))
+        assert handle.exception(30).status == TransferStatus.UNAUTHENTICATED
+        sender.close()
+        assert pool.num_free == 8
+
+    async def run():
+        result = await collect(one_by_one, request("insider", random_prompts([20], VOCAB, seed=11)[0], greedy(4)))
+        await wait_until_idle(one_by_one)  # every pool whole: nothing was allocated for the outsiders
+        return result
+
+    tokens, last = asyncio.run(run())
+    assert len(tokens) == 4 and last.timing.kv_bytes > 0 and last.timing.decode_worker == "decode-0"
 
 
 @pytest.fixture(scope="module")

@@ -59,6 +59,10 @@ def test_no_room_is_rejected_and_link_survives(rig):
     sc.no_room(rig, "float32")
 
 
+def test_more_blocks_than_the_pool_holds_is_malformed(rig):
+    sc.beyond_the_pool(rig, "float32")
+
+
 def test_corrupted_chunk_is_detected(rig):
     sent = sc.corrupted_chunk(rig, "float32")
     assert sent.status == "CHECKSUM_MISMATCH", sent

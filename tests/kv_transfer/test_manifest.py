@@ -7,11 +7,13 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import (KVTransferError, Manifest, ManifestError, ModelFingerprint, SendRequest, TransferStatus,
-                         decode_manifest, encode_manifest, resolve_transport)
+from kv_transfer import (KVTransferError, Manifest, ManifestError, ModelFingerprint, SendRequest, TransferConfig,
+                         TransferStatus, decode_manifest, encode_manifest, resolve_transport)
 from kv_transfer.checksum import checksum_blocks
+from kv_transfer.grpc.auth import SECRET_METADATA_KEY, is_authorized
 from kv_transfer.grpc.codec import decode_chunk, encode_checksum_chunk, encode_data_chunk
 from kv_transfer.incoming import IncomingTransfer
+from kv_transfer.manifest import FingerprintMismatch, ManifestLimits
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.runs import BlockRun, group_runs
 from kv_transfer.staging import StagingPool
@@ -57,6 +59,59 @@ def test_malformed_manifest_is_rejected_with_a_reason(mutate, reason):
     mutate(raw)
     with pytest.raises(ManifestError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         decode_manifest(msgpack.packb(raw))
+
+
+LIMITS = ManifestLimits(FP, max_blocks=16)
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda d: d.update(num_tokens=16 * 4 + 1), "could ever hold"),
+    (lambda d: d.update(block_ids=list(range(17))), "at most 16 entries"),
+    (lambda d: d.update(runs=[[3, 1, FP.block_nbytes, None]] * 5), "5 runs for 4 blocks"),
+    (lambda d: d.update(runs=[[3, 10**12, 10**12 * FP.block_nbytes, None]]), "already cover"),
+    (lambda d: d.update(request_id="r" * 5000), "exceeds"),
+])
+def test_manifest_beyond_the_receivers_pool_is_refused_before_it_is_built(mutate, reason):
+    raw = _raw(_manifest())
+    mutate(raw)
+    with pytest.raises(ManifestError, match=reason) as err:
+        decode_manifest(msgpack.packb(raw), LIMITS)
+    assert err.value.status == TransferStatus.MALFORMED
+
+
+def test_manifest_limits_check_size_and_fingerprint_first():
+    m = _manifest()
+    assert decode_manifest(encode_manifest(m), LIMITS) == m
+    assert LIMITS.max_manifest_bytes < 16 << 10
+    with pytest.raises(ManifestError, match="exceeds"):
+        decode_manifest(b"\x00" * (LIMITS.max_manifest_bytes + 1), LIMITS)
+    raw = _raw(m)
+    raw["fingerprint"]["num_layers"] = 2**40
+    with pytest.raises(FingerprintMismatch, match="num_layers") as err:
+        decode_manifest(msgpack.packb(raw), LIMITS)
+    assert err.value.status == TransferStatus.REJECTED_FINGERPRINT
+
+
+def test_runs_are_summed_before_they_are_expanded_even_without_limits():
+    raw = _raw(_manifest())
+    raw["runs"] = [[3, 2**50, 2**50 * FP.block_nbytes, None]]  # expanding it would never end
+    with pytest.raises(ManifestError, match="already cover"):
+        decode_manifest(msgpack.packb(raw))
+
+
+def test_cluster_secret_stays_out_of_reprs_and_errors():
+    secret = "s3cret-" * 4
+    config = TransferConfig(cluster_secret=secret)
+    assert secret not in repr(config) and config.cluster_secret == secret
+    for bad in ("short", "has a space in it ....", "\u00e9" * 20):
+        with pytest.raises(ValueError) as err:
+            TransferConfig(cluster_secret=bad)
+        assert bad not in str(err.value)
+    metadata = ((SECRET_METADATA_KEY, secret),)
+    assert is_authorized(None, None) and is_authorized(None, metadata) and is_authorized(secret, metadata)
+    assert not is_authorized(secret, None) and not is_authorized(secret, ((SECRET_METADATA_KEY, secret[:-1]),))
+    assert not is_authorized(secret, metadata * 2)  # exactly one value
+    assert not is_authorized(secret, ((SECRET_METADATA_KEY, "\u00e9" * 28),))
 
 
 def test_garbage_is_not_a_manifest():

@@ -45,7 +45,8 @@ class PeerSpec:
 
 @dataclass(frozen=True)
 class Start:
-    """Fill `block_ids` of pool `dtype` with seeded values and send them to `to` (namespace for gloo)."""
+    """Fill `block_ids` of pool `dtype` with seeded values and send them to `to` (namespace for gloo),
+    from a sender holding the cluster secret `secret` (None: none)."""
 
     key: str
     dtype: str
@@ -54,6 +55,7 @@ class Start:
     num_tokens: int
     seed: int
     namespace: str = ""
+    secret: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -111,13 +113,15 @@ class _Peer:
     def free_counts(self) -> dict:
         return {name: pool.num_free for name, pool in self.pools.items()}
 
-    def sender(self, dtype: str, namespace: str):
-        if (dtype, namespace) not in self.senders:
+    def sender(self, dtype: str, namespace: str, secret: str | None = None):
+        if (dtype, namespace, secret) not in self.senders:
             rdzv = None
             if self.spec.transport != "grpc":
                 rdzv = DistRendezvous("127.0.0.1", self.spec.store_port, self.spec.rank, self.spec.world_size, namespace)
-            self.senders[(dtype, namespace)] = create_sender(self.config, self.pools[dtype].view(), self.spec.transport, rdzv)
-        return self.senders[(dtype, namespace)]
+            config = replace(self.config, cluster_secret=secret)
+            self.senders[(dtype, namespace, secret)] = create_sender(config, self.pools[dtype].view(),
+                                                                     self.spec.transport, rdzv)
+        return self.senders[(dtype, namespace, secret)]
 
     def prepare(self, cmd: Start) -> OutgoingTransfer:
         pool = self.pools[cmd.dtype]
@@ -132,7 +136,7 @@ class _Peer:
         pool.take(cmd.block_ids)
         fill_blocks(pool.kv, cmd.block_ids, cmd.seed)
         request = SendRequest(cmd.key, cmd.block_ids, cmd.num_tokens, first_token=cmd.seed)
-        self.handles[cmd.key] = self.sender(cmd.dtype, cmd.namespace).send(cmd.to, request)
+        self.handles[cmd.key] = self.sender(cmd.dtype, cmd.namespace, cmd.secret).send(cmd.to, request)
         return Outcome(True)
 
     def wait(self, key: str) -> Outcome:

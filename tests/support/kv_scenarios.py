@@ -180,12 +180,29 @@ def receiver_cancel(rig: Rig, side: str) -> None:
 
 
 def no_room(rig: Rig, side: str) -> None:
-    start = rig.start("too-big", side, range(0, RECEIVER_BLOCKS + 4), seed=6)
+    """The pool has 8 blocks free and the transfer needs 12: refused, nothing allocated; the next fits."""
+    pool = rig.sides[side].pool
+    held = pool.allocate(RECEIVER_BLOCKS - 8)
+    start = rig.start("too-big", side, range(0, 12), seed=6)
     assert rig.peer.call(start).ok
     sent = rig.peer.call(Wait(start.key))
     assert sent.status == "REJECTED_NO_BLOCKS", sent
     take_failure(rig.sides[side], "REJECTED_NO_BLOCKS")
+    assert pool.num_free == 8
+    pool.free(held)
     send_and_check(rig, side, rig.start("after-reject", side, (7, 8, 9), seed=7))
+    rig.assert_all_free()
+
+
+def beyond_the_pool(rig: Rig, side: str) -> None:
+    """More blocks than the receiver's whole pool could ever hold: refused as MALFORMED from the manifest
+    alone (nothing allocated, the link stays usable)."""
+    start = rig.start("beyond", side, range(0, RECEIVER_BLOCKS + 4), seed=6)
+    assert rig.peer.call(start).ok
+    sent = rig.peer.call(Wait(start.key))
+    assert sent.status == "MALFORMED", sent
+    assert f"at most {RECEIVER_BLOCKS} entries" in take_failure(rig.sides[side], "MALFORMED").message
+    send_and_check(rig, side, rig.start("after-beyond", side, (7, 8, 9), seed=7))
     rig.assert_all_free()
 
 
