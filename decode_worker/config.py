@@ -15,7 +15,9 @@ class DecodeWorkerConfig:
     Admission (backpressure): expect() refuses a request when `max_live_requests` (or the engine's
     max_num_seqs, if lower) are live, or when the pool cannot spare its prompt's blocks plus
     `headroom_blocks`; an accepted request's prompt blocks are reserved until its KV arrives.
-    An expected request whose KV has not arrived after `expect_timeout_s` ends with TIMEOUT."""
+    An expected request whose KV has not landed `expect_timeout_s` after its transfer started ends with
+    TIMEOUT (before the transfer starts it waits as long as the coordinator keeps it: a long prefill queue
+    is no reason to give up)."""
 
     name: str = "decode-0"
     transport: str = "grpc"

@@ -18,9 +18,10 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+import dataclasses
 
 from decode_worker.admission import AdmissionControl
+from decode_worker.commands import Cancel, Delivered, Expect, Stop, TransferStarted, Waiting
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,
                                     EmitEvent, ExpectedRequest)
@@ -35,35 +36,6 @@ logger = logging.getLogger("tandem.decode_worker")
 INBOX_POLL_S = 0.2  # how often the pump notices stop(); deliveries wake it at once
 
 
-@dataclass(frozen=True)
-class _Expect:
-    request: ExpectedRequest
-    emit: EmitEvent
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Delivered:
-    outcome: ReceiveOutcome
-
-
-class _Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class _Waiting:
-    """An expected request whose KV has not been admitted yet."""
-
-    request: ExpectedRequest
-    emit: EmitEvent
-    deadline: float  # time.monotonic()
-
-
 class DecodeWorker:
     """Owns `engine` from construction until stop(); starts its KV receiver and threads at once."""
 
@@ -72,11 +44,11 @@ class DecodeWorker:
         max_live = min(config.max_live_requests, engine.config.max_num_seqs)  # transferred requests count too
         self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
                                            engine.reserve_blocks, engine.free_blocks, max_live, config.headroom_blocks)
-        pool = engine_pool_view(engine, allocate_for=self._admission.take_reserved)
+        pool = engine_pool_view(engine, allocate_for=self._blocks_for_transfer)
         self._receiver = create_receiver(config.transfer, pool, config.transport,
                                          rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
         self._commands: queue.Queue = queue.Queue()
-        self._waiting: dict[str, _Waiting] = {}
+        self._waiting: dict[str, Waiting] = {}
         self._running: dict[str, EmitEvent] = {}
         # Ray may run an actor's cancel() before the expect() that it follows: such a cancel is kept
         # (until the expect timeout) so that the late expect ends at once instead of waiting for KV.
@@ -102,13 +74,13 @@ class DecodeWorker:
         step thread (it must not block), the last one final (messages.is_final)."""
         admission = self._admission.reserve(request.request_id, len(request.prompt_token_ids))
         if admission.accepted:
-            self._commands.put(_Expect(request, emit))
+            self._commands.put(Expect(request, emit))
         return admission
 
     def cancel(self, request_id: str) -> None:
         """Queue a cancel: the request leaves the engine (blocks freed) or stops waiting (KV arriving
         later is freed on delivery); it gets DecodeEnded(CANCELLED). No-op once it ended."""
-        self._commands.put(_Cancel(request_id))
+        self._commands.put(Cancel(request_id))
 
     def stats(self) -> DecodeStats:
         """The load as of the step thread's last iteration. Changes nothing."""
@@ -129,13 +101,13 @@ class DecodeWorker:
             return
         self._stopped = True
         self._admission.close()
-        self._commands.put(_Stop())
+        self._commands.put(Stop())
         self._thread.join()
         self._receiver.close()
         self._pump_stop.set()
         self._pump.join()
         leftovers = take_commands(self._commands, block=False)
-        self._settle_leftovers(leftovers + [_Delivered(o) for o in self._receiver.poll()])
+        self._settle_leftovers(leftovers + [Delivered(o) for o in self._receiver.poll()])
         self._stats = self._snapshot()
 
     # ---- the inbox pump --------------------------------------------------------------------------
@@ -143,7 +115,7 @@ class DecodeWorker:
         while not self._pump_stop.is_set():
             outcome = self._receiver.wait(INBOX_POLL_S)
             if outcome is not None:
-                self._commands.put(_Delivered(outcome))
+                self._commands.put(Delivered(outcome))
 
     # ---- the step thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -161,24 +133,27 @@ class DecodeWorker:
     def _next_commands(self) -> list:
         """While the engine is idle, sleeps until a command arrives or the next wait deadline."""
         timeout = None
-        if self._waiting:
-            timeout = max(0.0, min(w.deadline for w in self._waiting.values()) - time.monotonic())
+        deadlines = [w.deadline for w in self._waiting.values() if w.deadline is not None]
+        if deadlines:
+            timeout = max(0.0, min(deadlines) - time.monotonic())
         return take_commands(self._commands, block=not self._engine.has_unfinished_requests(), timeout=timeout,
                              watch=self._watch)
 
     def _apply(self, commands: list) -> bool:
         for command in commands:
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 return False
-            if isinstance(command, _Expect):
+            if isinstance(command, Expect):
                 self._register(command)
-            elif isinstance(command, _Cancel):
+            elif isinstance(command, Cancel):
                 self._cancel(command.request_id)
+            elif isinstance(command, TransferStarted):
+                self._start_deadline(command.request_id)
             else:
                 self._deliver(command.outcome)
         return True
 
-    def _register(self, command: _Expect) -> None:
+    def _register(self, command: Expect) -> None:
         request_id = command.request.request_id
         if self._early_cancels.pop(request_id, None) is not None:
             self._end(request_id, command.emit, DecodeStatus.CANCELLED, "cancelled before it was registered")
@@ -186,8 +161,7 @@ class DecodeWorker:
         if command.request.prefill_locally:
             self._prefill_here(command.request, command.emit)
             return
-        deadline = time.monotonic() + self._config.expect_timeout_s
-        self._waiting[request_id] = _Waiting(command.request, command.emit, deadline)
+        self._waiting[request_id] = Waiting(command.request, command.emit)
 
     def _prefill_here(self, request: ExpectedRequest, emit: EmitEvent) -> None:
         """Conditional disaggregation: the engine prefills the prompt itself (chunked, mixed with the
@@ -202,11 +176,24 @@ class DecodeWorker:
             return
         self._running[request.request_id] = emit
 
+    def _blocks_for_transfer(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """On a receiver thread, when a transfer's manifest arrived: the blocks reserved for the request,
+        and the request's expect deadline starts."""
+        self._commands.put(TransferStarted(request_id))
+        return self._admission.take_reserved(request_id, num_blocks)
+
+    def _start_deadline(self, request_id: str) -> None:
+        waiting = self._waiting.get(request_id)
+        if waiting is not None and waiting.deadline is None:
+            deadline = time.monotonic() + self._config.expect_timeout_s
+            self._waiting[request_id] = dataclasses.replace(waiting, deadline=deadline)
+
     def _cancel(self, request_id: str) -> None:
         if request_id in self._running:
             self._engine.abort(request_id)
             self._end(request_id, self._running.pop(request_id), DecodeStatus.CANCELLED, "cancelled")
-        elif request_id in self._waiting:
+        elif request_id in self._waiting:  # its KV may be on the wire: the receiver drops it, both sides free
+            self._receiver.cancel(request_id)
             self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.CANCELLED, "cancelled")
         else:  # not registered yet (or already ended): remember it for a late expect
             self._early_cancels[request_id] = time.monotonic() + self._config.expect_timeout_s
@@ -236,8 +223,9 @@ class DecodeWorker:
     def _expire(self, now: float) -> None:
         for request_id in [rid for rid, until in self._early_cancels.items() if until <= now]:
             del self._early_cancels[request_id]
-        for request_id in [rid for rid, w in self._waiting.items() if w.deadline <= now]:
-            message = f"its KV did not arrive within {self._config.expect_timeout_s}s"
+        for request_id in [rid for rid, w in self._waiting.items() if w.deadline is not None and w.deadline <= now]:
+            message = f"its KV did not land within {self._config.expect_timeout_s}s of its transfer's start"
+            self._receiver.cancel(request_id)
             self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.TIMEOUT, message)
 
     def _step(self) -> None:
@@ -278,9 +266,9 @@ class DecodeWorker:
     def _settle_leftovers(self, commands: list) -> None:
         """After the step thread ended: free what was delivered, end what was accepted meanwhile."""
         for command in commands:
-            if isinstance(command, _Delivered) and isinstance(command.outcome, ReceivedKV):
+            if isinstance(command, Delivered) and isinstance(command.outcome, ReceivedKV):
                 self._engine.free_blocks(command.outcome.block_ids)
-            elif isinstance(command, _Expect):
+            elif isinstance(command, Expect):
                 self._end(command.request.request_id, command.emit, DecodeStatus.SHUTDOWN, "the decode worker stopped")
 
     def _snapshot(self) -> DecodeStats:

@@ -171,7 +171,8 @@ class PrefillWorker:
         if live is None or live.cancelled:
             return
         live.cancelled = True
-        if live.handle is not None:  # reported CANCELLED when the transfer ends (it frees the blocks)
+        if live.handle is not None:  # on the wire: stop it; reported CANCELLED when it ends (it frees the blocks)
+            live.handle.cancel()
             return
         self._drop(request_id, live)
         self._resolve(request_id, PrefillStatus.CANCELLED, "cancelled")

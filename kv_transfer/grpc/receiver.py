@@ -80,10 +80,13 @@ class GrpcReceiver(KVReceiver):
         final, received, drain = await self._run_transfer(context)
         try:
             await context.write(final)
-        except Exception as exc:
+        except BaseException as exc:  # CancelledError too (the handler cancelled after commit): free, then end
             if received is not None:
                 self.pool.free(received.block_ids)
-                self.inbox.put(ReceiveFailed(received.request_id, TransferStatus.PEER_FAILED, f"could not ack: {exc}"))
+                self.inbox.put(ReceiveFailed(received.request_id, TransferStatus.PEER_FAILED,
+                                             f"could not ack: {exc!r}"))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             return
         if received is not None:
             self.inbox.put(received)

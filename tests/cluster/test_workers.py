@@ -50,14 +50,18 @@ def decode():
     assert idle(worker)
 
 
-def test_decode_worker_refuses_when_its_pool_is_promised_and_times_out_missing_kv(decode):
+def test_decode_worker_refuses_when_its_pool_is_reserved_and_waits_for_a_transfer_to_start(decode):
+    """A request whose KV has not started to come waits past expect_timeout_s (its prefill may sit in a
+    long queue; the coordinator cancels it if it gives up); its blocks stay reserved meanwhile."""
     events: queue.Queue = queue.Queue()
     prompts = random_prompts([100, 20], 256, seed=1)
     assert decode.expect(ExpectedRequest("big", tuple(prompts[0]), GREEDY), events.put).accepted
     refused = decode.expect(ExpectedRequest("small", tuple(prompts[1]), GREEDY), events.put)
     assert not refused.accepted and "KV pool full" in refused.reason
-    ended = events.get(timeout=5)   # no KV ever comes for "big"
-    assert isinstance(ended, DecodeEnded) and ended.status is DecodeStatus.TIMEOUT
+    time.sleep(3 * decode._config.expect_timeout_s)
+    assert events.empty() and decode.stats().waiting == 1   # still waiting: no transfer started
+    decode.cancel("big")
+    assert events.get(timeout=5) == DecodeEnded("big", DecodeStatus.CANCELLED, "cancelled")
     assert decode.expect(ExpectedRequest("small", tuple(prompts[1]), GREEDY), events.put).accepted
     decode.cancel("small")
     assert events.get(timeout=5) == DecodeEnded("small", DecodeStatus.CANCELLED, "cancelled")

@@ -1,11 +1,13 @@
 """KV transfer over the real gRPC KVTransfer.Push stream on loopback between two real processes."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from kv_transfer import TransferConfig, create_receiver
+from kv_transfer import ReceiveFailed, TransferConfig, create_receiver
 from tests.support import kv_scenarios as sc
-from tests.support.kv_peer import BF16, FP32, Fault, PeerProcess, PeerSpec
+from tests.support.kv_peer import BF16, FP32, Fault, PeerProcess, PeerSpec, Wait
 
 TIMEOUT_S = 20.0
 SHORT_TIMEOUT_S = 1.0
@@ -108,4 +110,27 @@ def test_receiver_times_out_and_frees(rig):
 def test_sender_killed_mid_transfer(rig):
     elapsed = sc.sender_killed(rig, "doomed", failure_status="PEER_FAILED")
     assert elapsed < TIMEOUT_S / 2, f"peer death took {elapsed:.1f}s to notice"
+    rig.assert_all_free()
+
+
+def test_a_handler_cancelled_after_commit_frees_its_blocks(rig, monkeypatch):
+    """The transfer is committed (blocks written and verified) and then the handler is cancelled (the
+    client went away before the ack): CancelledError is no Exception, and the blocks must still be
+    freed, with one ReceiveFailed in the inbox, and the receiver must go on serving."""
+    side = rig.sides["doomed"]
+    real_commit = type(side.receiver)._commit
+
+    async def commit_then_cancelled(self, incoming):
+        received = await real_commit(self, incoming)
+        asyncio.current_task().cancel()  # the next await in the handler (the ack's write) raises
+        return received
+
+    monkeypatch.setattr(type(side.receiver), "_commit", commit_then_cancelled)
+    start = rig.start("cancelled-after-commit", "doomed", range(30, 36), seed=9)
+    assert rig.peer.call(start).ok
+    rig.peer.call(Wait(start.key))  # the sender sees the stream end without an ack: a failure of its own
+    failure = side.receiver.wait(10)
+    assert isinstance(failure, ReceiveFailed) and failure.request_id == start.key, failure
+    monkeypatch.undo()
+    sc.send_and_check(rig, "doomed", rig.start("after-cancelled-commit", "doomed", (1, 2), seed=10))
     rig.assert_all_free()
