@@ -37,7 +37,8 @@ class Timing:
     """Per-stage breakdown of one request, in milliseconds (gRPC `Timing`, HTTP `tandem_timing`).
 
     ttft_ms runs from arrival at the front end to the first token handed back to it, KV transfer
-    included. In colocated serving transfer_ms and kv_bytes are 0."""
+    included. In colocated serving transfer_ms and kv_bytes are 0. migrations: how often the request moved
+    to other workers after a worker under it failed (the workers named are the last ones)."""
 
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
@@ -46,6 +47,7 @@ class Timing:
     kv_bytes: int = 0
     prefill_worker: str = ""
     decode_worker: str = ""
+    migrations: int = 0
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,9 @@ class OpenAIFrontEnd:
                 "prefill_workers": health.prefill_workers, "decode_workers": health.decode_workers}
         if failures:  # which workers were lost, and why (the survivors serve)
             body["lost_workers"] = failures
+        workers = health.details.get("workers")
+        if workers:  # each serving worker's role and process (disaggregated)
+            body["workers"] = {name: {"role": load.get("role"), "pid": load.get("pid")} for name, load in workers.items()}
         return web.json_response(body, status=200 if health.serving else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

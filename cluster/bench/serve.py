@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 
 from cluster.bench.serve_client import ClientConfig, ServerUnreachable, run_requests
+from cluster.bench.serve_fault import FaultInjector, FaultSpec, fault_report, format_fault
 from cluster.bench.serve_metrics import compute_metrics, parse_goodput
 from cluster.bench.serve_report import RunSettings, format_report, result_json
 from cluster.bench.serve_workloads import (MixedWorkload, PrefixRepetitionWorkload, RandomWorkload, Workload,
@@ -25,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf = all at once")
     add_workload_arguments(parser)
     parser.add_argument("--result-json", default=None, help="write vLLM-style result JSON here")
+    parser.add_argument("--fault", default=None, metavar="KIND@P%",
+                        help="kill-decode@50%%: SIGKILL one decode worker of the (local, disaggregated) server "
+                             "once P%% of the requests are sent; reports migrations and their token gaps")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,16 +89,22 @@ def run(args: argparse.Namespace) -> int:
     config = ClientConfig(args.base_url.rstrip("/"), args.model, args.ignore_eos, args.max_concurrency,
                           args.timeout, sys.stderr.isatty())
     try:
-        _, results, duration = asyncio.run(run_requests(config, samples, gaps, warmups))
-    except ServerUnreachable as error:
+        fault = FaultInjector(FaultSpec.parse(args.fault), config.base_url, len(samples)) if args.fault else None
+        _, results, duration = asyncio.run(run_requests(config, samples, gaps, warmups,
+                                                        fault.on_sent if fault else None))
+    except (ServerUnreachable, OSError) as error:
         print(f"tandem bench serve: {error}", file=sys.stderr)
         return 1
     metrics = compute_metrics(results, duration, slos)
     settings = RunSettings(args.request_rate, args.max_concurrency, args.burstiness)
     print(format_report(metrics, settings))
+    report = fault_report(fault, results) if fault else None
+    if report is not None:
+        print(format_fault(report))
     for failure in [result.error for result in results if not result.success][:3]:
         print(f"failed request: {failure}", file=sys.stderr)
     if args.result_json:
         with open(args.result_json, "w") as file:
-            json.dump(result_json(metrics, settings), file, indent=2)
+            extra = {"fault": dataclasses.asdict(report)} if report is not None else {}
+            json.dump({**result_json(metrics, settings), **extra}, file, indent=2)
     return 0

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import time
+from typing import Callable
 
 import aiohttp
 from tqdm import tqdm
@@ -101,9 +102,11 @@ async def _paced(samples: list[SampleRequest], gaps: list[float]):
 
 
 async def run_requests(config: ClientConfig, samples: list[SampleRequest], gaps: list[float],
-                       warmups: list[SampleRequest]) -> tuple[str, list[RequestResult], float]:
+                       warmups: list[SampleRequest],
+                       on_sent: Callable[[int], None] | None = None) -> tuple[str, list[RequestResult], float]:
     """Sends `warmups` (unmeasured, all at once), then `samples` on the `gaps` schedule with at most
-    max_concurrency in flight. Returns (model, results in send order, duration of the measured part)."""
+    max_concurrency in flight; on_sent(n) after the n-th measured request was started. Returns (model,
+    results in send order, duration of the measured part)."""
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
@@ -120,7 +123,11 @@ async def run_requests(config: ClientConfig, samples: list[SampleRequest], gaps:
             return result
 
         start = time.perf_counter()
-        tasks = [asyncio.create_task(limited(sample)) async for sample in _paced(samples, gaps)]
+        tasks = []
+        async for sample in _paced(samples, gaps):
+            tasks.append(asyncio.create_task(limited(sample)))
+            if on_sent is not None:
+                on_sent(len(tasks))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         progress.close()

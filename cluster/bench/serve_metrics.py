@@ -130,7 +130,7 @@ def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
     return all(values[name] * 1000 <= slo for name, slo in slos.items())
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
 
@@ -144,11 +144,11 @@ def disagg_metrics(done: list[RequestResult]) -> DisaggMetrics:
               if result.ttft > 0]
     transfer_s = sum(transfer) / 1000
     return DisaggMetrics(
-        len(timings), _percentile(queue, 50), _percentile(queue, 99), _percentile(prefill, 50),
-        _percentile(prefill, 99), _percentile(transfer, 50), _percentile(transfer, 99),
+        len(timings), percentile(queue, 50), percentile(queue, 99), percentile(prefill, 50),
+        percentile(prefill, 99), percentile(transfer, 50), percentile(transfer, 99),
         float(np.mean(kv_bytes)) if kv_bytes else 0.0,
         sum(kv_bytes) / transfer_s / 1e9 if transfer_s > 0 else 0.0,
-        _percentile(shares, 50), _percentile(shares, 99))
+        percentile(shares, 50), percentile(shares, 99))
 
 
 def compute_metrics(results: list[RequestResult], duration: float,

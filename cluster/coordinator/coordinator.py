@@ -256,7 +256,7 @@ class Coordinator:
                    "total_kv_blocks": sum(s.total_blocks for s in decode),
                    "dead_workers": sorted(n for n in self._workers if not self._router.is_alive(n)),
                    "worker_failures": dict(self._failures),
-                   "workers": {name: _worker_load(self._workers[name].info.role, s) for name, s in stats.items()}}
+                   "workers": {name: _worker_load(self._workers[name].info, s) for name, s in stats.items()}}
         serving = not self._closed and num_prefill > 0 and num_decode > 0
         return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
 
@@ -277,10 +277,11 @@ class Coordinator:
         await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
 
 
-def _worker_load(role: str, stats) -> dict:
-    """One worker's entry of BackendHealth.details["workers"] (the per-worker /metrics gauges)."""
+def _worker_load(info: WorkerInfo, stats) -> dict:
+    """One worker's entry of BackendHealth.details["workers"] (the per-worker /metrics gauges, its pid)."""
+    role = info.role
     running = stats.running if role == "decode" else stats.live_requests
-    return {"role": role, "free_kv_blocks": stats.free_blocks, "total_kv_blocks": stats.total_blocks,
+    return {"role": role, "pid": info.pid, "free_kv_blocks": stats.free_blocks, "total_kv_blocks": stats.total_blocks,
             "running_requests": running}
 
 

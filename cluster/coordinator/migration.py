@@ -36,14 +36,17 @@ class StreamProgress:
         return len(self.token_ids)
 
     def delivered(self, chunk: GenerationChunk) -> GenerationChunk:
-        """Records a chunk on its way to the client; the final chunk's TTFT is the first attempt's."""
+        """Records a chunk on its way to the client; the final chunk's TTFT is the first attempt's, and its
+        timing counts the migrations."""
         if chunk.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids += chunk.token_ids
-        if chunk.timing is None or self.first_token_at is None:
+        if chunk.timing is None:
             return chunk
-        ttft_ms = (self.first_token_at - self.request.arrival_time) * 1e3
-        return dataclasses.replace(chunk, timing=dataclasses.replace(chunk.timing, ttft_ms=ttft_ms))
+        timing = dataclasses.replace(chunk.timing, migrations=self.migrations)
+        if self.first_token_at is not None:
+            timing = dataclasses.replace(timing, ttft_ms=(self.first_token_at - self.request.arrival_time) * 1e3)
+        return dataclasses.replace(chunk, timing=timing)
 
 
 def resume_refusal(role: str, alive_prefill: int, alive_decode: int, progress: StreamProgress,
@@ -53,6 +56,8 @@ def resume_refusal(role: str, alive_prefill: int, alive_decode: int, progress: S
         return "no decode worker is left to continue it on"
     if role == "prefill" and alive_prefill == 0:
         return "no prefill worker is left to continue it on"
+    if role == "transfer" and 0 in (alive_prefill, alive_decode):
+        return "no prefill and decode worker pair is left to continue it on"
     if progress.migrations >= max_migrations:
         return f"it already moved {progress.migrations} times"
     return None

@@ -30,7 +30,8 @@ from prefill_worker import PrefillReport, PrefillStatus, PrefillTask
 
 class WorkerLost(BackendUnavailable):
     """A worker serving the request died; the coordinator no longer routes to it. `role`: "prefill" or
-    "decode", the side that died."""
+    "decode", the side that died, or "transfer": the KV transfer between them failed (the decode worker
+    may have died under it); either way the request may continue elsewhere (coordinator/migration.py)."""
 
     def __init__(self, message: str, role: str) -> None:
         super().__init__(message)
@@ -157,6 +158,9 @@ class RequestFlow:
             raise ValueError(report.error)
         if report.status is PrefillStatus.CANCELLED:  # not by this flow: the worker is stopping
             raise BackendUnavailable(f"prefill worker {self._prefill.name} stopped: {report.error}")
+        if report.status is PrefillStatus.TRANSFER_FAILED:  # e.g. the decode worker died under it: retryable
+            raise WorkerLost(f"the KV transfer from {self._prefill.name} to {self._decode.name} failed: "
+                             f"{report.error}", role="transfer")
         raise RequestFailed(f"prefill worker {self._prefill.name}: {report.status.value}: {report.error}")
 
     def _on_decoded(self, chunk: DecodeChunk) -> GenerationChunk | None:

@@ -53,3 +53,28 @@ def test_bench_serve_rejects_invalid_flags():
     done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", "http://127.0.0.1:1", "--goodput", "foo:1"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--goodput" in done.stderr
+
+
+def test_bench_serve_kills_a_decode_worker_half_way_and_reports_the_migrations(tmp_path):
+    """--fault kill-decode@50% against a real disaggregated `tandem serve` (1 prefill + 2 decode workers):
+    the victim's requests migrate, none fails, and the report says how many moved and what they waited."""
+    result_file = tmp_path / "fault.json"
+    with start_serve("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "2") \
+            as (_, _, http_port):
+        done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{http_port}",
+                               "--num-prompts", "16", "--request-rate", "16", "--random-input-len", "32",
+                               "--random-output-len", "96", "--ignore-eos", "--fault", "kill-decode@50%",
+                               "--result-json", str(result_file)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "Requests migrated:" in done.stdout and "Longest token gap, migrated" in done.stdout
+    result = json.loads(result_file.read_text())
+    fault = result["fault"]
+    assert fault["victim"] == "decode-0" and fault["fired_after_requests"] == 8
+    assert result["failed"] == 0 and fault["failed"] == 0 and result["completed"] == 16
+    assert fault["migrated"] >= 1 and fault["migrated_max_gap_ms"][0] > 0
+
+
+def test_bench_serve_fault_needs_a_valid_spec_and_a_decode_worker():
+    done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", "http://127.0.0.1:1", "--fault", "kill-all@50%"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--fault must be" in done.stderr

@@ -239,6 +239,7 @@ def test_killed_decode_workers_requests_migrate_and_finish_token_for_token(one_b
     results, after, health, stats = asyncio.run(run())
     assert [tokens for tokens, _ in results] == expected
     assert [last.timing.decode_worker for _, last in results] == ["decode-0"] * 4
+    assert [last.timing.migrations for _, last in results] == [0, 1, 0, 1]  # k1, k3 moved off decode-1
     assert all(last.finish_reason == "length" and last.timing.ttft_ms > 0 for _, last in results)
     assert after[1].timing.decode_worker == "decode-0" and len(after[0]) == 8
     assert victim.name not in stats and set(stats) == {"prefill-0", "decode-0"}
