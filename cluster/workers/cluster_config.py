@@ -21,7 +21,8 @@ class ClusterConfig:
     on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across
     nodes). gRPC KV receivers bind their own node's address (cluster/ray_workers.DecodeActor).
     local_prefill_tokens: conditional disaggregation; prompts shorter than this are prefilled on their
-    decode worker, without a prefill worker or a KV transfer (0: every prompt goes to a prefill worker)."""
+    decode worker, without a prefill worker or a KV transfer (0: every prompt goes to a prefill worker).
+    worker_stop_timeout_s: how long shutdown waits for the workers' orderly stop before killing them."""
 
     model: str | None = None
     model_name: str | None = None
@@ -39,6 +40,7 @@ class ClusterConfig:
     local_prefill_tokens: int = 0
     expect_timeout_s: float = 60.0
     worker_start_timeout_s: float = 300.0
+    worker_stop_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
@@ -55,6 +57,8 @@ class ClusterConfig:
             raise ValueError("cpu_threads_per_worker must be >= 1")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+        if self.worker_stop_timeout_s <= 0:
+            raise ValueError("worker_stop_timeout_s must be > 0")
 
     @property
     def num_workers(self) -> int:
