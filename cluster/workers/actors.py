@@ -132,6 +132,7 @@ class PrefillCalls:
                 self._worker.cancel(request_id)
                 return
             self._early[request_id] = now
+            self._early.move_to_end(request_id)
             while self._early and (len(self._early) > MAX_EARLY_CANCELS
                                    or next(iter(self._early.values())) < now - EARLY_CANCEL_TTL_S):
                 self._early.popitem(last=False)

@@ -27,12 +27,15 @@ DISAGGREGATED = ("--mode", "disaggregated", "--prefill-workers", "1", "--decode-
 STOPPING = "the server is stopping"
 
 
-def complete_over_http(http_port: int, max_tokens: int, stream: bool = False) -> bytes:
+def completion_request(http_port: int, max_tokens: int, stream: bool = False) -> urllib.request.Request:
     body = json.dumps({"prompt": [104, 105], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                        "stream": stream}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(request, timeout=60).read()
+    return urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json"})
+
+
+def complete_over_http(http_port: int, max_tokens: int) -> bytes:
+    return urllib.request.urlopen(completion_request(http_port, max_tokens), timeout=60).read()
 
 
 def long_generation(http_port: int) -> int:
@@ -47,8 +50,10 @@ class Streams:
     def __init__(self, grpc_port: int, http_port: int, max_tokens: int, each: int = 2) -> None:
         self.outcomes: list[str] = []
         self.started = threading.Semaphore(0)
-        self._threads = [threading.Thread(target=self._http, args=(http_port, max_tokens)) for _ in range(each)]
-        self._threads += [threading.Thread(target=self._grpc, args=(grpc_port, max_tokens)) for _ in range(each)]
+        self._threads = [threading.Thread(target=self._http, args=(http_port, max_tokens), daemon=True)
+                         for _ in range(each)]
+        self._threads += [threading.Thread(target=self._grpc, args=(grpc_port, max_tokens), daemon=True)
+                          for _ in range(each)]
         for thread in self._threads:
             thread.start()
 
@@ -65,13 +70,9 @@ class Streams:
         return self.outcomes
 
     def _http(self, http_port: int, max_tokens: int) -> None:
-        body = json.dumps({"prompt": [104, 105], "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
         events: list[dict] = []
         try:
-            with urllib.request.urlopen(request, timeout=60) as response:
+            with urllib.request.urlopen(completion_request(http_port, max_tokens, stream=True), timeout=60) as response:
                 for line in response:
                     if line.startswith(b"data: {"):
                         events.append(json.loads(line[6:]))
