@@ -4,21 +4,32 @@ colocated: one engine in this process prefills and decodes (chunked prefill).
 disaggregated: prefill and decode worker actors placed on Ray (a local Ray on 127.0.0.1 started here,
 or the cluster at --address), driven by the Coordinator; the KV of each prompt travels from its prefill
 worker to its decode worker over --transport. Both sit behind the same Backend contract
-(cluster/backend.py). On SIGTERM everything this command started is stopped: front ends, requests in
-flight, workers, placement group, and the local Ray.
+(cluster/backend.py).
+
+SIGTERM or SIGINT stops everything this command started, in order (docs/architecture.md, "How serve
+stops"): new requests are refused (UNAVAILABLE / 503) and /health says unavailable; requests in flight get
+--shutdown-grace-s to finish, then end with "the server is stopping"; the front ends close; the workers
+stop, the actors and the placement group are released, and the local Ray (a process of its own, out of
+this process's group, cluster/workers/ray_host.py) is stopped with every process it started. Every step
+that talks to Ray has a timeout, so a Ray that is going away itself cannot hold the stop up.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 import signal
+import sys
 from dataclasses import dataclass, field
 
+from cluster.api.draining_backend import DrainingBackend
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from cluster.api.metrics import ServingMetrics
 from cluster.backend import Backend
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
+from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
 from engine.config import EngineConfig
 
@@ -45,6 +56,7 @@ class ServeConfig:
     local_prefill_tokens: int = 0
     worker_stall_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 1 << 20
+    shutdown_grace_s: float = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require this key on gRPC and HTTP requests")
     parser.add_argument("--max-pending-requests", type=int, default=256)
+    parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
+                        help="on SIGTERM/SIGINT, how long requests in flight may still run before they end "
+                             "with 'the server is stopping' (0: end them at once)")
     parser.add_argument("--kv-host", default="127.0.0.1",
                         help="address the gloo/nccl rendezvous store listens on, in this process "
                              "(disaggregated; this node's routable address when workers span nodes)")
@@ -137,16 +152,23 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--worker-stall-timeout-s must be > 0")
     if args.max_prefill_queue_tokens < 0:
         raise ValueError("--max-prefill-queue-tokens must be >= 0 (0: no bound)")
+    if not 0 <= args.shutdown_grace_s <= 60:
+        raise ValueError("--shutdown-grace-s must be in [0, 60]")
     return ServeConfig(args.model, args.dtype, args.device, args.mode, prefill_workers, args.decode_workers,
                        args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                        args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
                        args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
-                       args.max_prefill_queue_tokens)
+                       args.max_prefill_queue_tokens, args.shutdown_grace_s)
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     asyncio.run(serve(config))
+    if abandoned_calls():  # a Ray call given up on holds the lock Ray's exit hook would wait on
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # everything this command started is stopped; only that call is left
     return 0
 
 
@@ -172,16 +194,18 @@ def start_backend(config: ServeConfig) -> Backend:
 
 
 async def serve(config: ServeConfig) -> None:
-    """Start the backend and both front ends, print where they listen, run until SIGTERM/SIGINT,
-    then stop the front ends, abort what is in flight and stop the backend."""
-    backend = start_backend(config)
+    """Start the backend and both front ends, print where they listen, run until SIGTERM/SIGINT, then
+    stop in order (the module docstring): refuse new requests, let those in flight finish for
+    config.shutdown_grace_s, end the rest with "the server is stopping", close the front ends, stop the
+    backend (workers, actors, placement group, local Ray). Returns once all of it is gone."""
+    backend = DrainingBackend(start_backend(config))
     try:
         await _serve_until_signalled(backend, config)
     finally:
         await backend.shutdown()
 
 
-async def _serve_until_signalled(backend: Backend, config: ServeConfig) -> None:
+async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig) -> None:
     metrics = ServingMetrics()
     grpc_server, grpc_port = await start_grpc_server(
         backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics)
@@ -199,5 +223,10 @@ async def _serve_until_signalled(backend: Backend, config: ServeConfig) -> None:
         await stopped.wait()
     finally:
         print("tandem: shutting down", flush=True)
-        await grpc_server.stop(grace=2.0)
+        backend.begin_stop()
+        left = await backend.drain(config.shutdown_grace_s)
+        if left:
+            print(f"tandem: ending {left} request(s) still in flight", flush=True)
+            await backend.end_in_flight()
+        await grpc_server.stop(grace=1.0)  # what is left: the status of requests just ended
         await http_runner.cleanup()

@@ -35,7 +35,6 @@ from decode_worker import ExpectedRequest
 logger = logging.getLogger("tandem.cluster.coordinator")
 
 STATS_TIMEOUT_S = 5.0
-STOP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -262,14 +261,26 @@ class Coordinator:
 
     async def shutdown(self) -> None:
         """Stop every worker (requests in flight end; transfers finish or fail and free their blocks),
-        kill the actors, remove the placement group, and stop Ray if start_cluster started it. Idempotent."""
+        kill the actors, remove the placement group, and stop Ray if start_cluster started it (a local
+        Ray's RayHost: every process of it). Bounded: a worker that has not stopped within
+        config.worker_stop_timeout_s is killed with the others, and every Ray call of the release has a
+        timeout (cluster/workers/placement.py), so a Ray that is going away itself cannot hold this up.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         alive = [w for name, w in self._workers.items() if self._router.is_alive(name)]
-        stops = [_awaited(w.actor.stop.remote()) for w in alive]
+        stops = [asyncio.ensure_future(_awaited(w.actor.stop.remote())) for w in alive]
         if stops:
-            await asyncio.wait([asyncio.ensure_future(s) for s in stops], timeout=STOP_TIMEOUT_S)
+            done, late = await asyncio.wait(stops, timeout=self._config.worker_stop_timeout_s)
+            for stop in late:
+                stop.cancel()
+            for stop in done:
+                if stop.exception() is not None:  # the actor is gone already: nothing to stop
+                    logger.info("worker stop: %s", stop.exception())
+            if late:
+                logger.warning("%d worker(s) did not stop within %.0fs; killing them", len(late),
+                               self._config.worker_stop_timeout_s)
         for pump in self._pumps.values():  # the stopped workers already ended every request
             pump.stop()
         if self._monitor is not None:

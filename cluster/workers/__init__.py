@@ -2,8 +2,11 @@
 
 `actors.py` runs inside each actor process (one per worker, one GPU each on GPU nodes, a CPU share on
 CPU nodes): it builds the engine there and exposes the plain worker as async actor methods
-(`prefill`, `expect`, the batched `events()` stream, `cancel`, `stats`, `stop`). `placement.py`,
-`launch.py` and `cluster_config.py` run in the process that starts the cluster (the serve process or a
-job's driver): connect to or start Ray, reserve a placement group, start the actors and wait for their
-engines, and release it all again. Nothing here routes requests; that is `cluster.coordinator`.
+(`prefill`, `expect`, the batched `events()` stream, and the control calls `info`, `cancel`, `stats`,
+`stop` in a concurrency group of their own). `placement.py`, `launch.py` and `cluster_config.py` run in
+the process that starts the cluster (the serve process or a job's driver): connect to or start Ray,
+reserve a placement group, start the actors and wait for their engines, and release it all again, every
+Ray call of the release bounded (`bounded.py`). A local Ray started here runs in a `RayHost` process of
+its own session (`ray_host.py`), so signals to the serve process's group do not reach it and it stops
+when the serve process is gone. Nothing here routes requests; that is `cluster.coordinator`.
 """

@@ -4,6 +4,12 @@ An actor builds its engine in its own process (on the GPU Ray gave it, or on CPU
 count), wraps the plain worker, and turns its calls into async actor methods: a prefill is one awaited
 call returning the PrefillReport; a decode is an expect() call returning the Admission, after which the
 request's DecodeChunk / DecodeEnded events come on the worker's one events() stream. Everything that crosses a process is a typed dataclass.
+
+Control calls (info, stats, cancel, stop) run in their own concurrency group (CONTROL_GROUP: Ray gives it
+its own thread and event loop), so they answer even while the default group is full of prefill calls
+(an async actor runs at most 1,000 calls at once; the rest wait in Ray's queue). A cancel can therefore
+overtake the call it is about: the decode worker keeps such early cancels itself, the prefill actor keeps
+them for its worker (PrefillCalls).
 """
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
@@ -19,9 +28,13 @@ from cluster.workers.event_batcher import EventBatcher
 from decode_worker import Admission, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
 from engine.config import EngineConfig
 from kv_transfer.config import ReceiverAddress
-from prefill_worker import PrefillTask, PrefillWorker, PrefillWorkerConfig
+from prefill_worker import PrefillReport, PrefillStatus, PrefillTask, PrefillWorker, PrefillWorkerConfig
 
 logger = logging.getLogger("tandem.cluster.workers")
+CONTROL_GROUP = "control"
+CONTROL_CONCURRENCY = 8
+EARLY_CANCEL_TTL_S = 120.0      # how long a cancel waits for the prefill call it is about
+MAX_EARLY_CANCELS = 100_000
 
 
 @dataclass(frozen=True)
@@ -72,39 +85,93 @@ class _WorkerActor:
     _worker: PrefillWorker | DecodeWorker
     _info: WorkerInfo
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def info(self) -> WorkerInfo:
         return self._info
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def cancel(self, request_id: str) -> None:
         self._worker.cancel(request_id)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def stats(self):
         return self._worker.stats()
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def health(self, stall_timeout_s: float):
         """StepHealth: unhealthy when the worker's step thread died or is stuck in a step."""
         return self._worker.health(stall_timeout_s)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def stop(self) -> None:
         """End every request, wait for transfers in flight, stop the worker's threads."""
         await asyncio.to_thread(self._worker.stop)
 
 
-@ray.remote(max_restarts=0)
+class PrefillCalls:
+    """The prefill calls a PrefillActor is running, and cancels that came before their call (a cancel runs
+    in the control group and can overtake the prefill call it follows). Any thread."""
+
+    def __init__(self, worker: PrefillWorker) -> None:
+        self._worker = worker
+        self._lock = threading.Lock()
+        self._running: set[str] = set()
+        self._early: OrderedDict[str, float] = OrderedDict()  # request id -> when its cancel came
+
+    def submit(self, task: PrefillTask):
+        """The worker's Future for `task`, or None if a cancel for it already came (nothing submitted)."""
+        with self._lock:
+            if self._early.pop(task.request_id, None) is not None:
+                return None
+            self._running.add(task.request_id)
+            future = self._worker.submit(task)
+        future.add_done_callback(lambda _, rid=task.request_id: self._ended(rid))
+        return future
+
+    def cancel(self, request_id: str) -> None:
+        """Cancels the request on the worker; one whose call has not come yet is remembered for
+        EARLY_CANCEL_TTL_S (at most MAX_EARLY_CANCELS), so that its call ends at once."""
+        now = time.monotonic()
+        with self._lock:
+            if request_id in self._running:
+                self._worker.cancel(request_id)
+                return
+            self._early[request_id] = now
+            self._early.move_to_end(request_id)
+            while self._early and (len(self._early) > MAX_EARLY_CANCELS
+                                   or next(iter(self._early.values())) < now - EARLY_CANCEL_TTL_S):
+                self._early.popitem(last=False)
+
+    def _ended(self, request_id: str) -> None:
+        with self._lock:
+            self._running.discard(request_id)
+
+
+@ray.remote(max_restarts=0, concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})
 class PrefillActor(_WorkerActor):
     """A PrefillWorker in a Ray actor process."""
 
     def __init__(self, spec: EngineSpec, config: PrefillWorkerConfig) -> None:
         engine = _build_engine(spec)
         self._worker = PrefillWorker(engine, config)
+        self._calls = PrefillCalls(self._worker)
         self._info = _info(config.name, "prefill", engine, None)
 
     async def prefill(self, task: PrefillTask):
-        """The task's PrefillReport, once its KV is acknowledged (or the task ended otherwise)."""
-        return await asyncio.wrap_future(self._worker.submit(task))
+        """The task's PrefillReport, once its KV is acknowledged (or the task ended otherwise);
+        CANCELLED at once if its cancel came first."""
+        future = self._calls.submit(task)
+        if future is None:
+            return PrefillReport(task.request_id, PrefillStatus.CANCELLED, self._info.name, time.time(),
+                                 error="cancelled before it started")
+        return await asyncio.wrap_future(future)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def cancel(self, request_id: str) -> None:
+        self._calls.cancel(request_id)
 
 
-@ray.remote(max_restarts=0)
+@ray.remote(max_restarts=0, concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})
 class DecodeActor(_WorkerActor):
     """A DecodeWorker (with its KV receiver) in a Ray actor process. A gRPC receiver binds this node's
     address as Ray knows it (127.0.0.1 on a local Ray started on loopback, the node's routable address
@@ -116,12 +183,18 @@ class DecodeActor(_WorkerActor):
         self._worker = DecodeWorker(engine, config)
         self._info = _info(config.name, "decode", engine, self._worker.address)
         self._batcher: EventBatcher | None = None
+        self._outbox_lock = threading.Lock()  # stop() runs on the control group's thread
+        self._outbox_closed = False
 
     def _outbox(self) -> EventBatcher:
-        """The batcher behind events(), made on first use on the actor's event loop."""
-        if self._batcher is None:
-            self._batcher = EventBatcher(asyncio.get_running_loop())
-        return self._batcher
+        """The batcher behind events(), made on first use on the default group's event loop (expect()
+        and events() run there); closed at once if stop() came first."""
+        with self._outbox_lock:
+            if self._batcher is None:
+                self._batcher = EventBatcher(asyncio.get_running_loop())
+                if self._outbox_closed:
+                    self._batcher.close()
+            return self._batcher
 
     async def expect(self, request: ExpectedRequest) -> Admission:
         """Accept (the request's events will come on events()) or refuse (backpressure)."""
@@ -133,7 +206,12 @@ class DecodeActor(_WorkerActor):
         async for batch in self._outbox().batches():
             yield batch
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def stop(self) -> None:
         """End every request (SHUTDOWN), wait for transfers in flight, stop the threads, end events()."""
-        await super().stop()
-        self._outbox().close()
+        await asyncio.to_thread(self._worker.stop)
+        with self._outbox_lock:
+            self._outbox_closed = True
+            batcher = self._batcher
+        if batcher is not None:
+            batcher.close()  # thread-safe: wakes the consumer on its own loop

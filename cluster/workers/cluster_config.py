@@ -19,13 +19,14 @@ class ClusterConfig:
     workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
     bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
     on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across
-    nodes). gRPC KV receivers bind their own node's address (cluster/ray_workers.DecodeActor).
+    nodes). gRPC KV receivers bind their own node's address (cluster/workers/actors.py DecodeActor).
     local_prefill_tokens: conditional disaggregation; prompts shorter than this are prefilled on their
     decode worker, without a prefill worker or a KV transfer (0: every prompt goes to a prefill worker).
     worker_stall_timeout_s: a worker whose step thread died, or has work but completed no step for this
     long, or that does not answer a health check within it, is declared lost (killed; its requests migrate).
     max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would
-    pass this many prompt tokens with it (0: no bound)."""
+    pass this many prompt tokens with it (0: no bound).
+    worker_stop_timeout_s: how long shutdown waits for the workers' orderly stop before killing them."""
 
     model: str | None = None
     model_name: str | None = None
@@ -45,6 +46,7 @@ class ClusterConfig:
     worker_start_timeout_s: float = 300.0
     worker_stall_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 1 << 20
+    worker_stop_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
@@ -65,6 +67,8 @@ class ClusterConfig:
             raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no bound)")
         if not self.worker_stall_timeout_s > 0:
             raise ValueError("worker_stall_timeout_s must be > 0")
+        if self.worker_stop_timeout_s <= 0:
+            raise ValueError("worker_stop_timeout_s must be > 0")
 
     @property
     def num_workers(self) -> int:

@@ -22,7 +22,9 @@ import torch
 
 from cluster.workers.actors import DecodeActor, EngineSpec, PrefillActor, WorkerInfo
 from cluster.workers.cluster_config import ClusterConfig
-from cluster.workers.placement import ClusterResources, create_placement_group, release_cluster, start_actor
+from cluster.workers.placement import (ClusterResources, create_placement_group, release_cluster, release_ray,
+                                       start_actor)
+from cluster.workers.ray_host import RayHost, RayHostConfig, start_local_ray
 from decode_worker import DecodeWorkerConfig
 from kv_transfer import DistRendezvous, resolve_transport, start_store
 from prefill_worker import PrefillWorkerConfig
@@ -39,18 +41,19 @@ class LaunchedWorkers:
     model: str | None                          # the checkpoint as the workers load it (absolute path)
 
 
-def connect_ray(address: str | None, config: ClusterConfig) -> bool:
-    """Uses the session already initialized in this process, or joins `address`, or starts a local
-    Ray on 127.0.0.1 with enough logical CPUs for the workers' bundles. True if this call ran ray.init."""
+def connect_ray(address: str | None, config: ClusterConfig) -> tuple[bool, RayHost | None]:
+    """Uses the session already initialized in this process, or joins `address`, or starts a local Ray
+    on 127.0.0.1 with enough logical CPUs for the workers' bundles, in a RayHost process of its own
+    (cluster/workers/ray_host.py says why). Returns (whether this call ran ray.init, the RayHost if it
+    started one)."""
     if ray.is_initialized():
-        return False
+        return False, None
     if address is not None:
         ray.init(address=address, include_dashboard=False)
-        return True
+        return True, None
     num_cpus = max(os.cpu_count() or 1, config.num_workers * config.cpu_threads_per_worker)
-    # address="local": always a new Ray of our own, even if another one runs on this machine
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus)
-    return True
+    host = start_local_ray(RayHostConfig(num_cpus=num_cpus, start_timeout_s=config.worker_start_timeout_s))
+    return True, host
 
 
 def resolve_device(config: ClusterConfig) -> str:
@@ -104,7 +107,7 @@ def worker_configs(config: ClusterConfig, transport: str, store_host: str, store
 def launch_workers(config: ClusterConfig, address: str | None = None) -> LaunchedWorkers:
     """Start (or join) Ray, place the workers and wait until every engine is loaded. On any failure
     everything started here is released before the error propagates."""
-    owns_ray = connect_ray(address, config)
+    owns_ray, host = connect_ray(address, config)
     group = store = None
     actors: list = []
     try:
@@ -125,11 +128,11 @@ def launch_workers(config: ClusterConfig, address: str | None = None) -> Launche
         infos: list[WorkerInfo] = ray.get([a.info.remote() for a in actors], timeout=config.worker_start_timeout_s)
     except BaseException:
         if group is not None:
-            release_cluster(actors, ClusterResources(group, store, owns_ray))
-        elif owns_ray:
-            ray.shutdown()
+            release_cluster(actors, ClusterResources(group, store, owns_ray, host))
+        else:
+            release_ray(owns_ray, host)
         raise
     for info in infos:
         logger.info("%s: %s on node %s (pid %d, GPUs %s), %d KV blocks, transport %s", info.name, info.device,
                     info.node_id[:12], info.pid, ",".join(info.accelerator_ids) or "none", info.total_blocks, transport)
-    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray), model)
+    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray, host), model)

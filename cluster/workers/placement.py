@@ -4,22 +4,31 @@ Runs in the process that starts the cluster (the serve process or a job's driver
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.workers.bounded import run_bounded
+from cluster.workers.ray_host import RayHost
+
+logger = logging.getLogger("tandem.cluster.placement")
+RELEASE_TIMEOUT_S = 3.0  # per step of release_cluster that talks to Ray
+
 
 @dataclass(frozen=True)
 class ClusterResources:
     """What start_cluster set up and shutdown() releases: the placement group, the gloo/nccl store
-    (None for grpc) and whether start_cluster called ray.init (then shutdown() calls ray.shutdown(),
-    which stops a local Ray it started, or disconnects from the cluster it joined)."""
+    (None for grpc), whether start_cluster called ray.init (then shutdown() calls ray.shutdown(), which
+    disconnects this process), and the RayHost of the local Ray it started (None when it joined a
+    cluster or used this process's Ray session; shutdown() stops it, which ends that Ray)."""
 
     placement_group: object
     store: object | None
     owns_ray: bool
+    ray_host: RayHost | None = None
 
 
 def create_placement_group(num_workers: int, use_gpu: bool, cpu_threads: int, strategy: str,
@@ -44,14 +53,32 @@ def start_actor(actor_class, group: PlacementGroup, bundle_index: int, use_gpu: 
                                scheduling_strategy=strategy).remote(*args)
 
 
-def release_cluster(actors: list, resources: ClusterResources) -> None:
-    """Kill the actors, remove the placement group, drop the store, stop Ray if this process owns it."""
-    from ray.util.placement_group import remove_placement_group
-    for actor in actors:
-        try:
-            ray.kill(actor)
-        except Exception:  # already gone
-            pass
-    remove_placement_group(resources.placement_group)
-    if resources.owns_ray:
-        ray.shutdown()
+def release_cluster(actors: list, resources: ClusterResources, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+    """Give back what start_cluster took, then release_ray. On a cluster this process joined (or its own
+    Ray session) the actors are killed and the placement group removed, on a daemon thread given up on
+    after timeout_s. A local Ray of our own is not asked: stopping its RayHost ends the actors and the
+    placement group with everything else of it, even when that Ray is already going away."""
+    def kill_and_remove() -> None:
+        from ray.util.placement_group import remove_placement_group
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        remove_placement_group(resources.placement_group)
+
+    if resources.ray_host is None and not run_bounded(kill_and_remove, timeout_s):
+        logger.warning("Ray did not release the workers within %.0fs; going on", timeout_s)
+    release_ray(resources.owns_ray, resources.ray_host, timeout_s)
+
+
+def release_ray(owns_ray: bool, host: RayHost | None, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+    """ray.shutdown() if this process ran ray.init (this process disconnects; given up on after
+    timeout_s, or 1 s when the RayHost is gone already), then stop the RayHost, bounded by its own stop
+    timeout: every process of a local Ray started here is gone when this returns."""
+    if host is not None and not host.running:
+        timeout_s = min(timeout_s, 1.0)  # no Ray left to say goodbye to
+    if owns_ray and not run_bounded(ray.shutdown, timeout_s):
+        logger.warning("ray.shutdown() did not return within %.0fs; going on", timeout_s)
+    if host is not None:
+        host.stop()

@@ -6,11 +6,10 @@ import signal
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from tests.support.serve_process import TANDEM, start_serve
+from tests.support.serve_process import TANDEM, descendants, live_processes, start_serve
 
 
 @pytest.fixture
@@ -25,24 +24,6 @@ def complete_over_http(http_port: int, max_tokens: int) -> dict:
     request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     return json.loads(urllib.request.urlopen(request, timeout=60).read())
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def test_serve_answers_grpc_and_http_then_stops_on_sigterm(server):
@@ -64,9 +45,9 @@ def test_serve_disaggregated_streams_with_timing_and_sigterm_stops_ray_and_worke
             as (proc, grpc_port, http_port):
         started = check_disaggregated_serving(proc, grpc_port, http_port)
     deadline = time.monotonic() + 20
-    while started & _alive() and time.monotonic() < deadline:
+    while started & set(live_processes()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not started & _alive(), "processes tandem serve started outlived it"
+    assert not started & set(live_processes()), "processes tandem serve started outlived it"
 
 
 def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_port: int) -> set[int]:
@@ -89,17 +70,6 @@ def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_por
     assert proc.wait(timeout=60) == 0
     assert "shutting down" in proc.stdout.read()
     return started
-
-
-def _alive() -> set[int]:
-    alive = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.add(int(stat.parent.name))
-        except OSError:
-            continue
-    return alive
 
 
 def test_serve_rejects_inconsistent_modes():
