@@ -22,7 +22,7 @@ from ray.exceptions import RayActorError
 
 from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.coordinator.decode_events import DecodeEventPump
-from cluster.coordinator.health_monitor import HealthMonitor
+from cluster.coordinator.health_monitor import HealthMonitor, health_details
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
@@ -248,14 +248,8 @@ class Coordinator:
         self._watch_health()
         stats = await self.worker_stats()
         num_prefill, num_decode = self._router.alive_counts()
-        decode = [s for name, s in stats.items() if self._workers[name].info.role == "decode"]
-        details = {"mode": "disaggregated", "running_requests": sum(s.running for s in decode),
-                   "waiting_requests": sum(s.waiting for s in decode),
-                   "free_kv_blocks": sum(s.free_blocks for s in decode),
-                   "total_kv_blocks": sum(s.total_blocks for s in decode),
-                   "dead_workers": sorted(n for n in self._workers if not self._router.is_alive(n)),
-                   "worker_failures": dict(self._failures),
-                   "workers": {name: _worker_load(self._workers[name].info, s) for name, s in stats.items()}}
+        infos = {name: worker.info for name, worker in self._workers.items()}
+        details = health_details(infos, stats, [n for n in infos if not self._router.is_alive(n)], self._failures)
         serving = not self._closed and num_prefill > 0 and num_decode > 0
         return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
 
@@ -286,14 +280,6 @@ class Coordinator:
         if self._monitor is not None:
             self._monitor.stop()
         await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
-
-
-def _worker_load(info: WorkerInfo, stats) -> dict:
-    """One worker's entry of BackendHealth.details["workers"] (the per-worker /metrics gauges, its pid)."""
-    role = info.role
-    running = stats.running if role == "decode" else stats.live_requests
-    return {"role": role, "pid": info.pid, "free_kv_blocks": stats.free_blocks, "total_kv_blocks": stats.total_blocks,
-            "running_requests": running}
 
 
 async def _awaited(ref):

@@ -14,6 +14,8 @@ from typing import Callable
 
 from ray.exceptions import RayActorError
 
+from cluster.workers.actors import WorkerInfo
+
 logger = logging.getLogger("tandem.cluster.health")
 
 
@@ -56,6 +58,26 @@ class HealthMonitor:
         if self._is_alive(name):
             self._declare_lost(name, reason)
         return reason
+
+
+def health_details(infos: dict[str, WorkerInfo], stats: dict, dead: list[str], failures: dict[str, str]) -> dict:
+    """BackendHealth.details of a disaggregated cluster: the decode workers' load summed (the keys
+    ServingMetrics reads), each answering worker's role, pid and load under "workers", the dead workers,
+    and why each lost worker was declared lost."""
+    decode = [s for name, s in stats.items() if infos[name].role == "decode"]
+    return {"mode": "disaggregated", "running_requests": sum(s.running for s in decode),
+            "waiting_requests": sum(s.waiting for s in decode),
+            "free_kv_blocks": sum(s.free_blocks for s in decode),
+            "total_kv_blocks": sum(s.total_blocks for s in decode),
+            "dead_workers": sorted(dead), "worker_failures": dict(failures),
+            "workers": {name: _worker_load(infos[name], s) for name, s in stats.items()}}
+
+
+def _worker_load(info: WorkerInfo, stats) -> dict:
+    """One worker's entry of details["workers"] (the per-worker /metrics gauges, and its pid)."""
+    running = stats.running if info.role == "decode" else stats.live_requests
+    return {"role": info.role, "pid": info.pid, "free_kv_blocks": stats.free_blocks,
+            "total_kv_blocks": stats.total_blocks, "running_requests": running}
 
 
 async def _awaited(ref):
