@@ -82,11 +82,11 @@ class Coordinator:
         BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
         mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed.
 
-        If a worker of the request dies (its prefill worker before the KV landed, or its decode worker
-        at any point), the request migrates (cluster/coordinator/migration.py): it continues, with a
-        new decode admission, as prompt + the tokens streamed so far on the surviving workers, and the
-        consumer sees only a longer gap. Each migration follows a worker being marked dead, so there
-        are fewer than there are workers; WorkerLost once no worker of the needed role is left."""
+        If a worker of the request is lost (its prefill worker before the KV landed, or its decode worker
+        at any point) or its KV transfer fails, the request migrates (cluster/coordinator/migration.py):
+        it continues, with a new decode admission, as prompt + the tokens streamed so far on the
+        surviving workers, and the consumer sees only a longer gap. A request migrates at most as many
+        times as there are workers; WorkerLost once no worker of the needed role is left."""
         if self._closed:
             raise BackendUnavailable("the coordinator is shut down")
         self._watch_health()
