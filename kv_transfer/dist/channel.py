@@ -3,8 +3,11 @@
 Each (sender, receiver) pair gets a private 2-rank process group (gloo on CPU tensors, nccl on CUDA
 tensors) built lazily from a TCPStore rendezvous, plus doorbell keys in the same store: the receiver
 sleeps on the store (interruptibly) instead of on a gloo recv, so an idle link never times out.
-Every wait has a deadline; after any failed or timed-out operation the link is broken for good
+Every wait has a deadline; after any failed or timed-out operation the channel is broken for good
 (gloo closes the pair on a timeout) and every later call raises KVTransferError(PEER_FAILED) at once.
+A pair survives that: each channel belongs to an *epoch* of the pair (its keys live under
+pair_prefix(...)/e<epoch>), and after a break both ends open the next epoch's channel, a new process
+group, so one failed or slow transfer fails only itself (kv_transfer/dist/transport.py).
 """
 from __future__ import annotations
 
@@ -32,19 +35,24 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStor
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def pair_prefix(namespace: str, sender_rank: int, receiver_rank: int) -> str:
-    return f"{namespace}/{sender_rank}->{receiver_rank}"
+def pair_prefix(namespace: str, sender_rank: int, receiver_rank: int, epoch: int = 0) -> str:
+    """The store keys of one epoch of one pair's channel."""
+    return f"{namespace}/{sender_rank}->{receiver_rank}/e{epoch}"
 
 
 class PairChannel:
     """Ordered two-way messages between the two ends of one pair. Not thread-safe: one thread per end."""
 
-    def __init__(self, backend: str, store: dist.TCPStore, prefix: str, role: int, device: torch.device, connect_timeout_s: float):
+    def __init__(self, backend: str, store: dist.TCPStore, prefix: str, role: int, device: torch.device,
+                 connect_timeout_s: float, transfer_timeout_s: float = 0.0):
+        """transfer_timeout_s: the transfer deadline the caller enforces itself; an NCCL group's own timeout
+        is longer (connect + transfer), so that only our deadlines ever end an operation."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"PairChannel backend must be gloo or nccl, got {backend!r}")
         self.backend, self.store, self.prefix, self.role = backend, store, prefix, role
         self.device = torch.device(device)
         self.connect_timeout_s = connect_timeout_s
+        self.group_timeout_s = connect_timeout_s + transfer_timeout_s
         self.waiting_key = ""
         self._group: dist.ProcessGroup | None = None
         self._broken: str | None = None
@@ -86,13 +94,12 @@ class PairChannel:
         if self._group is not None:
             return
         store = dist.PrefixStore(f"{self.prefix}/pg", self.store)
-        timeout = timedelta(seconds=self.connect_timeout_s)
         try:
-            if self.backend == "gloo":
-                self._group = dist.ProcessGroupGloo(store, self.role, 2, timeout)
-            else:
+            if self.backend == "gloo":  # connects here, within connect_timeout_s; ops get our own deadlines
+                self._group = dist.ProcessGroupGloo(store, self.role, 2, timedelta(seconds=self.connect_timeout_s))
+            else:  # NCCL's watchdog aborts what outlives the group timeout: longer than any transfer deadline
                 options = dist.ProcessGroupNCCL.Options()
-                options._timeout = timeout
+                options._timeout = timedelta(seconds=self.group_timeout_s)
                 self._group = dist.ProcessGroupNCCL(store, self.role, 2, options)
         except Exception as exc:
             self._break(f"could not connect: {exc}")

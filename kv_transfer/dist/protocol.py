@@ -96,7 +96,11 @@ def _receive_manifest(channel: PairChannel, pool: KVPoolView, staging: StagingPo
         channel.send_code(status, deadline)
         inbox.put(ReceiveFailed(getattr(exc, "request_id", ""), status, str(exc)))
         return None
-    channel.send_code(TransferStatus.OK, deadline)
+    try:
+        channel.send_code(TransferStatus.OK, deadline)
+    except KVTransferError as exc:  # the link failed between allocating and accepting: free, then report
+        incoming.fail(exc.status, exc.message)
+        raise KVTransferError(exc.status, exc.message, manifest.request_id) from None
     return incoming
 
 

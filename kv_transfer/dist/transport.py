@@ -36,13 +36,14 @@ def staging_device(backend: str, pool: KVPoolView) -> torch.device:
 
 
 def _open_channel(backend: str, rdzv: DistRendezvous, sender: int, receiver: int, role: int,
-                  device: torch.device, config: TransferConfig) -> PairChannel:
+                  device: torch.device, config: TransferConfig, epoch: int) -> PairChannel:
+    """The channel of epoch `epoch` of the pair (sender, receiver), not yet connected."""
     try:
         store = connect_store(rdzv.host, rdzv.port, config.connect_timeout_s)
     except Exception as exc:  # torch raises DistNetworkError / RuntimeError
         raise KVTransferError(TransferStatus.PEER_FAILED, f"rendezvous store {rdzv.host}:{rdzv.port} unreachable: {exc}") from None
-    prefix = pair_prefix(rdzv.namespace, sender, receiver)
-    return PairChannel(backend, store, prefix, role, device, config.connect_timeout_s)
+    prefix = pair_prefix(rdzv.namespace, sender, receiver, epoch)
+    return PairChannel(backend, store, prefix, role, device, config.connect_timeout_s, config.kv_transfer_timeout_s)
 
 
 class _SenderLink:
@@ -52,7 +53,7 @@ class _SenderLink:
         self.owner, self.peer_rank = owner, peer_rank
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.channel: PairChannel | None = None
-        self.seq = 0
+        self.epoch, self.seq = -1, 0
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer_rank}", daemon=True)
         self.thread.start()
 
@@ -84,17 +85,25 @@ class _SenderLink:
         handle.settle(result)
 
     def _ship(self, outgoing, handle: TransferHandle) -> None:
-        owner = self.owner
-        if self.channel is None:
-            self.channel = _open_channel(owner.backend, owner.rendezvous, owner.rendezvous.rank, self.peer_rank,
-                                         SENDER, staging_device(owner.backend, owner.pool), owner.config)
+        if self.channel is None or self.channel.broken is not None:
+            self._next_epoch()
         seq, self.seq = self.seq, self.seq + 1
-        if self.channel.broken is None:
-            self.channel.ring(seq)
-            if seq == 0:
-                self.channel.connect()
-        deadline = time.monotonic() + owner.config.kv_transfer_timeout_s
+        self.channel.ring(seq)
+        if seq == 0:
+            self.channel.connect()  # waits (connect_timeout_s) for the receiver to join this epoch
+        deadline = time.monotonic() + self.owner.config.kv_transfer_timeout_s
         send_transfer(self.channel, outgoing, deadline, handle.cancel_requested)
+
+    def _next_epoch(self) -> None:
+        """The pair's next channel: the first one, or a new process group after the last one broke (the
+        receiver moves to the same epoch when its end breaks)."""
+        owner = self.owner
+        if self.channel is not None:
+            log.warning("kv link to rank %d: %s; opening epoch %d", self.peer_rank, self.channel.broken, self.epoch + 1)
+            self.channel.close()
+        self.epoch, self.seq = self.epoch + 1, 0
+        self.channel = _open_channel(owner.backend, owner.rendezvous, owner.rendezvous.rank, self.peer_rank,
+                                     SENDER, staging_device(owner.backend, owner.pool), owner.config, self.epoch)
 
 
 class TorchDistSender(KVSender):
@@ -137,14 +146,33 @@ class _ReceiverLink:
 
     def __init__(self, owner: "TorchDistReceiver", peer_rank: int):
         self.owner, self.peer_rank = owner, peer_rank
-        rdzv = owner.rendezvous
-        self.channel = _open_channel(owner.backend, rdzv, peer_rank, rdzv.rank, RECEIVER,
-                                     staging_device(owner.backend, owner.pool), owner.config)
+        self.channel = self._open(0)
         self.lander = ThreadPoolExecutor(1, thread_name_prefix=f"kv-land-{peer_rank}")
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer_rank}", daemon=True)
         self.thread.start()
 
+    def _open(self, epoch: int) -> PairChannel:
+        owner, rdzv = self.owner, self.owner.rendezvous
+        return _open_channel(owner.backend, rdzv, self.peer_rank, rdzv.rank, RECEIVER,
+                             staging_device(owner.backend, owner.pool), owner.config, epoch)
+
     def _run(self) -> None:
+        """Serves epoch after epoch: a broken channel (a failed or timed-out transfer, a peer that went
+        away) is closed and the next epoch's is opened, as the sender does after its end broke."""
+        epoch = 0
+        try:
+            while self._serve_epoch():
+                epoch += 1
+                self.channel.close()
+                self.channel = self._open(epoch)
+        except Exception:
+            log.exception("kv link from rank %d crashed", self.peer_rank)
+        finally:
+            self.channel.close()
+            self.lander.shutdown(wait=True)
+
+    def _serve_epoch(self) -> bool:
+        """Transfers on this epoch's channel until it breaks (True: open the next) or the receiver stops."""
         owner, seq = self.owner, 0
         try:
             while self.channel.wait_bell(seq, owner.stopping.is_set):
@@ -153,13 +181,10 @@ class _ReceiverLink:
                 receive_transfer(self.channel, owner.pool, owner.staging, owner.inbox,
                                  owner.config.kv_transfer_timeout_s, self.lander)
                 seq += 1
+            return False
         except KVTransferError as exc:
-            log.warning("kv link from rank %d closed: %s", self.peer_rank, exc)
-        except Exception:
-            log.exception("kv link from rank %d crashed", self.peer_rank)
-        finally:
-            self.channel.close()
-            self.lander.shutdown(wait=True)
+            log.warning("kv link from rank %d broke: %s; waiting on its next epoch", self.peer_rank, exc)
+            return not owner.stopping.is_set()
 
 
 class TorchDistReceiver(KVReceiver):
