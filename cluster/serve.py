@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF checkpoint directory (default: embedded model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
+    parser.add_argument("--mode", default=None, choices=["colocated", "disaggregated"],
+                        help="default: disaggregated when --prefill-workers is given, else colocated")
     parser.add_argument("--prefill-workers", type=int, default=0,
                         help="prefill worker actors (disaggregated; default 1)")
     parser.add_argument("--decode-workers", type=int, default=1)
@@ -132,7 +133,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ValueError names the first inconsistent flag."""
     prefill_workers = args.prefill_workers
-    if args.mode == "colocated":
+    mode = args.mode or ("disaggregated" if prefill_workers else "colocated")  # worker counts given: disaggregated
+    if mode == "colocated":
         if prefill_workers or args.decode_workers != 1:
             raise ValueError("colocated serving runs one engine in this process: use --decode-workers 1 "
                              "and no --prefill-workers, or --mode disaggregated")
@@ -146,7 +148,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
             raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use auto, nccl, gloo or grpc")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError("--cpu-threads must be >= 1")
-    if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and args.mode == "colocated"):
+    if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and mode == "colocated"):
         raise ValueError("--local-prefill-tokens must be >= 0 and needs --mode disaggregated")
     if not args.worker_stall_timeout_s > 0:
         raise ValueError("--worker-stall-timeout-s must be > 0")
@@ -154,7 +156,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--max-prefill-queue-tokens must be >= 0 (0: no bound)")
     if not 0 <= args.shutdown_grace_s <= 60:
         raise ValueError("--shutdown-grace-s must be in [0, 60]")
-    return ServeConfig(args.model, args.dtype, args.device, args.mode, prefill_workers, args.decode_workers,
+    return ServeConfig(args.model, args.dtype, args.device, mode, prefill_workers, args.decode_workers,
                        args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                        args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
                        args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,

@@ -76,3 +76,17 @@ def test_serve_rejects_inconsistent_modes():
     done = subprocess.run([*TANDEM, "serve", "--mode", "colocated", "--prefill-workers", "2", "--grpc-port", "0",
                            "--http-port", "0"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "disaggregated" in done.stderr
+
+
+def test_both_worker_counts_without_a_mode_mean_disaggregated():
+    """The CLI contract: `--prefill-workers P --decode-workers D` with no --mode is disaggregated serving;
+    no worker counts is the colocated engine."""
+    import argparse
+
+    from cluster.serve import add_arguments, config_from_args
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    both = config_from_args(parser.parse_args(["--prefill-workers", "1", "--decode-workers", "2"]))
+    assert (both.mode, both.prefill_workers, both.decode_workers) == ("disaggregated", 1, 2)
+    assert config_from_args(parser.parse_args([])).mode == "colocated"
+    assert config_from_args(parser.parse_args(["--mode", "disaggregated"])).prefill_workers == 1
