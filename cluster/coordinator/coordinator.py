@@ -231,7 +231,7 @@ class Coordinator:
         because it died is marked dead and left out). Changes nothing on the workers."""
         names = [name for name in self._workers if self._router.is_alive(name)]
         refs = [self._workers[name].actor.stats.remote() for name in names]
-        results = await asyncio.gather(*(asyncio.wait_for(_awaited(ref), STATS_TIMEOUT_S) for ref in refs),
+        results = await asyncio.gather(*(asyncio.wait_for(ref, STATS_TIMEOUT_S) for ref in refs),
                                        return_exceptions=True)
         stats = {}
         for name, result in zip(names, results):
@@ -264,7 +264,7 @@ class Coordinator:
             return
         self._closed = True
         alive = [w for name, w in self._workers.items() if self._router.is_alive(name)]
-        stops = [asyncio.ensure_future(_awaited(w.actor.stop.remote())) for w in alive]
+        stops = [asyncio.ensure_future(w.actor.stop.remote()) for w in alive]
         if stops:
             done, late = await asyncio.wait(stops, timeout=self._config.worker_stop_timeout_s)
             for stop in late:
@@ -280,10 +280,6 @@ class Coordinator:
         if self._monitor is not None:
             self._monitor.stop()
         await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
-
-
-async def _awaited(ref):
-    return await ref
 
 
 def _once(action):

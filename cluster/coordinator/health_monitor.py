@@ -44,7 +44,7 @@ class HealthMonitor:
         """One health check of worker `name`; declares it lost and returns the reason if it fails."""
         try:
             ref = self._actors[name].health.remote(self._stall_timeout_s)
-            health = await asyncio.wait_for(_awaited(ref), self._stall_timeout_s)
+            health = await asyncio.wait_for(ref, self._stall_timeout_s)
         except asyncio.TimeoutError:
             reason = f"it did not answer a health check within {self._stall_timeout_s:g}s"
         except RayActorError as error:
@@ -78,7 +78,3 @@ def _worker_load(info: WorkerInfo, stats) -> dict:
     running = stats.running if info.role == "decode" else stats.live_requests
     return {"role": info.role, "pid": info.pid, "free_kv_blocks": stats.free_blocks,
             "total_kv_blocks": stats.total_blocks, "running_requests": running}
-
-
-async def _awaited(ref):
-    return await ref

@@ -214,15 +214,8 @@ def test_killed_decode_workers_requests_migrate_and_finish_token_for_token(one_b
                                                                     sampling_params=per_request, use_tqdm=False)]
     victim = one_by_two.workers["decode-1"]
 
-    async def started(index: int, prompt: list[int], first_chunks: asyncio.Queue):
-        tokens, last = [], None
-        async with aclosing(one_by_two.generate(request(f"k{index}", prompt, per_request[index % 4]))) as chunks:
-            async for chunk in chunks:
-                if not tokens:
-                    first_chunks.put_nowait(index)
-                tokens += chunk.token_ids
-                last = chunk
-        return tokens, last
+    def started(index: int, prompt: list[int], first_chunks: asyncio.Queue):
+        return collect(one_by_two, request(f"k{index}", prompt, per_request[index % 4]), first_chunks)
 
     async def run():
         first_chunks: asyncio.Queue = asyncio.Queue()

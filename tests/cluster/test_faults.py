@@ -24,10 +24,9 @@ from ray.exceptions import RayActorError
 
 from cluster.backend import BackendUnavailable
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
-from cluster.coordinator.start import start_cluster
 from decode_worker import DecodeChunk
 from engine import LLM
-from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray,
+from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, running_cluster,
                                        wait_until_idle)
 from tests.support.engine_checks import random_prompts
 
@@ -41,11 +40,8 @@ COORDINATOR_LOG = "tandem.cluster.coordinator"
 
 @pytest.fixture(scope="module")
 def three_by_one():
-    start_local_ray()
-    coordinator = start_cluster(dataclasses.replace(cluster_config(3, 1), engine=FAULT_ENGINE))
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
-    ray.shutdown()
+    with running_cluster(dataclasses.replace(cluster_config(3, 1), engine=FAULT_ENGINE)) as coordinator:
+        yield coordinator
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.backend import GenerationRequest
 from engine import LLM, SamplingParams
 from proto import tandem_pb2, tandem_pb2_grpc
-from tests.support.frontend_rig import assert_pool_free, greedy, local_backend, wait_until_busy, wait_until_idle
+from tests.support.frontend_rig import (assert_pool_free, fail_next_step, greedy, local_backend, wait_until_busy,
+                                        wait_until_idle)
 
 KV_BYTES = 8 << 20
 API_KEY = "s3cret-key"
@@ -244,15 +245,7 @@ def test_engine_rejection_reaches_the_caller_before_any_chunk(served):
 
 
 def test_a_failed_engine_step_fails_its_requests_and_the_server_keeps_serving(served, monkeypatch):
-    real_step, failures = served.step, []
-
-    def step_that_fails_once():
-        if not failures:
-            failures.append(True)
-            raise RuntimeError("simulated device fault")
-        return real_step()
-
-    monkeypatch.setattr(served, "step", step_that_fails_once)
+    fail_next_step(served, monkeypatch, "simulated device fault")
 
     async def scenario():
         async with grpc_stub(served) as stub:

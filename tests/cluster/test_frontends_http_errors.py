@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from engine import LLM
-from tests.support.frontend_rig import local_backend, wait_until_busy, wait_until_idle
+from tests.support.frontend_rig import fail_next_step, local_backend, wait_until_busy, wait_until_idle
 from tests.support.http_rig import API_KEY, CHAT, KV_BYTES, MAX_BODY_BYTES, MODEL, completion_body, http_client, post
 
 
@@ -160,15 +160,7 @@ def test_backend_gone_means_503(served):
 
 
 def test_a_failed_engine_step_is_a_500_without_the_exception_text(served, monkeypatch):
-    real_step, failures = served.step, []
-
-    def step_that_fails_once():
-        if not failures:
-            failures.append(True)
-            raise RuntimeError("simulated device fault at /secret/path")
-        return real_step()
-
-    monkeypatch.setattr(served, "step", step_that_fails_once)
+    fail_next_step(served, monkeypatch, "simulated device fault at /secret/path")
 
     async def scenario():
         async with http_client(served) as session:

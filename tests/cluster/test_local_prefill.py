@@ -9,11 +9,9 @@ import dataclasses
 from contextlib import aclosing
 
 import pytest
-import ray
 
-from cluster.coordinator.start import start_cluster
 from engine import LLM, SamplingParams
-from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray,
+from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, running_cluster,
                                        wait_until_idle)
 from tests.support.engine_checks import random_prompts
 
@@ -23,11 +21,8 @@ LOCAL_BELOW = 20
 
 @pytest.fixture(scope="module")
 def conditional():
-    start_local_ray()
-    coordinator = start_cluster(dataclasses.replace(cluster_config(1, 1), local_prefill_tokens=LOCAL_BELOW))
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
-    ray.shutdown()
+    with running_cluster(dataclasses.replace(cluster_config(1, 1), local_prefill_tokens=LOCAL_BELOW)) as coordinator:
+        yield coordinator
 
 
 def test_short_prompts_prefill_on_the_decode_worker_and_all_equal_colocated(conditional):

@@ -12,11 +12,9 @@ import time
 from contextlib import aclosing
 
 import pytest
-import ray
 
-from cluster.coordinator.start import start_cluster
 from engine import LLM, SamplingParams
-from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, request, start_local_ray, wait_until_idle
+from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, request, running_cluster, wait_until_idle
 
 NUM_REQUESTS = 300
 RATE = 10.0                 # requests per second (exponential gaps)
@@ -28,11 +26,8 @@ VOCAB = 256
 
 @pytest.fixture(scope="module")
 def one_by_two():
-    start_local_ray()
-    coordinator = start_cluster(cluster_config(1, 2))
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
-    ray.shutdown()
+    with running_cluster(cluster_config(1, 2)) as coordinator:
+        yield coordinator
 
 
 def workload(seed: int):

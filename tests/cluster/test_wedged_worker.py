@@ -8,16 +8,13 @@ import dataclasses
 import os
 import signal
 import time
-from contextlib import aclosing
 
 import aiohttp
 import pytest
-import ray
 
 from cluster.api.http_server import HttpServerConfig, start_http_server
-from cluster.coordinator.start import start_cluster
 from engine import LLM
-from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, greedy, request, start_local_ray,
+from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, running_cluster,
                                        wait_until_idle)
 from tests.support.engine_checks import random_prompts
 
@@ -27,11 +24,8 @@ STALL_S = 3.0
 
 @pytest.fixture(scope="module")
 def one_by_two():
-    start_local_ray()
-    coordinator = start_cluster(dataclasses.replace(cluster_config(1, 2), worker_stall_timeout_s=STALL_S))
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
-    ray.shutdown()
+    with running_cluster(dataclasses.replace(cluster_config(1, 2), worker_stall_timeout_s=STALL_S)) as coordinator:
+        yield coordinator
 
 
 def process_gone(pid: int, timeout_s: float) -> bool:
@@ -55,20 +49,12 @@ def test_a_hung_decode_worker_is_declared_lost_and_its_requests_migrate(one_by_t
                                                                     use_tqdm=False)]
     victim = one_by_two.workers["decode-1"]
 
-    async def stream(index: int, started: asyncio.Queue):
-        tokens, last = [], None
-        async with aclosing(one_by_two.generate(request(f"h{index}", prompts[index], params))) as chunks:
-            async for chunk in chunks:
-                if not tokens:
-                    started.put_nowait(index)
-                tokens, last = tokens + list(chunk.token_ids), chunk
-        return tokens, last
-
     async def scenario():
         runner, port = await start_http_server(one_by_two, HttpServerConfig())
         try:
             started: asyncio.Queue = asyncio.Queue()
-            runs = [asyncio.ensure_future(stream(i, started)) for i in range(len(prompts))]
+            runs = [asyncio.ensure_future(collect(one_by_two, request(f"h{i}", p, params), started))
+                    for i, p in enumerate(prompts)]
             for _ in prompts:  # all four decoding, two on each decode worker
                 await asyncio.wait_for(started.get(), 30)
             os.kill(victim.pid, signal.SIGSTOP)

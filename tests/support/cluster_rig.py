@@ -3,6 +3,7 @@ check that every worker's pool is empty."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from contextlib import aclosing
 
@@ -35,11 +36,28 @@ def request(request_id: str, prompt: list[int], params: SamplingParams) -> Gener
     return GenerationRequest(request_id, tuple(prompt), params, time.perf_counter())
 
 
-async def collect(backend, generation: GenerationRequest) -> tuple[list[int], GenerationChunk]:
-    """All tokens of a request and its last chunk."""
+@contextlib.contextmanager
+def running_cluster(config: ClusterConfig):
+    """A local Ray with a cluster started on it (the Coordinator); both shut down at the end."""
+    from cluster.coordinator.start import start_cluster
+    start_local_ray()
+    coordinator = start_cluster(config)
+    try:
+        yield coordinator
+    finally:
+        asyncio.run(coordinator.shutdown())
+        ray.shutdown()
+
+
+async def collect(backend, generation: GenerationRequest,
+                  decoding: asyncio.Queue | None = None) -> tuple[list[int], GenerationChunk]:
+    """All tokens of a request and its last chunk. `decoding` gets the request id once its first tokens
+    arrived (for tests that act while requests decode)."""
     tokens, last = [], None
     async with aclosing(backend.generate(generation)) as chunks:
         async for chunk in chunks:
+            if decoding is not None and not tokens and chunk.token_ids:
+                decoding.put_nowait(generation.request_id)
             tokens += chunk.token_ids
             last = chunk
     return tokens, last

@@ -49,3 +49,16 @@ async def local_backend(engine, **config_fields):
     finally:
         await backend.shutdown()
     assert_pool_free(engine)
+
+
+def fail_next_step(engine, monkeypatch, message: str) -> None:
+    """The engine's next step raises RuntimeError(message) (a device fault, say); later steps run."""
+    real_step, failures = engine.step, []
+
+    def step_that_fails_once():
+        if not failures:
+            failures.append(True)
+            raise RuntimeError(message)
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_that_fails_once)
