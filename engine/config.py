@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu_kernel")
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,10 @@ class EngineConfig:
     long_prefill_token_threshold (> 0, with chunked prefill): no prompt takes more than this many tokens
     of a step, so a long prompt's prefill leaves room for the prompts queued behind it (vLLM's knob of
     the same name); 0 lets one prompt take the whole budget.
+    attention_backend: "auto" (triton on CUDA, the numba kernel on CPU float32, torch otherwise),
+    "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
+    "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
+    enforce_eager: no CUDA graphs for decode steps (they are captured only on CUDA).
     """
 
     block_size: int = 16
@@ -161,6 +166,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     num_kv_blocks: int | None = None
     seed: int = 0
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -175,3 +182,8 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; "
+                             f"expected one of {ATTENTION_BACKENDS}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
