@@ -144,7 +144,8 @@ class EngineConfig:
     """How the engine runs a model: KV pool, batching limits, device.
 
     kv_cache_memory sizes the KV pool in bytes (CPU, or GPU when set); on GPU without it the pool
-    takes gpu_memory_utilization of the device memory minus what the weights already use.
+    takes gpu_memory_utilization of the device memory minus the weights, the measured peak activations
+    and the CUDA graph pools (engine/memory_plan.py).
     num_kv_blocks, when set, overrides both (tests use it to force preemption).
     long_prefill_token_threshold (> 0, with chunked prefill): no prompt takes more than this many tokens
     of a step, so a long prompt's prefill leaves room for the prompts queued behind it (vLLM's knob of

@@ -1,4 +1,4 @@
-"""KVCache: the preallocated paged K/V pool of all layers, and how many blocks fit a memory budget.
+"""KVCache: the preallocated paged K/V pool of all layers, and how many blocks fit a byte budget.
 
 Layout: one contiguous tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 of dim 1 is K, 1 is V). Per layer, the K and V planes are contiguous, so attention can view
@@ -12,9 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_allocator import BlockAllocator
-from engine.config import EngineConfig
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # the pool on CPU without kv_cache_memory
 
 
 @dataclass(frozen=True)
@@ -52,21 +51,11 @@ class KVCache:
         return planes[0], planes[1]
 
 
-def num_blocks_for_budget(spec: KVCacheSpec, config: EngineConfig, device: torch.device) -> int:
-    """How many blocks the pool gets: explicit count, else a byte budget (CPU default 1 GiB), else
-    gpu_memory_utilization of the GPU minus what is already allocated there."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = int(total * config.gpu_memory_utilization) - used
-    else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = budget // spec.bytes_per_block
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
+    """How many whole blocks fit budget_bytes; ValueError if not even one. Which budget the pool
+    gets (explicit, CPU default, or measured on the GPU) is decided in engine/memory_plan.py."""
+    num_blocks = budget_bytes // spec.bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"KV cache budget of {budget} bytes holds no block of "
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no block of "
                          f"{spec.bytes_per_block} bytes; raise kv_cache_memory")
     return int(num_blocks)

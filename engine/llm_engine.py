@@ -14,8 +14,11 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from engine.decode_graphs import decode_graphs_for
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.memory_plan import plan_memory
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputText, RequestMetrics, StepDelta
@@ -34,7 +37,9 @@ class LLMEngine:
         self.device, self.dtype = device, dtype
         spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                            config.block_size, dtype)
-        num_blocks = num_blocks_for_budget(spec, config, device)
+        attention = select_backend(config.attention_backend, device, dtype)
+        self.memory_plan = plan_memory(model, spec, config, device, attention)  # measured on CUDA, logged
+        num_blocks = self.memory_plan.num_blocks
         self.kv_cache = KVCache(spec, num_blocks, device, config.enable_prefix_caching)
         self.max_model_len = max_model_len(model_config, config, num_blocks)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
@@ -42,7 +47,9 @@ class LLMEngine:
                              f"({config.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len})")
         self.scheduler = Scheduler(config, self.kv_cache.allocator)
-        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), device)
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), device, attention=attention)
+        self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
+                                                      self.max_model_len, device)
         self.stats = EngineStats()
         self._seqs: dict[str, Sequence] = {}
         self._texts: dict[str, OutputText] = {}

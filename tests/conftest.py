@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors under Triton's interpreter; it is read when a kernel module is
+    # imported, so it is set before any test imports one. On a GPU machine they compile for real.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.support.factories import hf_greedy_generate, load_hf_model, make_checkpoint
 

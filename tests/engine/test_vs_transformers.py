@@ -45,7 +45,7 @@ def test_half_precision_matches_transformers_in_same_dtype(dtype, tiny_checkpoin
     """Half precision takes the torch attention path on CPU; it must match transformers in that dtype."""
     path = tiny_checkpoint("qwen2")
     llm = LLM(str(path), dtype=dtype, device="cpu")
-    assert not llm.engine.runner.use_decode_kernel
+    assert llm.engine.runner.attention.name == "torch"
     prompts = random_prompts([5, 40, 130], llm.get_tokenizer().vocab_size, seed=3)
     expected = hf_greedy_generate(load_hf_model(path, getattr(torch, dtype)), prompts, 8)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -30,15 +30,15 @@ def compile_kernel() -> None:
     inside the first decode step."""
     q = torch.zeros(1, 1, 1, 4)
     pool = torch.zeros(4, 1, 4)
-    paged_decode_attention(q.view(1, 1, 4), pool, pool, torch.zeros(1, 1, dtype=torch.long),
-                           torch.ones(1, dtype=torch.long), block_size=4)
+    paged_decode_attention(q.view(1, 1, 4), pool, pool, torch.zeros(1, 1, dtype=torch.int32),
+                           torch.ones(1, dtype=torch.int32), block_size=4)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            block_size: int) -> torch.Tensor:
-    """q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int64;
-    context_lens: [B] int64 (tokens each query attends to, itself included). Returns [B, H, D]."""
+    """q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int32;
+    context_lens: [B] int32 (tokens each query attends to, itself included). Returns [B, H, D]."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]

@@ -1,0 +1,87 @@
+"""AttentionMetadata: where each batch token's K/V goes and what each query attends to.
+
+Built once per step from the scheduled chunks (ModelRunner.prepare) and read by every layer. The batch is
+token-major and sequence-ordered: sequences [0, num_decode_rows) are single-token queries (decodes, and
+prompt chunks of one token), one row each; then each prefill chunk occupies a contiguous row span.
+Per-token tensors (positions, slot mapping) are computed on the device from per-sequence tensors; no
+Python loop runs over tokens or context positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.attention.backends import AttentionBackend
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's attention inputs; device tensors plus the few host numbers that size kernel grids."""
+
+    backend: "AttentionBackend"
+    slot_mapping: torch.Tensor   # [T] int64 pool slot of each batch token
+    query_start: torch.Tensor    # [N + 1] int32 first row of each sequence (cu_seqlens)
+    seq_lens: torch.Tensor       # [N] int32 tokens in each sequence's context after this step
+    block_tables: torch.Tensor   # [N, max_blocks] int32, 0-padded
+    block_size: int
+    num_decode_rows: int         # sequences (= rows) [0, num_decode_rows) are single-token queries
+    query_start_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+    # An upper bound of the decode rows' seq_lens (sizes the decode kernel's grid): their maximum, or
+    # max_model_len in a captured decode graph, whose lengths change from replay to replay.
+    decode_len_bound: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_prefill_query_len(self) -> int:
+        starts = self.query_start_host
+        return max((starts[i + 1] - starts[i] for i in range(self.num_decode_rows, self.num_seqs)), default=0)
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """What ModelRunner.prepare builds: the flat batch's inputs and its attention metadata."""
+
+    positions: torch.Tensor      # [T] int64
+    meta: AttentionMetadata
+
+
+def build_step_tensors(backend: "AttentionBackend", num_computed: list[int], num_new: list[int],
+                       block_tables: list[list[int]], block_size: int, device: torch.device) -> StepTensors:
+    """Positions, slot mapping and metadata for sequences whose chunks cover positions
+    [num_computed[i], num_computed[i] + num_new[i]) with block_tables[i]; single-token chunks come first."""
+    seq_lens = [c + n for c, n in zip(num_computed, num_new)]
+    query_start = [0]
+    for n in num_new:
+        query_start.append(query_start[-1] + n)
+    max_blocks = max(-(-length // block_size) for length in seq_lens)
+    table_rows = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in block_tables]
+    tables = _upload(table_rows, torch.int32, device)                              # [N, max_blocks]
+    starts = _upload(query_start, torch.int32, device)                             # [N + 1]
+    lens = _upload(seq_lens, torch.int32, device)                                  # [N]
+    computed = _upload(num_computed, torch.int64, device)                          # [N]
+    new = _upload(num_new, torch.int64, device)                                    # [N]
+    num_tokens = query_start[-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(num_new), device=device), new,
+                                           output_size=num_tokens)                 # [T]
+    offset_in_chunk = torch.arange(num_tokens, device=device) - starts.long()[seq_of_token]
+    positions = computed[seq_of_token] + offset_in_chunk                           # [T]
+    blocks = tables[seq_of_token, positions // block_size].long()                  # [T]
+    slot_mapping = blocks * block_size + positions % block_size                    # [T]
+    num_decode_rows = next((i for i, n in enumerate(num_new) if n > 1), len(num_new))
+    meta = AttentionMetadata(backend, slot_mapping, starts, lens, tables, block_size, num_decode_rows,
+                             tuple(query_start), tuple(seq_lens), max(seq_lens[:num_decode_rows], default=0))
+    return StepTensors(positions, meta)
+
+
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host

@@ -1,0 +1,117 @@
+"""Paged decode attention in Triton: one query token per sequence, K/V read through the block tables.
+
+One program serves one (sequence, KV head, context partition): the query heads of that KV head's group
+are the rows of one tile (grouped-query attention without repeating K/V), keys and values are gathered
+slot by slot from the pool (no copied context, no padding to the longest sequence), scores accumulate
+in fp32 with an online softmax. A long context at a small batch is split into partitions that run in
+parallel (flash-decoding); their partial results are merged by `_merge_partitions`.
+Imported only when the triton backend is chosen (importing triton reads TRITON_INTERPRET then).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DEFAULT_PARTITION_TOKENS = 512
+MIN_TILE = 16  # tl.dot needs every tile dimension >= 16 on GPUs
+
+
+@triton.jit
+def _decode_partition_kernel(
+        acc_ptr, max_ptr, sum_ptr,  # partials: acc [B, H, P, BLOCK_D], max and sum [B, H, P], fp32
+        q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, scale,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
+        num_heads, num_partitions,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PRECISION: tl.constexpr):
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_g, offs_d, offs_n = tl.arange(0, GROUP_PAD), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask, d_mask = offs_g < GROUP, offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [G, D]
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    start = part * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=n_mask, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE  # [N]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [N, D]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N]
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])  # [G, N]
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [N, D]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    row = (seq * num_heads + heads) * num_partitions + part  # [G] index into [B, H, P]
+    tl.store(max_ptr + row, m_i, mask=g_mask)
+    tl.store(sum_ptr + row, l_i, mask=g_mask)
+    tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, block_size: int, max_seq_len: int,
+                 partition_tokens: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context. Changes nothing.
+
+    q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int32;
+    seq_lens: [B] int32, the query's own token included (its K/V already in the pool); max_seq_len:
+    an upper bound of seq_lens (sizes the partition grid; no host sync). Returns [B, H, D] in q's dtype.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
+    block_n = 32 if block_d <= 128 else 16
+    partition = partition_tokens or choose_partition(batch * num_kv_heads, max_seq_len, q.device)
+    partition = max(block_n, -(-partition // block_n) * block_n)
+    num_partitions = max(1, -(-max_seq_len // partition))
+    acc = torch.empty(batch, num_heads, num_partitions, block_d, dtype=torch.float32, device=q.device)
+    maxes = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)
+    sums = torch.empty_like(maxes)
+    _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
+        acc, maxes, sums, q, k_pool, v_pool, block_tables, seq_lens, head_dim ** -0.5,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        block_tables.stride(0), num_heads, num_partitions,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(MIN_TILE, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PARTITION=partition,
+        PRECISION=_dot_precision(q.dtype))
+    return _merge_partitions(acc[..., :head_dim], maxes, sums).to(q.dtype)
+
+
+def _merge_partitions(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """acc: [B, H, P, D] unnormalised partial outputs; maxes, sums: [B, H, P]. Returns [B, H, D] fp32.
+    Partitions past a sequence's end hold max -inf and sum 0 and weigh nothing."""
+    if acc.shape[2] == 1:
+        return acc[:, :, 0] / sums
+    top = maxes.max(dim=2, keepdim=True).values  # [B, H, 1]; partition 0 is never empty
+    weights = torch.exp(maxes - top)  # [B, H, P]
+    total = (weights * sums).sum(dim=2, keepdim=True)  # [B, H, 1]
+    return (acc * weights.unsqueeze(-1)).sum(dim=2) / total
+
+
+def choose_partition(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+    """Tokens per partition: the whole context when batch x KV heads already fills the device, else
+    split so that there are about two programs per streaming multiprocessor (at least 256 tokens each)."""
+    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    if num_programs >= 2 * units:
+        return max(max_seq_len, 1)
+    splits = -(-2 * units // num_programs)
+    return max(256, -(-max_seq_len // splits))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 pools must not silently drop to tf32 (greedy equality with fp32 transformers); ignored for bf16
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,81 @@
+"""The attention backends: the numba decode kernel against a reference, each backend in the engine against
+transformers, and the choice of backend (auto, and clear errors for one that cannot run)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM, SamplingParams
+from engine.attention import paged_decode_cpu, select_backend
+from engine.attention.backends import triton_available
+from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+
+needs_numba = pytest.mark.skipif(not paged_decode_cpu.AVAILABLE, reason="numba is not installed")
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def reference_decode(q, k_pool, v_pool, tables, lens, block_size):
+    outs = []
+    for b, length in enumerate(lens.tolist()):
+        pos = torch.arange(length)
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        k, v = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)  # [H_kv, L, D]
+        outs.append(F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, enable_gqa=True).squeeze(1))
+    return torch.stack(outs)
+
+
+@needs_numba
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 16), (6, 1, 24)])
+def test_kernel_matches_reference(heads, kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(0)
+    block_size, num_blocks, batch = 4, 64, 5
+    k_pool = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=generator)
+    v_pool = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=generator)
+    lens = torch.tensor([1, 4, 5, 17, 33], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:9] for _ in range(batch)]).int()
+    q = torch.randn(batch, heads, head_dim, generator=generator)
+    got = paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, tables, lens, block_size)
+    torch.testing.assert_close(got, reference_decode(q, k_pool, v_pool, tables, lens, block_size),
+                               rtol=1e-5, atol=1e-5)
+
+
+BACKENDS = ["torch", pytest.param("cpu_kernel", marks=needs_numba), pytest.param("triton", marks=needs_triton)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_matches_transformers_greedy(backend, tiny_checkpoint, hf_greedy):
+    """Short and long prompts, a prompt chunked over several steps (its later chunks attend to the cached
+    earlier ones), a repeated prompt that hits the prefix cache, and decode steps mixed with prefills."""
+    path = tiny_checkpoint("llama3")
+    llm = LLM(str(path), dtype="float32", device="cpu", attention_backend=backend,
+              max_num_batched_tokens=48, block_size=16)
+    assert llm.engine.runner.attention.name == backend
+    prompts = random_prompts([1, 9, 40, 130], llm.get_tokenizer().vocab_size, seed=9)
+    prompts.append(prompts[3][:100] + prompts[1])  # shares 96 tokens (6 blocks) with prompt 3
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == hf_greedy(path, prompts, 6)
+    again = llm.generate(prompt_token_ids=prompts[3:], sampling_params=params)  # now from the prefix cache
+    assert [o.outputs[0].token_ids for o in again] == got[3:]
+    assert_all_blocks_free(llm)
+
+
+def test_auto_picks_by_device_and_dtype():
+    cpu = torch.device("cpu")
+    expected = "cpu_kernel" if paged_decode_cpu.AVAILABLE else "torch"
+    assert select_backend("auto", cpu, torch.float32).name == expected
+    assert select_backend("auto", cpu, torch.bfloat16).name == "torch"
+
+
+def test_backends_that_cannot_run_say_why(monkeypatch):
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="cpu_kernel.*float32"):
+        select_backend("cpu_kernel", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown attention_backend"):
+        LLM(None, attention_backend="flash")
+    with pytest.raises(ValueError, match="enforce_eager must be a bool"):
+        LLM(None, enforce_eager="yes")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_backend("triton", cpu, torch.float32)

@@ -1,0 +1,110 @@
+"""The Triton paged-attention kernels against a plain torch reference.
+
+Without a GPU they run on CPU tensors under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before any kernel module is imported); on a GPU machine the same tests compile and run them on CUDA.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from engine.attention.triton_decode import paged_decode  # noqa: E402
+from engine.attention.triton_prefill import paged_prefill  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HEAD_SHAPES = [(4, 4), (8, 2), (8, 1)]  # (query heads, KV heads): GQA ratios 1, 4, 8
+
+
+def reference(q, k_pool, v_pool, table, seq_len, block_size):
+    """q: [n, H, D], the last n positions of a seq_len context; fp32 SDPA over the gathered context."""
+    pos = torch.arange(seq_len, device=q.device)
+    slots = table[pos // block_size].long() * block_size + pos % block_size
+    k, v = k_pool[slots].transpose(0, 1).float(), v_pool[slots].transpose(0, 1).float()  # [H_kv, L, D]
+    query_pos = torch.arange(seq_len - q.shape[0], seq_len, device=q.device)
+    mask = pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [n, L]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k, v, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)  # [n, H, D]
+
+
+def make_pool(kv_heads, head_dim, block_size, num_blocks=48, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=gen).to(DEVICE), torch.randn(shape, generator=gen).to(DEVICE)
+
+
+def random_tables(num_seqs, num_blocks, width, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(num_blocks, generator=gen)[:width] for _ in range(num_seqs)]
+    return torch.stack(rows).to(torch.int32).to(DEVICE)  # [N, width]: scattered, not in order
+
+
+def as_int32(values):
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEAD_SHAPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_reference(heads, kv_heads, head_dim, block_size):
+    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
+    seq_lens = [1, block_size - 1, block_size, block_size + 1, 5 * block_size + 3]  # most end mid-block
+    tables = random_tables(len(seq_lens), 48, 6)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = paged_decode(q, k_pool, v_pool, tables, as_int32(seq_lens), block_size, max(seq_lens))
+    want = torch.cat([reference(q[i:i + 1], k_pool, v_pool, tables[i], n, block_size) for i, n in enumerate(seq_lens)])
+    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("partition_tokens", [32, 64])
+def test_decode_split_into_partitions_matches_reference(partition_tokens):
+    """Flash-decoding: a long context cut into partitions merges to the same result; a short sequence in the
+    same batch leaves its later partitions empty."""
+    block_size, heads, kv_heads, head_dim = 16, 8, 2, 64
+    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size, num_blocks=64)
+    seq_lens = [3, 200, 17 * 16 + 5]
+    tables = random_tables(len(seq_lens), 64, 18)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    got = paged_decode(q, k_pool, v_pool, tables, as_int32(seq_lens), block_size, max(seq_lens),
+                       partition_tokens=partition_tokens)
+    want = torch.cat([reference(q[i:i + 1], k_pool, v_pool, tables[i], n, block_size) for i, n in enumerate(seq_lens)])
+    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEAD_SHAPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_over_cached_prefix_matches_reference(heads, kv_heads, head_dim, block_size):
+    """Several packed chunks after decode rows: fresh prompts, prefixes cached to a block boundary and to
+    mid-block (chunked prefill), new parts that end mid-block."""
+    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
+    decode_rows = [(4, 1), (9, 1)]  # (num_computed, num_new): rows the prefill call must leave alone
+    chunks = [(0, 5), (block_size, 20), (block_size + 3, 2 * block_size + 1), (0, 70)]
+    specs = decode_rows + chunks
+    query_start = [0]
+    for _, n in specs:
+        query_start.append(query_start[-1] + n)
+    seq_lens = [c + n for c, n in specs]
+    tables = random_tables(len(specs), 48, 6)
+    q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = torch.zeros_like(q)
+    paged_prefill(out, q, k_pool, v_pool, tables, as_int32(query_start), as_int32(seq_lens),
+                  first_seq=len(decode_rows), num_seqs=len(chunks), max_query_len=70, block_size=block_size)
+    assert out[:len(decode_rows)].abs().sum() == 0
+    for i in range(len(decode_rows), len(specs)):
+        start, end = query_start[i], query_start[i + 1]
+        want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
+        torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="half-precision tl.dot needs a GPU (the interpreter is fp32)")
+def test_bf16_kernels_match_fp32_reference_within_bf16_error():
+    block_size, heads, kv_heads, head_dim = 16, 8, 2, 128
+    k_pool, v_pool = (p.bfloat16() for p in make_pool(kv_heads, head_dim, block_size))
+    seq_lens = [7, 300, 33]
+    tables = random_tables(len(seq_lens), 48, 19)
+    q = torch.randn(len(seq_lens), heads, head_dim).to(DEVICE, torch.bfloat16)
+    got = paged_decode(q, k_pool, v_pool, tables, as_int32(seq_lens), block_size, max(seq_lens))
+    want = torch.cat([reference(q[i:i + 1], k_pool, v_pool, tables[i], n, block_size) for i, n in enumerate(seq_lens)])
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

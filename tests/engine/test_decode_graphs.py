@@ -1,0 +1,67 @@
+"""Decode graphs without a GPU: the static buffers, padding to the ladder and replay path run eagerly
+(capture=False) with the Triton kernels under the interpreter; only the capture itself needs CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.attention.backends import TorchBackend, triton_available
+from engine.decode_graphs import DecodeGraphs, batch_size_ladder, decode_graphs_for
+from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+
+def test_ladder_doubles_up_to_max_num_seqs():
+    assert batch_size_ladder(1) == (1,)
+    assert batch_size_ladder(6) == (1, 2, 4, 6)
+    assert batch_size_ladder(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@needs_triton
+def test_padded_static_decode_matches_transformers(tiny_checkpoint, hf_greedy):
+    """Five requests of different lengths finish at different steps, so decode batches of 5, 4, 3, 2, 1
+    rows replay the 8-, 4- and 2-row graphs with padding rows; every token equals transformers'."""
+    path = tiny_checkpoint("qwen2")
+    llm = LLM(str(path), dtype="float32", device="cpu", attention_backend="triton", max_num_seqs=8)
+    engine = llm.engine
+    graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention, max_num_seqs=8,
+                          max_model_len=engine.max_model_len, device=torch.device("cpu"), capture=False)
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda ids, pos, meta: replayed.append(meta.num_seqs) or run(ids, pos, meta)
+    engine.runner.decode_graphs = graphs
+    prompts = random_prompts([3, 20, 33, 7, 50], llm.get_tokenizer().vocab_size, seed=5)
+    max_tokens = [2, 4, 6, 8, 10]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    expected = hf_greedy(path, prompts, max(max_tokens))
+    assert [o.outputs[0].token_ids for o in outputs] == [e[:n] for e, n in zip(expected, max_tokens)]
+    assert set(replayed) >= {5, 3, 1}, replayed
+    assert_all_blocks_free(llm)
+
+
+@needs_triton
+def test_padding_rows_write_nothing_into_the_pool():
+    from engine.attention.triton_store import store_kv
+    k_pool, v_pool = torch.zeros(64, 2, 16), torch.zeros(64, 2, 16)
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([7, 3, -1, 40, -1])
+    store_kv(k, v, k_pool, v_pool, slots)
+    assert torch.equal(k_pool[[7, 3, 40]], k[[0, 1, 3]]) and torch.equal(v_pool[[7, 3, 40]], v[[0, 1, 3]])
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[[7, 3, 40]] = False
+    assert k_pool[untouched].abs().sum() == 0 and v_pool[untouched].abs().sum() == 0
+
+
+def test_graphs_only_where_they_apply(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), device="cpu")
+    engine = llm.engine
+    assert engine.runner.decode_graphs is None  # CPU: nothing is captured
+    args = (engine.runner.model, engine.kv_cache)
+    cuda = torch.device("cuda")
+    assert decode_graphs_for(*args, TorchBackend(), EngineConfig(), 64, cuda) is None
+    assert decode_graphs_for(*args, TorchBackend(), EngineConfig(enforce_eager=True), 64, cuda) is None
+    with pytest.raises(ValueError, match="triton"):
+        DecodeGraphs(*args, TorchBackend(), 4, 64, torch.device("cpu"), capture=False)
