@@ -10,6 +10,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster import client, serve
     from cluster.bench import compare as bench_compare
     from cluster.bench import engine_vs_hf as bench_engine
+    from cluster.bench import sampler as bench_sampler
     from cluster.bench import serve as bench_serve
     from cluster.drivers import demo
     from kv_transfer import bench as bench_transfer
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(bench, "serve", bench_serve, "load a running server; vLLM's serving metrics")
     _add_command(bench, "compare", bench_compare, "every serving mode on the same workload: table and plots")
     _add_command(bench, "transfer", bench_transfer, "KV transfer GB/s against a raw loopback socket")
+    _add_command(bench, "sampler", bench_sampler, "engine.sampler.Sampler alone: ms per call per sampling mode")
     return parser
 
 

@@ -1,4 +1,15 @@
-"""Sampler: one next token per sampled row, greedy or temperature / top-k / top-p, seedable per request."""
+"""Sampler: one next token per sampled row, greedy or temperature / top-k / top-p, seedable per request.
+
+On the logits' device (CPU or CUDA), vectorised over rows: greedy rows are an argmax; the others go
+through `transform_logits` (temperature; issue 15's min_p, penalties and logit_bias belong there), then
+`candidate_probs`: no cut is a softmax, nothing sorted; top-k is a `torch.topk` partial sort of the largest
+k asked for (each row masks past its own k), top-p then cut within those candidates; top-p without top-k
+sorts the whole vocabulary (the nucleus is defined on the sorted order and no fixed candidate count is sure
+to hold it; vLLM sorts too: cheap on a GPU, the slow case on a CPU). The draw is an inverse CDF, one
+uniform per row, in two levels (block sums, then a cumsum inside the chosen block). The host only builds
+small index / parameter tensors (non-blocking copies) and per-row generators; the one device-to-host sync
+is the final `tokens.tolist()` in `Sampler.__call__`.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from engine.sampling_params import SamplingParams
+
+_BLOCK = 1024  # columns per block in the two-level argmax and draw
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -17,43 +30,174 @@ def position_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    """Picks tokens from logits. A seeded row draws with a generator seeded from (seed, position), so a
-    seeded request gets the same tokens whatever shares its batch and whichever engine samples which of
-    its tokens; unseeded rows share the engine's generator."""
+    """Picks tokens from logits. A seeded row draws its uniform from a generator on the logits' device
+    seeded from (seed, position), so a seeded request gets the same tokens whatever shares its batch
+    and whichever engine samples which of its tokens; unseeded rows share the sampler's generator for
+    that device (one per device, created on first use, each seeded with `seed`)."""
 
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  positions: Sequence[int]) -> list[int]:
         """One token per row of logits; positions[i] is the index the new token of row i will have."""
-        # logits: [S, vocab] float32, one row per sampled sequence
-        tokens = logits.argmax(dim=-1).tolist()
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_rows:
-            return tokens
-        probs, order = _filtered_probs(logits[random_rows].cpu(), [params[i] for i in random_rows])
-        for j, row in enumerate(random_rows):
-            seed = params[row].seed
-            generator = self.generator if seed is None else \
-                torch.Generator().manual_seed(position_seed(seed, positions[row]))
-            choice = torch.multinomial(probs[j], 1, generator=generator).item()
-            tokens[row] = int(order[j, choice])
-        return tokens
+        tokens = _argmax(logits)  # [S] int64: the greedy pick, and the fallback of every row
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            index = _to_device(rows, torch.long, logits.device)  # [R]
+            row_params = [params[i] for i in rows]
+            picked = logits if len(rows) == logits.shape[0] else logits.index_select(0, index)
+            scaled = transform_logits(picked.float(), row_params)  # [R, vocab]
+            uniforms = self._uniforms(row_params, [positions[i] for i in rows], logits.device)  # [R]
+            drawn = sample_rows(scaled, row_params, uniforms)  # [R], -1 where a row has no mass
+            fallback = tokens.index_select(0, index)  # [R]
+            tokens = tokens.index_copy(0, index, torch.where(drawn >= 0, drawn, fallback))
+        return tokens.tolist()  # the one device-to-host sync
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def _uniforms(self, params: Sequence[SamplingParams], positions: Sequence[int],
+                  device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row: seeded rows from their own (seed, position) generator,
+        the others from the shared one, in row order."""
+        num_shared = sum(p.seed is None for p in params)
+        shared = torch.rand(num_shared, generator=self._generator(device), device=device)  # [U]
+        parts, next_shared = [], 0
+        for p, position in zip(params, positions):
+            if p.seed is None:
+                parts.append(shared[next_shared:next_shared + 1])
+                next_shared += 1
+            else:
+                generator = torch.Generator(device=device).manual_seed(position_seed(p.seed, position))
+                parts.append(torch.rand(1, generator=generator, device=device))
+        return torch.cat(parts)  # [R]
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]):
-    """Temperature, then top-k and top-p cuts on logits sorted high to low.
+def transform_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The per-row logit transforms before any cut: temperature (issue 15 adds min_p, penalties and
+    logit_bias here). logits: [R, vocab] float32 of non-greedy rows -> [R, vocab], the input itself
+    (never written to) when every temperature is 1."""
+    if all(p.temperature == 1.0 for p in params):
+        return logits
+    temperature = _to_device([p.temperature for p in params], logits.dtype, logits.device)  # [R]
+    return logits / temperature.unsqueeze(1)  # [R, vocab]
 
-    Returns (probs [R, vocab] over the sorted order, order [R, vocab] token ids)."""
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
-    sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)
-    rank = torch.arange(vocab).unsqueeze(0)  # [1, vocab]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of all higher-ranked tokens
-    probs = probs.masked_fill((mass_before >= top_p) & (rank > 0), 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True), order
+
+def _row_groups(params: Sequence[SamplingParams], vocab: int) -> list[list[int]]:
+    """Rows by the work their cuts need: top-k (partial sort), top-p alone (full sort), no cut."""
+    top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
+    top_p = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
+    plain = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
+    return [group for group in (top_k, top_p, plain) if group]
+
+
+def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]):
+    """Top-k, then top-p, on transformed logits [R, vocab]; correct for any mix of rows, fastest when
+    they share a group of `_row_groups`. Returns (probs [R, n], ids [R, n]), probs normalised over each
+    row's kept tokens and zero elsewhere, ids the vocabulary id of each column; ids is None when no row
+    asks for a cut (then n == vocab, columns are token ids, and nothing was sorted)."""
+    vocab, device = logits.shape[-1], logits.device
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if max(ks) < vocab:
+        values, ids = logits.topk(max(ks), dim=-1)  # [R, k] high to low: a partial sort
+    elif min(top_p) < 1.0:
+        values, ids = logits.sort(dim=-1, descending=True)  # [R, vocab]: the nucleus needs the order
+    else:
+        return logits.softmax(dim=-1), None  # [R, vocab]
+    rank = torch.arange(values.shape[-1], device=device).unsqueeze(0)  # [1, n]
+    k = _to_device(ks, torch.long, device).unsqueeze(1)  # [R, 1]
+    probs = values.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)  # [R, n]
+    if min(top_p) < 1.0:
+        p = _to_device(top_p, probs.dtype, device).unsqueeze(1)  # [R, 1]
+        mass_before = probs.cumsum(dim=-1) - probs  # [R, n]: mass of the higher-ranked tokens
+        probs = probs.masked_fill((mass_before >= p) & (p < 1.0) & (rank > 0), 0.0)  # the top one stays
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, ids
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution the sampler draws from: raw logits [R, vocab] of non-greedy rows -> [R, vocab]
+    probabilities (zero outside each row's top-k / top-p set). For tests and inspection."""
+    logits = transform_logits(logits.float(), params)  # [R, vocab]
+    out = torch.zeros_like(logits)  # [R, vocab]
+    for group in _row_groups(params, logits.shape[-1]):
+        index = _to_device(group, torch.long, logits.device)  # [G]
+        probs, ids = candidate_probs(logits.index_select(0, index), [params[i] for i in group])
+        dense = probs if ids is None else torch.zeros_like(out[: len(group)]).scatter_(1, ids, probs)
+        out.index_copy_(0, index, dense)
+    return out
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                uniforms: torch.Tensor) -> torch.Tensor:
+    """One token id per row of transformed logits [R, vocab], drawn with uniforms [R]; -1 for a row
+    whose kept probabilities do not sum to a positive finite mass (all -inf, NaN)."""
+    groups = _row_groups(params, logits.shape[-1])
+    if len(groups) == 1:
+        return _draw(*candidate_probs(logits, params), uniforms)
+    drawn = torch.empty_like(uniforms, dtype=torch.long)  # [R]
+    for group in groups:
+        index = _to_device(group, torch.long, logits.device)  # [G]
+        probs, ids = candidate_probs(logits.index_select(0, index), [params[i] for i in group])
+        drawn.index_copy_(0, index, _draw(probs, ids, uniforms.index_select(0, index)))
+    return drawn
+
+
+def _draw(probs: torch.Tensor, ids: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF in two levels: the block whose cumulative mass passes u * total, then the column
+    inside it, so a long row costs a summing pass, not a full cumsum. probs [R, n] >= 0, ids [R, n] or
+    None (columns are token ids), uniforms [R] in [0, 1) -> token ids [R], -1 where there is no mass."""
+    block_mass = _per_block(probs, lambda blocks: blocks.sum(dim=-1))  # [R, nb]
+    block_cdf = block_mass.cumsum(dim=-1)  # [R, nb], non-decreasing
+    total = block_cdf[:, -1:]  # [R, 1]
+    target = _below(uniforms.unsqueeze(1) * total, total)  # [R, 1]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)  # [R, 1]
+    before = torch.nn.functional.pad(block_cdf, (1, 0)).gather(1, block)  # [R, 1]: earlier blocks' mass
+    values, columns = _block_columns(probs, block, 0.0)  # [R, B]
+    inner = values.cumsum(dim=-1)  # [R, B]
+    residual = _below((target - before).clamp_(min=0.0), inner[:, -1:])  # [R, 1]
+    inside = torch.searchsorted(inner, residual, right=True).clamp_(max=_BLOCK - 1)  # [R, 1]
+    column = columns.gather(1, inside).clamp_(max=probs.shape[-1] - 1)  # [R, 1], in range even for NaN
+    token = column if ids is None else ids.gather(1, column)  # [R, 1]
+    valid = (total > 0) & torch.isfinite(total)  # [R, 1]
+    return torch.where(valid, token, -1).squeeze(1)  # [R]
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [S, n] -> [S], the first maximum of each row as torch.argmax gives it, in two levels
+    (block maxima, then inside the first best block): a fraction of argmax's time on CPU."""
+    block = _per_block(logits, lambda blocks: blocks.amax(dim=-1)).argmax(dim=-1, keepdim=True)  # [S, 1]
+    values, columns = _block_columns(logits, block, float("-inf"))  # [S, B]
+    return columns.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)  # [S]
+
+
+def _per_block(x: torch.Tensor, reduce) -> torch.Tensor:
+    """x [R, n] -> [R, nb]: reduce(blocks [R, m, B]) over runs of _BLOCK columns, the last run short."""
+    rows, n = x.shape
+    full = n // _BLOCK * _BLOCK
+    parts = [reduce(x[:, :full].reshape(rows, full // _BLOCK, _BLOCK))] if full else []
+    if full < n:
+        parts.append(reduce(x[:, full:].unsqueeze(1)))  # [R, 1]
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _block_columns(x: torch.Tensor, block: torch.Tensor, fill: float):
+    """The values [R, B] of block [R, 1] of x [R, n] (fill past column n) and their columns [R, B]."""
+    columns = block * _BLOCK + torch.arange(_BLOCK, device=x.device)  # [R, B]
+    values = x.gather(1, columns.clamp(max=x.shape[-1] - 1))  # [R, B]
+    return values.masked_fill(columns >= x.shape[-1], fill), columns
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on device; non_blocking, as a blocking CUDA copy would wait on the stream (a sync)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _below(value: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """min(value, the largest float below bound): a target the cumulative mass is sure to pass."""
+    return torch.minimum(value, torch.nextafter(bound, torch.zeros_like(bound)))
