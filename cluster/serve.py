@@ -31,7 +31,7 @@ from cluster.backend import Backend
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
-from engine.config import EngineConfig
+from engine.config import ATTENTION_BACKENDS, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,13 @@ def _add_engine_arguments(group) -> None:
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)
     group.add_argument("--kv-cache-memory-mib", type=int, default=None,
-                       help="KV pool size per engine in MiB (CPU default 1024; GPU default: a share of free memory)")
+                       help="KV pool size per engine in MiB (CPU default 1024; GPU default: the memory plan, "
+                            "what --gpu-memory-utilization leaves after weights, activations and CUDA graphs)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
+                       help="share of the GPU an engine may fill, KV pool included")
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
+                       help="auto: triton on CUDA, the numba kernel on CPU float32, torch otherwise")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -127,7 +133,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_chunked_prefill=args.enable_chunked_prefill,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
-                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory)
+                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -145,7 +153,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         if prefill_workers < 1 or args.decode_workers < 1:
             raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
         if args.transport == "ipc":
-            raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use auto, nccl, gloo or grpc")
+            raise ValueError("transport 'ipc' (CUDA IPC) needs the prefill and decode workers on one GPU, and "
+                             "the cluster gives each worker a GPU of its own (or none); use auto, nccl, gloo or grpc")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError("--cpu-threads must be >= 1")
     if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and mode == "colocated"):

@@ -6,7 +6,7 @@ Public API (see docs/kv_transfer.md for the protocol):
     create_sender / create_receiver, resolve_transport    build a transport by name
     KVSender.send(peer, SendRequest) -> TransferHandle    ship blocks (the transfer frees them)
     KVReceiver.poll() / wait() / cancel() / close()       ReceivedKV (blocks now yours) | ReceiveFailed
-    start_store                                           the TCPStore rendezvous server for gloo/nccl
+    start_store                                           the TCPStore rendezvous server for gloo/nccl/ipc
 """
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVReceiver, KVSender, resolve_transport

@@ -123,6 +123,8 @@ def _sender_main(spec: SenderSpec, conn) -> None:
     fp = bench_fingerprint(spec.num_layers)
     pool = _resident_pool(fp, spec.num_blocks, spec.device)
     transport = spec.config.transport
+    if transport == "ipc" and not pool.kv.is_cuda:
+        pool.kv.share_memory_()  # the receiver maps this pool
     senders = {v: create_sender(variant_config(spec.config, v), pool.view(), transport,
                                 variant_rendezvous(spec.store_port, 1, v)) for v in spec.variants}
     payload = memoryview(torch.randint(0, 256, (spec.num_blocks * fp.block_nbytes,), dtype=torch.uint8).numpy())
@@ -211,7 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _devices(transport: str) -> tuple[str, str] | None:
-    """(sender device, receiver device): nccl needs two GPUs (None without), the others use CPU pools."""
+    """(sender device, receiver device): nccl needs two GPUs (None without); ipc uses the GPU when there is
+    one (else CPU pools, the sender's in shared memory); the others use CPU pools."""
+    if transport == "ipc":
+        return ("cuda:0", "cuda:0") if torch.cuda.is_available() else ("cpu", "cpu")
     if transport != "nccl":
         return "cpu", "cpu"
     return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else None
@@ -219,9 +224,9 @@ def _devices(transport: str) -> tuple[str, str] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark; 0 if every transfer was bit-exact, 1 otherwise, 2 for an unusable setup."""
-    devices = None if args.transport == "ipc" else _devices(args.transport)
+    devices = _devices(args.transport)
     if devices is None:
-        print(f"bench transfer: '{args.transport}' is unavailable here (ipc is not implemented; nccl needs 2 GPUs)")
+        print(f"bench transfer: '{args.transport}' is unavailable here (nccl needs 2 GPUs)")
         return 2
     sender_device, receiver_device = devices
     sizes = [int(s) for s in args.sizes_mib.split(",") if s]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TRANSPORTS = ("auto", "gloo", "nccl", "grpc", "ipc")
-IMPLEMENTED_TRANSPORTS = ("gloo", "nccl", "grpc")
+IMPLEMENTED_TRANSPORTS = ("gloo", "nccl", "grpc", "ipc")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class DistRendezvous:
 
 @dataclass(frozen=True)
 class ReceiverAddress:
-    """How a sender reaches a receiver: a rank (gloo/nccl) or a host:port target (grpc)."""
+    """How a sender reaches a receiver: a rank (gloo/nccl/ipc) or a host:port target (grpc)."""
 
     transport: str
     rank: int = -1

@@ -64,17 +64,24 @@ def resolve_transport(requested: str, sender_device: torch.device, receiver_devi
                       same_host: bool = True) -> str:
     """The concrete transport for a sender/receiver pair.
 
-    auto: nccl when both pools are on CUDA devices that differ (or on different hosts); gloo (host
-    staging) when both are on the same CUDA device -- CUDA IPC is not implemented -- and between CPU
-    pools on one host; grpc between CPU pools on different hosts. Explicit names are checked."""
+    auto: ipc when both pools are on the same CUDA device of one host (the receiver copies straight out of
+    the sender's pool); nccl when both are on CUDA devices that differ (or on different hosts); otherwise
+    gloo on one host and grpc across hosts. Explicit names are checked: ValueError says why a pair cannot
+    use them.
+    (ipc between CPU pools in shared memory exists for tests: build it with create_sender/create_receiver.)"""
     sender_device, receiver_device = torch.device(sender_device), torch.device(receiver_device)
     both_cuda = sender_device.type == receiver_device.type == "cuda"
-    if requested == "ipc":
-        raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use nccl, gloo or grpc")
+    one_gpu = both_cuda and sender_device == receiver_device and same_host
+    if requested == "ipc" and not one_gpu:
+        where = "on different hosts" if not same_host else f"on {sender_device} and {receiver_device}"
+        raise ValueError(f"transport 'ipc' (CUDA IPC) needs both KV pools on the same CUDA device of one host, "
+                         f"they are {where}; use nccl, gloo or grpc")
     if requested == "nccl" and not both_cuda:
         raise ValueError("transport 'nccl' needs both KV pools on CUDA devices")
     if requested != "auto":
         return requested
-    if both_cuda and (sender_device != receiver_device or not same_host):
+    if one_gpu:
+        return "ipc"
+    if both_cuda:
         return "nccl"
     return "gloo" if same_host else "grpc"

@@ -11,8 +11,6 @@ from kv_transfer.pool import KVPoolView
 def _concrete(transport: str) -> str:
     if transport == "auto":
         raise ValueError("resolve 'auto' with kv_transfer.resolve_transport() before building a transport")
-    if transport == "ipc":
-        raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use nccl, gloo or grpc")
     return transport
 
 
@@ -24,11 +22,15 @@ def _need_rendezvous(transport: str, rendezvous: DistRendezvous | None) -> DistR
 
 def create_sender(config: TransferConfig, pool: KVPoolView, transport: str,
                   rendezvous: DistRendezvous | None = None) -> KVSender:
-    """A KVSender for gloo / nccl (needs rendezvous) or grpc."""
+    """A KVSender for gloo / nccl / ipc (needs rendezvous) or grpc. ipc: ValueError unless the pool is on
+    CUDA or a CPU pool in shared memory."""
     transport = _concrete(transport)
     if transport == "grpc":
         from kv_transfer.grpc.sender import GrpcSender
         return GrpcSender(config, pool)
+    if transport == "ipc":
+        from kv_transfer.ipc.transport import IpcSender
+        return IpcSender(config, pool, _need_rendezvous(transport, rendezvous))
     from kv_transfer.dist.transport import TorchDistSender
     return TorchDistSender(config, pool, _need_rendezvous(transport, rendezvous), backend=transport)
 
@@ -36,10 +38,13 @@ def create_sender(config: TransferConfig, pool: KVPoolView, transport: str,
 def create_receiver(config: TransferConfig, pool: KVPoolView, transport: str,
                     rendezvous: DistRendezvous | None = None, peers: Sequence[int] = (),
                     host: str = "127.0.0.1", port: int = 0) -> KVReceiver:
-    """A KVReceiver: gloo / nccl listen to the sender ranks in peers; grpc binds host:port (0 = free port)."""
+    """A KVReceiver: gloo / nccl / ipc listen to the sender ranks in peers; grpc binds host:port (0 = free port)."""
     transport = _concrete(transport)
     if transport == "grpc":
         from kv_transfer.grpc.receiver import GrpcReceiver
         return GrpcReceiver(config, pool, host=host, port=port)
+    if transport == "ipc":
+        from kv_transfer.ipc.transport import IpcReceiver
+        return IpcReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers)
     from kv_transfer.dist.transport import TorchDistReceiver
     return TorchDistReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers, backend=transport)

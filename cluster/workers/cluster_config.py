@@ -54,7 +54,8 @@ class ClusterConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.transport == "ipc":
-            raise ValueError("transport 'ipc' (CUDA IPC) is not implemented; use auto, nccl, gloo or grpc")
+            raise ValueError("transport 'ipc' (CUDA IPC) needs the prefill and decode workers on one GPU, and "
+                             "the cluster gives each worker a GPU of its own (or none); use auto, nccl, gloo or grpc")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
         if self.device not in DEVICES:

@@ -134,7 +134,7 @@ def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: fl
     return control == COMMIT
 
 
-def _finish(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, committed: bool, deadline: float) -> ReceiveOutcome:
+def finish_receive(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, committed: bool, deadline: float) -> ReceiveOutcome:
     """Verifies and writes the blocks (or not), then acks the sender with the outcome; frees on any failure."""
     if not committed:
         outcome = incoming.fail(TransferStatus.ABORTED_BY_SENDER, "the sender cancelled the transfer")
@@ -177,4 +177,4 @@ def receive_transfer(channel: PairChannel, pool: KVPoolView, staging: StagingPoo
     except BaseException as exc:
         inbox.put(incoming.fail(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}"))
         raise
-    inbox.put(_finish(channel, incoming, inbox, committed, deadline))
+    inbox.put(finish_receive(channel, incoming, inbox, committed, deadline))

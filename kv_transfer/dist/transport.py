@@ -46,7 +46,7 @@ def _open_channel(backend: str, rdzv: DistRendezvous, sender: int, receiver: int
     return PairChannel(backend, store, prefix, role, device, config.connect_timeout_s, config.kv_transfer_timeout_s)
 
 
-class _SenderLink:
+class SenderLink:
     """The sending end of one pair: a queue of transfers drained in order by one thread."""
 
     def __init__(self, owner: "TorchDistSender", peer_rank: int):
@@ -114,7 +114,7 @@ class TorchDistSender(KVSender):
         self.staging = StagingPool(staging_device(backend, pool), pin_memory=pool.device.type == "cuda",
                                    max_cached_bytes=config.staging_cache_bytes)
         self.closed = False
-        self._links: dict[int, _SenderLink] = {}
+        self._links: dict[int, SenderLink] = {}
         self._lock = threading.Lock()
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
@@ -124,7 +124,7 @@ class TorchDistSender(KVSender):
         ready = record_ready_event(self.pool.device)
         with self._lock:
             if not self.closed:
-                link = self._links.get(peer.rank) or self._links.setdefault(peer.rank, _SenderLink(self, peer.rank))
+                link = self._links.get(peer.rank) or self._links.setdefault(peer.rank, SenderLink(self, peer.rank))
                 link.jobs.put((request, handle, ready))
                 return handle
         self.pool.free(request.block_ids)
@@ -141,7 +141,7 @@ class TorchDistSender(KVSender):
             link.thread.join(self.config.kv_transfer_timeout_s + self.config.connect_timeout_s)
 
 
-class _ReceiverLink:
+class ReceiverLink:
     """The receiving end of one pair: sleeps on the doorbell, then serves transfers one by one."""
 
     def __init__(self, owner: "TorchDistReceiver", peer_rank: int):
@@ -198,7 +198,7 @@ class TorchDistReceiver(KVReceiver):
                                    max_cached_bytes=config.staging_cache_bytes)
         self.stopping = threading.Event()
         self._control_store = connect_store(rendezvous.host, rendezvous.port, config.connect_timeout_s)
-        self._links = [_ReceiverLink(self, peer) for peer in peers]
+        self._links = [ReceiverLink(self, peer) for peer in peers]
 
     @property
     def address(self) -> ReceiverAddress:

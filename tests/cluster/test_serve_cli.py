@@ -90,3 +90,16 @@ def test_both_worker_counts_without_a_mode_mean_disaggregated():
     assert (both.mode, both.prefill_workers, both.decode_workers) == ("disaggregated", 1, 2)
     assert config_from_args(parser.parse_args([])).mode == "colocated"
     assert config_from_args(parser.parse_args(["--mode", "disaggregated"])).prefill_workers == 1
+
+
+def test_engine_flags_reach_the_engine_config():
+    import argparse
+
+    from cluster.serve import add_arguments, config_from_args
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engine = config_from_args(parser.parse_args(["--attention-backend", "torch", "--enforce-eager",
+                                                 "--gpu-memory-utilization", "0.5"])).engine
+    assert (engine.attention_backend, engine.enforce_eager, engine.gpu_memory_utilization) == ("torch", True, 0.5)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        config_from_args(parser.parse_args(["--gpu-memory-utilization", "1.5"]))

@@ -242,9 +242,9 @@ def test_resolve_transport():
     assert resolve_transport("auto", cpu, cpu) == "gloo"
     assert resolve_transport("auto", cpu, cpu, same_host=False) == "grpc"
     assert resolve_transport("auto", cuda0, cuda1) == "nccl"
-    assert resolve_transport("auto", cuda0, cuda0) == "gloo"
+    assert resolve_transport("auto", cuda0, cuda0) == "ipc"  # one GPU: the receiver copies out of the sender's pool
     assert resolve_transport("grpc", cuda0, cuda1) == "grpc"
     with pytest.raises(ValueError, match="nccl"):
         resolve_transport("nccl", cpu, cuda0)
     with pytest.raises(ValueError, match="ipc"):
-        resolve_transport("ipc", cuda0, cuda0)
+        resolve_transport("ipc", cuda0, cuda1)
