@@ -1,15 +1,18 @@
 """Memory plan: how many KV blocks the pool gets, from what the device holds and what a step needs.
 
-On CUDA without an explicit size, the pool gets what is left of the device once everything else an
-engine needs at its peak is counted:
+On CUDA without an explicit size, the pool gets this engine's share of the device once everything else
+the engine needs at its peak is counted, and never more than what is actually free:
 
-    kv_budget = gpu_memory_utilization x total - other - weights - activations - graph pools
+    kv_budget = gpu_memory_utilization x total - weights - activations - graph pools
+                - max(0, other - (1 - gpu_memory_utilization) x total)
 
 - total: the device's memory (`torch.cuda.mem_get_info`);
 - other: what is in use on the device besides our weights, measured after the profiling forward:
-  other processes, the CUDA context, buffers, what the forward left behind (cuBLAS workspaces). So
-  gpu_memory_utilization caps the whole device, as before: engines that share a GPU need utilizations
-  that add up, the second one's covering the first's usage;
+  other processes, the CUDA context, what the forward left behind (cuBLAS workspaces). It takes from
+  the budget only what does not fit in the headroom the utilization leaves. So gpu_memory_utilization is
+  this engine's share (vLLM's meaning): two engines on one GPU at 0.45 each get 0.45 of it each, in
+  whichever order they start, and an engine alone on a device that others already fill gets no more
+  than is free;
 - weights: the bytes of the model's parameters (unique storages: tied embeddings count once);
 - activations: the peak of a profiling forward of max_num_batched_tokens tokens that samples as many
   rows as a step can (max_num_seqs), through the engine's own ModelRunner, above what was in use;
@@ -102,12 +105,14 @@ def plan_kv_cache(report: DeviceMemoryReport | None, config: EngineConfig, spec:
         budget = config.kv_cache_memory if explicit else DEFAULT_CPU_KV_CACHE_BYTES
         return MemoryPlan(budget, num_blocks_for_budget(spec, budget), per_block,
                           "kv_cache_memory" if explicit else "cpu default", util)
-    budget = (int(util * report.total_bytes) - report.other_bytes - report.weights_bytes
-              - report.activation_bytes - report.graph_pool_bytes)
+    crowding = max(0, report.other_bytes - int((1 - util) * report.total_bytes))  # others past our headroom
+    budget = (int(util * report.total_bytes) - report.weights_bytes - report.activation_bytes
+              - report.graph_pool_bytes - crowding)
     needed = config.max_num_seqs
     if budget < needed * per_block:
         raise ValueError(
-            f"model does not fit: {_terms(report, util)} leave {_gib(budget)} GiB for the KV cache; "
+            f"model does not fit: {_terms(report, util)}{_crowding(crowding)} leave {_gib(budget)} GiB for the KV "
+            f"cache; "
             f"it needs at least {needed} blocks (max_num_seqs) x {per_block / (1 << 20):.2f} MiB = "
             f"{_gib(needed * per_block)} GiB. Raise gpu_memory_utilization, lower max_num_batched_tokens "
             f"or max_num_seqs, or use a smaller model or dtype")
@@ -229,6 +234,10 @@ def _terms(report: DeviceMemoryReport, util: float) -> str:
             f"other {_gib(report.other_bytes)} GiB, weights {_gib(report.weights_bytes)} GiB, "
             f"activations at {report.profiled_tokens} tokens {_gib(report.activation_bytes)} GiB, "
             f"CUDA graphs {_gib(report.graph_pool_bytes)} GiB")
+
+
+def _crowding(crowding: int) -> str:
+    return f", and other use past the headroom takes {_gib(crowding)} GiB," if crowding else ""
 
 
 def _gib(num_bytes: int) -> str:

@@ -2,6 +2,7 @@
 forward (run here on CPU, where nothing is measured)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -29,14 +30,15 @@ def h100_report(total: int = 80 * GIB, activations: int = 2 * GIB) -> DeviceMemo
 def test_measured_plan_arithmetic():
     assert LLAMA8B_SPEC.bytes_per_block == 2 << 20
     plan = plan_kv_cache(h100_report(), EngineConfig(gpu_memory_utilization=0.85), LLAMA8B_SPEC)
-    # 0.85 x 80 GiB = 73014444032; minus 600 MiB, the weights, 2 GiB and 512 MiB = 53640421376 bytes
+    # 0.85 x 80 GiB = 73014444032; minus the weights, 2 GiB and 512 MiB = 54269566976 bytes (the 600 MiB of
+    # other use fit in the 12 GiB of headroom the utilization leaves)
     assert plan.source == "measured"
-    assert plan.kv_budget_bytes == 53_640_421_376
-    assert plan.num_blocks == 25_577
+    assert plan.kv_budget_bytes == 54_269_566_976
+    assert plan.num_blocks == 25_877
     assert plan.bytes_per_block == 2 << 20
     assert plan.report == h100_report()
     line = plan.describe()
-    assert "25577 blocks x 2.00 MiB = 49.96 GiB" in line
+    assert "25877 blocks x 2.00 MiB = 50.54 GiB" in line
     assert "0.85 x 80.00 GiB = 68.00 GiB usable" in line and "weights 14.96 GiB" in line
     assert "activations at 8192 tokens 2.00 GiB" in line and "CUDA graphs 0.50 GiB" in line
 
@@ -44,22 +46,37 @@ def test_measured_plan_arithmetic():
 def test_gpu_memory_utilization_moves_the_budget_by_its_share_of_the_device():
     blocks = {u: plan_kv_cache(h100_report(), EngineConfig(gpu_memory_utilization=u), LLAMA8B_SPEC).num_blocks
               for u in (0.5, 0.85, 0.9)}
-    assert blocks == {0.5: 11_241, 0.85: 25_577, 0.9: 27_625}
+    assert blocks == {0.5: 11_541, 0.85: 25_877, 0.9: 27_925}
     assert blocks[0.9] - blocks[0.85] == int(0.05 * 80 * GIB) // (2 << 20)  # 4 GiB = 2048 blocks
 
 
 def test_model_that_does_not_fit_names_every_number():
-    report = h100_report(total=24 * GIB, activations=4 * GIB)
+    report = h100_report(total=24 * GIB, activations=4 * GIB + GIB // 2)
     with pytest.raises(ValueError) as err:
         plan_kv_cache(report, EngineConfig(max_num_seqs=256), LLAMA8B_SPEC)
     message = str(err.value)
     for part in ("model does not fit", "0.85 x 24.00 GiB = 20.40 GiB usable", "other 0.59 GiB",
-                 "weights 14.96 GiB", "activations at 8192 tokens 4.00 GiB", "CUDA graphs 0.50 GiB",
-                 "leave 0.36 GiB", "256 blocks (max_num_seqs) x 2.00 MiB = 0.50 GiB"):
+                 "weights 14.96 GiB", "activations at 8192 tokens 4.50 GiB", "CUDA graphs 0.50 GiB",
+                 "leave 0.44 GiB", "256 blocks (max_num_seqs) x 2.00 MiB = 0.50 GiB"):
         assert part in message, (part, message)
-    # The same device holds the minimum of 128 sequences: the pool gets all 0.36 GiB.
+    # The same device holds the minimum of 128 sequences: the pool gets all 0.44 GiB.
     plan = plan_kv_cache(report, EngineConfig(max_num_seqs=128), LLAMA8B_SPEC)
-    assert plan.num_blocks == plan.kv_budget_bytes // (2 << 20) == 182
+    assert plan.num_blocks == plan.kv_budget_bytes // (2 << 20) == 226
+
+
+def test_other_use_takes_only_what_exceeds_the_headroom():
+    """gpu_memory_utilization is this engine's share: other processes cost it nothing while they fit in the
+    rest of the device, and then exactly what they take beyond it."""
+    config = EngineConfig(gpu_memory_utilization=0.85)
+    alone = plan_kv_cache(h100_report(), config, LLAMA8B_SPEC)
+    crowded = dataclasses.replace(h100_report(), other_bytes=20 * GIB)  # 8 GiB past the 12 GiB of headroom
+    assert alone.num_blocks - plan_kv_cache(crowded, config, LLAMA8B_SPEC).num_blocks == 8 * GIB // (2 << 20)
+    # Two engines sharing one GPU at 0.45 each: the second sees the first's 0.45 (and a context) as other use
+    # and still gets its own 0.45, so together they stay within 0.9 of the device.
+    half = EngineConfig(gpu_memory_utilization=0.45)
+    first = plan_kv_cache(h100_report(), half, LLAMA8B_SPEC)
+    neighbour = dataclasses.replace(h100_report(), other_bytes=int(0.45 * 80 * GIB) + (600 << 20))
+    assert plan_kv_cache(neighbour, half, LLAMA8B_SPEC).num_blocks == first.num_blocks
 
 
 def test_weights_larger_than_the_device_do_not_fit():
