@@ -57,6 +57,7 @@ class ServeConfig:
     worker_stall_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 1 << 20
     shutdown_grace_s: float = 5.0
+    gpus_per_worker: float = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray cluster address (disaggregated mode)")
     parser.add_argument("--placement-strategy", default="PACK", choices=list(PLACEMENT_STRATEGIES),
                         help="how Ray places the workers (disaggregated mode)")
+    parser.add_argument("--gpus-per-worker", type=float, default=1.0,
+                        help="GPU share of each worker (disaggregated mode); below 1 every worker shares one GPU "
+                             "and KV moves over CUDA IPC, e.g. 0.5 for 1 prefill + 1 decode worker on one GPU")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--grpc-port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=8000)
@@ -152,9 +156,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         prefill_workers = prefill_workers or 1
         if prefill_workers < 1 or args.decode_workers < 1:
             raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
-        if args.transport == "ipc":
-            raise ValueError("transport 'ipc' (CUDA IPC) needs the prefill and decode workers on one GPU, and "
-                             "the cluster gives each worker a GPU of its own (or none); use auto, nccl, gloo or grpc")
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError("--cpu-threads must be >= 1")
     if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and mode == "colocated"):
@@ -165,11 +166,16 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--max-prefill-queue-tokens must be >= 0 (0: no bound)")
     if not 0 <= args.shutdown_grace_s <= 60:
         raise ValueError("--shutdown-grace-s must be in [0, 60]")
-    return ServeConfig(args.model, args.dtype, args.device, mode, prefill_workers, args.decode_workers,
-                       args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
-                       args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
-                       args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
-                       args.max_prefill_queue_tokens, args.shutdown_grace_s)
+    config = ServeConfig(args.model, args.dtype, args.device, mode, prefill_workers, args.decode_workers,
+                         args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
+                         args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
+                         args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
+                         args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker)
+    if mode == "disaggregated":
+        cluster_config(config)  # its own checks: transport against the GPU share, worker counts
+    elif args.transport != "auto" or args.gpus_per_worker != 1.0:
+        raise ValueError("--transport and --gpus-per-worker need --mode disaggregated")
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -194,14 +200,19 @@ def start_backend(config: ServeConfig) -> Backend:
         return LocalEngineBackend(engine, LocalBackendConfig(
             model_name=config.model or "tandem-default", max_pending_requests=config.max_pending_requests))
     from cluster.coordinator.start import start_cluster
-    cluster = ClusterConfig(model=config.model, dtype=config.dtype, device=config.device,
-                            num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
-                            transport=config.transport, placement_strategy=config.placement_strategy,
-                            engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
-                            kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens,
-                            worker_stall_timeout_s=config.worker_stall_timeout_s,
-                            max_prefill_queue_tokens=config.max_prefill_queue_tokens)
-    return start_cluster(cluster, address=config.address)
+    return start_cluster(cluster_config(config), address=config.address)
+
+
+def cluster_config(config: ServeConfig) -> ClusterConfig:
+    """The disaggregated cluster this serve config describes (ValueError on an inconsistent one)."""
+    return ClusterConfig(model=config.model, dtype=config.dtype, device=config.device,
+                         num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
+                         transport=config.transport, placement_strategy=config.placement_strategy,
+                         engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
+                         kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens,
+                         worker_stall_timeout_s=config.worker_stall_timeout_s,
+                         max_prefill_queue_tokens=config.max_prefill_queue_tokens,
+                         gpus_per_worker=config.gpus_per_worker)
 
 
 async def serve(config: ServeConfig) -> None:

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> JobPlan:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prefill-workers", type=int, default=0, help="0: half the GPUs, or 1 on CPU")
     parser.add_argument("--decode-workers", type=int, default=0, help="0: the other half of the GPUs, or 1")
-    parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc"])
+    parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc", "ipc"])
     parser.add_argument("--kv-host", default="127.0.0.1",
                         help="address the gloo/nccl rendezvous store listens on, in this driver "
                              "(the head's routable address when workers span nodes)")
@@ -71,9 +71,10 @@ def connect(plan: JobPlan) -> None:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, 3), **quiet)
 
 
-def worker_counts(plan: JobPlan) -> tuple[int, int, str, int | None]:
-    """(prefill, decode, device, kv_cache_memory): flags win; else half / half of the GPUs when there
-    are >= 2, else one CPU worker each with a small pool."""
+def worker_counts(plan: JobPlan) -> tuple[int, int, str, int | None, float]:
+    """(prefill, decode, device, kv_cache_memory, gpus_per_worker): flags win; else half / half of the GPUs
+    when there are >= 2, one prefill and one decode worker sharing the GPU when there is one, else one CPU
+    worker each with a small pool."""
     import ray
     gpus = int(ray.cluster_resources().get("GPU", 0))
     if plan.prefill_workers and plan.decode_workers:
@@ -82,9 +83,10 @@ def worker_counts(plan: JobPlan) -> tuple[int, int, str, int | None]:
         prefill, decode = gpus // 2, gpus - gpus // 2
     else:
         prefill, decode = 1, 1
-    device = "cuda" if gpus >= prefill + decode else "cpu"
+    share = 1.0 if gpus != 1 else 1.0 / (prefill + decode)
+    device = "cuda" if gpus >= prefill + decode or gpus == 1 else "cpu"
     memory = plan.kv_cache_memory or (32 << 20 if device == "cpu" else None)
-    return prefill, decode, device, memory
+    return prefill, decode, device, memory, share
 
 
 async def serve_and_send(plan: JobPlan) -> tuple[list[RequestResult], float, bool]:
@@ -93,10 +95,11 @@ async def serve_and_send(plan: JobPlan) -> tuple[list[RequestResult], float, boo
     from cluster.coordinator.start import start_cluster
     from cluster.workers.cluster_config import ClusterConfig
     from engine import EngineConfig
-    prefill, decode, device, memory = worker_counts(plan)
+    prefill, decode, device, memory, share = worker_counts(plan)
     config = ClusterConfig(model=plan.model, dtype=plan.dtype, device=device, num_prefill_workers=prefill,
                            num_decode_workers=decode, transport=plan.transport, kv_host=plan.kv_host,
-                           engine=EngineConfig(kv_cache_memory=memory), worker_start_timeout_s=300.0)
+                           engine=EngineConfig(kv_cache_memory=memory), worker_start_timeout_s=300.0,
+                           gpus_per_worker=share)
     print(f"tandem job: {plan.model or 'embedded default model (untrained)'}, {prefill} prefill + {decode} "
           f"decode workers on {device}, {plan.num_requests} requests x {plan.max_tokens} tokens", flush=True)
     coordinator = await asyncio.to_thread(start_cluster, config)

@@ -32,6 +32,7 @@ class DemoPlan:
     dtype: str
     num_requests: int
     max_tokens: int
+    gpus_per_worker: float = 1.0  # 0.5: prefill and decode workers share the one GPU (KV over CUDA IPC)
 
     @property
     def kv_cache_memory(self) -> int | None:
@@ -39,14 +40,18 @@ class DemoPlan:
 
 
 def plan_from_args(args: argparse.Namespace) -> DemoPlan:
-    """Half the local GPUs prefill and half decode when there are >= 2, else 1 + 1 CPU workers."""
+    """Half the local GPUs prefill and half decode when there are >= 2; one prefill and one decode worker
+    sharing the GPU when there is one; else 1 + 1 CPU workers."""
     import torch
     gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
+    common = (args.model, args.dtype, args.requests, args.max_tokens)
     if gpus >= 2:
-        return DemoPlan("cuda", gpus // 2, gpus - gpus // 2, args.model, args.dtype, args.requests, args.max_tokens)
+        return DemoPlan("cuda", gpus // 2, gpus - gpus // 2, *common)
+    if gpus == 1:
+        return DemoPlan("cuda", 1, 1, *common, gpus_per_worker=0.5)
     if args.device == "cuda":
-        raise ValueError("the serving demo on cuda needs at least 2 GPUs (one prefill, one decode)")
-    return DemoPlan("cpu", 1, 1, args.model, args.dtype, args.requests, args.max_tokens)
+        raise ValueError("the serving demo on cuda needs a GPU")
+    return DemoPlan("cpu", 1, 1, *common)
 
 
 def run_serving(args: argparse.Namespace) -> int:
@@ -99,7 +104,8 @@ async def _run_disaggregated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[boo
         config = ClusterConfig(model=plan.model, dtype=plan.dtype, device=plan.device,
                                num_prefill_workers=plan.num_prefill_workers,
                                num_decode_workers=plan.num_decode_workers,
-                               engine=EngineConfig(kv_cache_memory=plan.kv_cache_memory), worker_start_timeout_s=120.0)
+                               engine=EngineConfig(kv_cache_memory=plan.kv_cache_memory), worker_start_timeout_s=120.0,
+                               gpus_per_worker=plan.gpus_per_worker)
         coordinator = await asyncio.to_thread(start_cluster, config)
         try:
             results, wall_s = await _serve_workload(coordinator, plan)

@@ -26,7 +26,11 @@ class ClusterConfig:
     long, or that does not answer a health check within it, is declared lost (killed; its requests migrate).
     max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would
     pass this many prompt tokens with it (0: no bound).
-    worker_stop_timeout_s: how long shutdown waits for the workers' orderly stop before killing them."""
+    worker_stop_timeout_s: how long shutdown waits for the workers' orderly stop before killing them.
+    gpus_per_worker: the share of a GPU each worker's bundle takes on GPU nodes. 1: a GPU of its own. Below 1,
+    every worker shares one GPU (num_workers x gpus_per_worker <= 1; the only way to serve disaggregated on a
+    one-GPU machine): KV moves over CUDA IPC (auto), gloo or grpc, never NCCL, which refuses two ranks on one
+    device; each engine's gpu_memory_utilization then counts within its share (0.85 of a half GPU)."""
 
     model: str | None = None
     model_name: str | None = None
@@ -47,15 +51,14 @@ class ClusterConfig:
     worker_stall_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 1 << 20
     worker_stop_timeout_s: float = 5.0
+    gpus_per_worker: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
             raise ValueError("disaggregated serving needs at least one prefill and one decode worker")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.transport == "ipc":
-            raise ValueError("transport 'ipc' (CUDA IPC) needs the prefill and decode workers on one GPU, and "
-                             "the cluster gives each worker a GPU of its own (or none); use auto, nccl, gloo or grpc")
+        self._check_gpu_share()
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
         if self.device not in DEVICES:
@@ -70,6 +73,23 @@ class ClusterConfig:
             raise ValueError("worker_stall_timeout_s must be > 0")
         if self.worker_stop_timeout_s <= 0:
             raise ValueError("worker_stop_timeout_s must be > 0")
+
+    def _check_gpu_share(self) -> None:
+        if not 0 < self.gpus_per_worker <= 1:
+            raise ValueError(f"gpus_per_worker must be in (0, 1], got {self.gpus_per_worker}")
+        if self.shares_gpu and self.num_workers * self.gpus_per_worker > 1 + 1e-9:
+            raise ValueError(f"with gpus_per_worker below 1 every worker shares one GPU: {self.num_workers} workers "
+                             f"x {self.gpus_per_worker} must be <= 1")
+        if self.transport == "ipc" and not self.shares_gpu:
+            raise ValueError("transport 'ipc' (CUDA IPC) needs the workers on one GPU: set gpus_per_worker "
+                             f"to at most 1/{self.num_workers} (--gpus-per-worker)")
+        if self.transport == "nccl" and self.shares_gpu:
+            raise ValueError("transport 'nccl' cannot join two workers on one GPU (NCCL refuses two ranks on one "
+                             "device); use ipc, gloo or grpc")
+
+    @property
+    def shares_gpu(self) -> bool:
+        return self.gpus_per_worker < 1
 
     @property
     def num_workers(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import uuid
@@ -57,20 +58,40 @@ def connect_ray(address: str | None, config: ClusterConfig) -> tuple[bool, RayHo
 
 
 def resolve_device(config: ClusterConfig) -> str:
-    """cpu or cuda for every worker: auto takes GPUs when the cluster has one per worker."""
+    """cpu or cuda for every worker: auto takes GPUs when the cluster has a share for every worker."""
     gpus = ray.cluster_resources().get("GPU", 0)
-    if config.device == "cuda" and gpus < config.num_workers:
-        raise ValueError(f"device cuda needs {config.num_workers} GPUs in the Ray cluster, it has {gpus:g}")
+    needed = max(1, math.ceil(config.num_workers * config.gpus_per_worker - 1e-9))
+    if config.device == "cuda" and gpus < needed:
+        raise ValueError(f"device cuda needs {needed} GPUs in the Ray cluster "
+                         f"({config.num_workers} workers x {config.gpus_per_worker:g}), it has {gpus:g}")
     if config.device == "auto":
-        return "cuda" if gpus >= config.num_workers else "cpu"
+        return "cuda" if gpus >= needed else "cpu"
     return config.device
 
 
 def resolve_cluster_transport(config: ClusterConfig, device: str) -> str:
-    """The concrete KV transport between any prefill and any decode worker (each worker has its own GPU)."""
+    """The concrete KV transport between any prefill and any decode worker: their pools are on one GPU when
+    the workers share it, on two different GPUs otherwise, or on CPU."""
     same_host = len([n for n in ray.nodes() if n.get("Alive")]) <= 1
-    sender, receiver = (torch.device("cuda", 0), torch.device("cuda", 1)) if device == "cuda" else ("cpu", "cpu")
-    return resolve_transport(config.transport, sender, receiver, same_host=same_host)
+    return pair_transport(config, device, same_host)
+
+
+def pair_transport(config: ClusterConfig, device: str, same_host: bool) -> str:
+    if device != "cuda":
+        if config.transport == "ipc":
+            raise ValueError("transport 'ipc' needs the workers on a GPU; this cluster runs them on CPU")
+        return resolve_transport(config.transport, "cpu", "cpu", same_host=same_host)
+    receiver = torch.device("cuda", 0 if config.shares_gpu else 1)
+    return resolve_transport(config.transport, torch.device("cuda", 0), receiver, same_host=same_host)
+
+
+def engine_spec(config: ClusterConfig, model: str | None, device: str) -> EngineSpec:
+    """What every worker builds: on a shared GPU, gpu_memory_utilization counts within the worker's share."""
+    engine = config.engine
+    if device == "cuda" and config.shares_gpu:
+        engine = dataclasses.replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization
+                                     * config.gpus_per_worker)
+    return EngineSpec(model, config.dtype, device, engine, config.cpu_threads_per_worker)
 
 
 def worker_configs(config: ClusterConfig, transport: str, store_host: str, store_port: int | None):
@@ -113,17 +134,17 @@ def launch_workers(config: ClusterConfig, address: str | None = None) -> Launche
     try:
         device = resolve_device(config)
         transport = resolve_cluster_transport(config, device)
-        use_gpu = device == "cuda"
-        group = create_placement_group(config.num_workers, use_gpu, config.cpu_threads_per_worker,
+        gpus = config.gpus_per_worker if device == "cuda" else 0.0
+        group = create_placement_group(config.num_workers, gpus, config.cpu_threads_per_worker,
                                        config.placement_strategy, config.worker_start_timeout_s)
         store_host = config.kv_host
-        store = start_store(store_host, 0) if transport in ("gloo", "nccl") else None
+        store = start_store(store_host, 0) if transport != "grpc" else None
         prefill, decode = worker_configs(config, transport, store_host, store.port if store else None)
         model = str(Path(config.model).resolve()) if config.model is not None else None
-        spec = EngineSpec(model, config.dtype, device, config.engine, config.cpu_threads_per_worker)
+        spec = engine_spec(config, model, device)
         threads = config.cpu_threads_per_worker
         roles = [(PrefillActor, c) for c in prefill] + [(DecodeActor, c) for c in decode]
-        actors = [start_actor(cls, group, index, use_gpu, threads, spec, worker_config)
+        actors = [start_actor(cls, group, index, gpus, threads, spec, worker_config)
                   for index, (cls, worker_config) in enumerate(roles)]
         infos: list[WorkerInfo] = ray.get([a.info.remote() for a in actors], timeout=config.worker_start_timeout_s)
     except BaseException:

@@ -31,10 +31,11 @@ class ClusterResources:
     ray_host: RayHost | None = None
 
 
-def create_placement_group(num_workers: int, use_gpu: bool, cpu_threads: int, strategy: str,
+def create_placement_group(num_workers: int, gpus: float, cpu_threads: int, strategy: str,
                            timeout_s: float) -> PlacementGroup:
-    """One bundle per worker ({GPU: 1, CPU: threads} or {CPU: threads}); waits until it is placed."""
-    bundle = {"CPU": cpu_threads, "GPU": 1} if use_gpu else {"CPU": cpu_threads}
+    """One bundle per worker ({GPU: gpus, CPU: threads}, or {CPU: threads} when gpus is 0: a share below 1
+    puts several workers on one GPU); waits until it is placed."""
+    bundle = {"CPU": cpu_threads, "GPU": gpus} if gpus else {"CPU": cpu_threads}
     group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy)
     try:
         ray.get(group.ready(), timeout=timeout_s)
@@ -45,11 +46,11 @@ def create_placement_group(num_workers: int, use_gpu: bool, cpu_threads: int, st
     return group
 
 
-def start_actor(actor_class, group: PlacementGroup, bundle_index: int, use_gpu: bool, cpu_threads: int,
+def start_actor(actor_class, group: PlacementGroup, bundle_index: int, gpus: float, cpu_threads: int,
                 *args):
     """Starts `actor_class(*args)` in bundle `bundle_index` of `group` (returns at once)."""
     strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index)
-    return actor_class.options(num_cpus=cpu_threads, num_gpus=1 if use_gpu else 0,
+    return actor_class.options(num_cpus=cpu_threads, num_gpus=gpus,
                                scheduling_strategy=strategy).remote(*args)
 
 

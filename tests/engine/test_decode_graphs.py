@@ -65,3 +65,18 @@ def test_graphs_only_where_they_apply(tiny_checkpoint):
     assert decode_graphs_for(*args, TorchBackend(), EngineConfig(enforce_eager=True), 64, cuda) is None
     with pytest.raises(ValueError, match="triton"):
         DecodeGraphs(*args, TorchBackend(), 4, 64, torch.device("cpu"), capture=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs CUDA")
+def test_captured_graphs_match_transformers_on_cuda(tiny_checkpoint, hf_greedy):
+    path = tiny_checkpoint("llama3")
+    llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs._graphs, "decode graphs were not captured"
+    prompts = random_prompts([3, 20, 33, 7, 50], llm.get_tokenizer().vocab_size, seed=6)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
+    eager = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True)
+    assert eager.engine.runner.decode_graphs is None
+    assert_all_blocks_free(llm)
