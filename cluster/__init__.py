@@ -8,6 +8,7 @@ Rooms (each subpackage's docstring says which process it runs in):
     local/         the in-process engine Backend and its step thread (serve process)
     drivers/       `tandem demo` and the `ray job submit` job: a workload through the gRPC front end
     bench/         everything `tandem bench` runs
+    selftest/      `tandem selftest`: kernels, greedy vs transformers, limits, transports (no Ray needed)
     cli.py, serve.py, client.py    the entry points: `tandem`, `tandem serve`, `tandem client`
 
 Imports point down: cli/serve -> {api, coordinator, local, drivers, bench}; coordinator -> workers;

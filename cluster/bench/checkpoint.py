@@ -1,7 +1,8 @@
 """Seeded random checkpoints for benchmarks, saved with transformers (the format users load).
 
-Shapes: "llama-25m" (hidden 512, 6 layers, GQA 8:2, vocab 8000: the CPU reference) and
-"qwen2.5-0.5b" (Qwen2.5-0.5B's shape, for GPUs). The tokenizer is a plain word-level vocabulary
+Shapes: "llama-25m" (hidden 512, 6 layers, GQA 8:2, vocab 8000: the CPU reference),
+"qwen2.5-0.5b" (Qwen2.5-0.5B's shape, for GPUs) and "tiny-llama" (hidden 128, 2 layers, GQA 4:2, vocab 512:
+`tandem selftest`'s correctness checks, built in a second). The tokenizer is a plain word-level vocabulary
 ("t0".."tN"): benchmarks feed token ids, the tokenizer only has to load.
 """
 from __future__ import annotations
@@ -16,6 +17,9 @@ SHAPES = {
     "qwen2.5-0.5b": dict(arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0),
+    "tiny-llama": dict(arch="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024),
 }
 
 

@@ -2,8 +2,11 @@
 
 - prefill: a packed step of PREFILL_PROMPTS x PREFILL_LEN tokens against the bare matmul time of the
   same layers with the same weights (the FLOP-bound floor; attention and norms are what is left);
-- decode: the step time at batch 1, 8, 32 against the time to read the weights once at the measured
-  memory bandwidth (the bandwidth-bound floor of a decode step).
+- decode: the step time at batch 1, 8, 32 (or the batches given; the median forward of the steps that
+  decode all of them and nothing else) against the time to read the weights once at the measured memory
+  bandwidth (the bandwidth-bound floor of a decode step).
+
+`tandem selftest` calls the parts (prefill_row, decode_floor, decode_row, prefill_flops) at its own sizes.
 """
 from __future__ import annotations
 
@@ -32,20 +35,29 @@ class LimitRow:
         return self.engine_ms / self.floor_ms
 
 
-def measure_limits(llm) -> list[LimitRow]:
-    engine = llm.engine
-    rows = [_prefill_row(llm)]
-    weight_bytes = _weight_bytes_read_per_step(engine.runner.model)
-    bandwidth = memory_bandwidth(engine.device)
-    floor_ms = weight_bytes / bandwidth * 1e3
-    for batch in DECODE_BATCHES:
-        rows.append(LimitRow("decode step", f"{batch} seqs x {DECODE_CONTEXT} ctx",
-                             _decode_step_ms(llm, batch), floor_ms,
-                             f"read {weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s"))
+def measure_limits(llm, decode_batches: tuple[int, ...] = DECODE_BATCHES) -> list[LimitRow]:
+    rows = [prefill_row(llm)]
+    floor_ms, floor = decode_floor(llm)
+    rows += [decode_row(llm, batch, floor_ms, floor) for batch in decode_batches]
     print(f"\n{'phase':<13} {'batch':<20} {'engine ms':>10} {'floor ms':>9} {'ratio':>6}  floor")
     for r in rows:
         print(f"{r.phase:<13} {r.batch:<20} {r.engine_ms:10.2f} {r.floor_ms:9.2f} {r.ratio:6.2f}  {r.floor}")
     return rows
+
+
+def decode_floor(llm) -> tuple[float, str]:
+    """(ms to read the weights once at the measured memory bandwidth, how it was computed)."""
+    engine = llm.engine
+    weight_bytes = _weight_bytes_read_per_step(engine.runner.model)
+    bandwidth = memory_bandwidth(engine.device)
+    return (weight_bytes / bandwidth * 1e3,
+            f"read {weight_bytes / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s")
+
+
+def decode_row(llm, batch: int, floor_ms: float, floor: str, context: int = DECODE_CONTEXT,
+               steps: int = DECODE_STEPS) -> LimitRow:
+    return LimitRow("decode step", f"{batch} seqs x {context} ctx",
+                    _decode_step_ms(llm, batch, context, steps), floor_ms, floor)
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -62,23 +74,37 @@ def _forward_seconds(llm, prompts: list[list[int]], max_tokens: int) -> float:
     return stats.forward_seconds - before
 
 
-def _prefill_row(llm) -> LimitRow:
+def prefill_row(llm, prompts: int = PREFILL_PROMPTS, length: int = PREFILL_LEN, repeats: int = 3) -> LimitRow:
     vocab = llm.engine.model_config.vocab_size
-    times = [_forward_seconds(llm, _prompts(PREFILL_PROMPTS, PREFILL_LEN, vocab, seed), 1)
-             for seed in range(3)]
-    tokens = PREFILL_PROMPTS * PREFILL_LEN
+    times = [_forward_seconds(llm, _prompts(prompts, length, vocab, seed), 1) for seed in range(repeats)]
+    tokens = prompts * length
     engine_ms = statistics.median(times) * 1e3
-    bare_ms = _bare_matmul_ms(llm.engine.runner.model, tokens, PREFILL_PROMPTS, llm.engine.device)
-    return LimitRow("prefill", f"{PREFILL_PROMPTS} x {PREFILL_LEN} tokens", engine_ms, bare_ms,
+    bare_ms = _bare_matmul_ms(llm.engine.runner.model, tokens, prompts, llm.engine.device)
+    return LimitRow("prefill", f"{prompts} x {length} tokens", engine_ms, bare_ms,
                     f"bare matmuls of the same layers ({tokens / engine_ms * 1e3:.0f} tok/s engine)")
 
 
-def _decode_step_ms(llm, batch: int) -> float:
-    vocab = llm.engine.model_config.vocab_size
-    prefill_only = _forward_seconds(llm, _prompts(batch, DECODE_CONTEXT, vocab, 100 + batch), 1)
-    with_decode = _forward_seconds(llm, _prompts(batch, DECODE_CONTEXT, vocab, 200 + batch),
-                                   1 + DECODE_STEPS)
-    return (with_decode - prefill_only) / DECODE_STEPS * 1e3
+def _decode_step_ms(llm, batch: int, context: int, steps: int) -> float:
+    """The median forward time of the steps that decoded all `batch` sequences and nothing else."""
+    from engine import SamplingParams
+    engine, stats = llm.engine, llm.engine.stats
+    params = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True)
+    ids = [f"limits-decode-{batch}-{i}" for i in range(batch)]
+    for request_id, prompt in zip(ids, _prompts(batch, context, llm.engine.model_config.vocab_size, 200 + batch)):
+        engine.add_request(request_id, prompt, params)
+    times = []
+    try:
+        while engine.has_unfinished_requests():
+            prefilled, decoded, seconds = stats.num_prefill_tokens, stats.num_decode_tokens, stats.forward_seconds
+            engine.step()
+            if stats.num_prefill_tokens == prefilled and stats.num_decode_tokens - decoded == batch:
+                times.append(stats.forward_seconds - seconds)
+    finally:
+        for request_id in ids:
+            engine.abort(request_id)
+    if not times:
+        raise RuntimeError(f"no step decoded all {batch} sequences at once (max_num_seqs too small?)")
+    return statistics.median(times) * 1e3
 
 
 @torch.inference_mode()
@@ -97,6 +123,15 @@ def _bare_matmul_ms(model, num_tokens: int, num_sampled: int, device) -> float:
             F.linear(act, layer.mlp.down_proj.weight)
         model.compute_logits(x[:num_sampled])
     return _median_ms(all_layers, device)
+
+
+def prefill_flops(model, num_tokens: int, num_sampled: int) -> float:
+    """FLOPs of the matmuls `_bare_matmul_ms` times: every layer's projections over num_tokens rows, and
+    the LM head over the num_sampled rows (2 flops per multiply-add)."""
+    per_token = sum(layer.self_attn.qkv_proj.weight.numel() + layer.self_attn.o_proj.weight.numel()
+                    + layer.mlp.gate_up_proj.weight.numel() + layer.mlp.down_proj.weight.numel()
+                    for layer in model.layers)
+    return 2.0 * (per_token * num_tokens + model.lm_head.weight.numel() * num_sampled)
 
 
 def _weight_bytes_read_per_step(model) -> int:
