@@ -1,6 +1,7 @@
 """`tandem serve`: the gRPC and OpenAI-compatible HTTP front ends over a backend, until SIGTERM/SIGINT.
 
-colocated: one engine in this process prefills and decodes (chunked prefill).
+colocated: one engine in this process prefills and decodes (chunked prefill); with --replicas N, N such
+engines as Ray actors behind the Coordinator (cluster/coordinator/: routing, migration, health).
 disaggregated: prefill and decode worker actors placed on Ray (a local Ray on 127.0.0.1 started here,
 or the cluster at --address), driven by the Coordinator; the KV of each prompt travels from its prefill
 worker to its decode worker over --transport. Both sit behind the same Backend contract
@@ -31,6 +32,7 @@ from cluster.backend import Backend
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
+from cluster.workers.placement_check import role_resources
 from engine.config import ATTENTION_BACKENDS, EngineConfig
 
 
@@ -58,6 +60,10 @@ class ServeConfig:
     max_prefill_queue_tokens: int = 1 << 20
     shutdown_grace_s: float = 5.0
     gpus_per_worker: float = 1.0
+    node_ip_address: str | None = None
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
+    replicas: int = 0  # colocated: 0 = one engine in this process, N = N replica actors on Ray
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-workers", type=int, default=0,
                         help="prefill worker actors (disaggregated; default 1)")
     parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--replicas", type=int, default=0,
+                        help="colocated on Ray: N engine actors doing both phases behind the coordinator "
+                             "(a GPU or --cpu-threads each); 0 (default): one engine in this process")
     parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc", "ipc"])
     parser.add_argument("--address", default=None, help="Ray cluster address (disaggregated mode)")
     parser.add_argument("--placement-strategy", default="PACK", choices=list(PLACEMENT_STRATEGIES),
@@ -100,7 +109,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the colocated engine (default: all cores) or of each CPU "
                              "worker (default: 1)")
+    _add_ray_arguments(parser.add_argument_group("Ray cluster (disaggregated mode)"))
     _add_engine_arguments(parser.add_argument_group("engine (every worker's engine)"))
+
+
+def _add_ray_arguments(group) -> None:
+    group.add_argument("--node-ip-address", default=None,
+                       help="with --address: the address of this machine's Ray node (as `ray start "
+                            "--node-ip-address` was given), when it is not the one Ray would pick")
+    for role in ("prefill", "decode"):
+        group.add_argument(f"--{role}-resources", default=None,
+                           help=f"JSON object of custom Ray resources each {role} worker's bundle also takes, "
+                                f"e.g. '{{\"{role}_pool\": 1}}': {role} workers run only on nodes that have them")
 
 
 def _add_engine_arguments(group) -> None:
@@ -144,18 +164,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ValueError names the first inconsistent flag."""
-    prefill_workers = args.prefill_workers
-    mode = args.mode or ("disaggregated" if prefill_workers else "colocated")  # worker counts given: disaggregated
-    if mode == "colocated":
-        if prefill_workers or args.decode_workers != 1:
-            raise ValueError("colocated serving runs one engine in this process: use --decode-workers 1 "
-                             "and no --prefill-workers, or --mode disaggregated")
-        if args.address is not None:
-            raise ValueError("--address (a Ray cluster) needs --mode disaggregated")
-    else:
-        prefill_workers = prefill_workers or 1
-        if prefill_workers < 1 or args.decode_workers < 1:
-            raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
+    mode, prefill_workers, decode_workers, replicas = _mode_and_workers(args)
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError("--cpu-threads must be >= 1")
     if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and mode == "colocated"):
@@ -166,16 +175,48 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--max-prefill-queue-tokens must be >= 0 (0: no bound)")
     if not 0 <= args.shutdown_grace_s <= 60:
         raise ValueError("--shutdown-grace-s must be in [0, 60]")
-    config = ServeConfig(args.model, args.dtype, args.device, mode, prefill_workers, args.decode_workers,
+    if args.node_ip_address is not None and args.address is None:
+        raise ValueError("--node-ip-address names this machine's node of the Ray cluster at --address: give both")
+    placement = {"node_ip_address": args.node_ip_address,
+                 "prefill_resources": role_resources(args.prefill_resources, "--prefill-resources"),
+                 "decode_resources": role_resources(args.decode_resources, "--decode-resources")}
+    config = ServeConfig(args.model, args.dtype, args.device, mode, prefill_workers, decode_workers,
                          args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                          args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
                          args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
-                         args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker)
-    if mode == "disaggregated":
+                         args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker, **placement,
+                         replicas=replicas)
+    if mode == "disaggregated" or replicas:
+        if replicas and (args.transport != "auto" or args.prefill_resources):
+            raise ValueError("colocated replicas move no KV and have no prefill workers: --transport and "
+                             "--prefill-resources do not apply")
         cluster_config(config)  # its own checks: transport against the GPU share, worker counts
-    elif args.transport != "auto" or args.gpus_per_worker != 1.0:
-        raise ValueError("--transport and --gpus-per-worker need --mode disaggregated")
+    elif args.transport != "auto" or args.gpus_per_worker != 1.0 or args.prefill_resources or args.decode_resources:
+        raise ValueError("--transport, --gpus-per-worker and --prefill/decode-resources need --mode disaggregated")
     return config
+
+
+def _mode_and_workers(args: argparse.Namespace) -> tuple[str, int, int, int]:
+    """(mode, prefill workers, decode workers, replicas). Worker counts without --mode: disaggregated;
+    --replicas N (colocated implied): 0 prefill + N decode-side workers; neither: the in-process engine."""
+    prefill_workers, replicas = args.prefill_workers, args.replicas
+    mode = args.mode or ("disaggregated" if prefill_workers else "colocated")  # worker counts given: disaggregated
+    if replicas < 0:
+        raise ValueError("--replicas must be >= 0 (0: one colocated engine in this process)")
+    if replicas and (mode != "colocated" or prefill_workers or args.decode_workers != 1):
+        raise ValueError("--replicas N is colocated serving (N engines on Ray, each doing both phases): it takes "
+                         "no --prefill-workers or --decode-workers, and not --mode disaggregated")
+    if mode == "colocated":
+        if prefill_workers or args.decode_workers != 1:
+            raise ValueError("colocated serving runs one engine in this process (or --replicas N on Ray): use "
+                             "--decode-workers 1 and no --prefill-workers, or --mode disaggregated")
+        if args.address is not None and not replicas:
+            raise ValueError("--address (a Ray cluster) needs --mode disaggregated or --replicas N")
+        return mode, 0, replicas or 1, replicas
+    prefill_workers = prefill_workers or 1
+    if prefill_workers < 1 or args.decode_workers < 1:
+        raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
+    return mode, prefill_workers, args.decode_workers, 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,8 +231,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_backend(config: ServeConfig) -> Backend:
-    """The colocated engine, or the disaggregated cluster (blocks until every worker is loaded)."""
-    if config.mode == "colocated":
+    """The colocated engine, or the cluster of replicas or of disaggregated workers (blocks until every
+    worker is loaded)."""
+    if config.mode == "colocated" and not config.replicas:
         from engine.builder import build_engine
         if config.cpu_threads is not None:
             import torch
@@ -200,11 +242,12 @@ def start_backend(config: ServeConfig) -> Backend:
         return LocalEngineBackend(engine, LocalBackendConfig(
             model_name=config.model or "tandem-default", max_pending_requests=config.max_pending_requests))
     from cluster.coordinator.start import start_cluster
-    return start_cluster(cluster_config(config), address=config.address)
+    return start_cluster(cluster_config(config), address=config.address, node_ip_address=config.node_ip_address)
 
 
 def cluster_config(config: ServeConfig) -> ClusterConfig:
-    """The disaggregated cluster this serve config describes (ValueError on an inconsistent one)."""
+    """The disaggregated cluster (or the colocated replicas: 0 prefill workers) this serve config describes
+    (ValueError on an inconsistent one)."""
     return ClusterConfig(model=config.model, dtype=config.dtype, device=config.device,
                          num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                          transport=config.transport, placement_strategy=config.placement_strategy,
@@ -212,7 +255,8 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens,
                          worker_stall_timeout_s=config.worker_stall_timeout_s,
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,
-                         gpus_per_worker=config.gpus_per_worker)
+                         gpus_per_worker=config.gpus_per_worker, prefill_resources=config.prefill_resources,
+                         decode_resources=config.decode_resources)
 
 
 async def serve(config: ServeConfig) -> None:
@@ -233,8 +277,8 @@ async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig) 
         backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics)
     http_runner, http_port = await start_http_server(
         backend, HttpServerConfig(host=config.host, port=config.http_port, api_key=config.api_key), metrics)
-    workers = "" if config.mode == "colocated" else \
-        f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
+    workers = f", {config.replicas} replicas on Ray" if config.replicas else "" if config.mode == "colocated" \
+        else f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
     print(f"tandem serving {backend.model_name} ({config.mode}{workers}): gRPC {config.host}:{grpc_port}, "
           f"HTTP http://{config.host}:{http_port}/v1", flush=True)
     stopped = asyncio.Event()

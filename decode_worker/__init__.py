@@ -4,7 +4,8 @@
     worker.address                                   # give this to the prefill worker
     worker.expect(ExpectedRequest(rid, prompt_ids, params), emit)   # Admission; events go to emit
 
-No Ray in here: cluster/workers/actors.py wraps a worker in a Ray actor; tests run it bare.
+DecodeWorkerConfig(transport="none"): no KV receiver; the worker prefills every request itself (a colocated
+replica). No Ray in here: cluster/workers/actors.py wraps a worker in a Ray actor; tests run it bare.
 """
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,

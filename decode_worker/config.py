@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from decode_worker.no_receiver import NO_TRANSPORT
 from kv_transfer.config import IMPLEMENTED_TRANSPORTS, DistRendezvous, TransferConfig
 
 
@@ -10,7 +11,8 @@ from kv_transfer.config import IMPLEMENTED_TRANSPORTS, DistRendezvous, TransferC
 class DecodeWorkerConfig:
     """name: shows up in Timing.decode_worker. transport: a concrete kv_transfer transport; grpc binds
     `host`:0 (a free port), gloo/nccl need `rendezvous` (this worker's receiver rank) and `peer_ranks`
-    (the prefill workers' sender ranks).
+    (the prefill workers' sender ranks). transport "none" (NO_TRANSPORT): no KV receiver at all; every
+    request must be expected with prefill_locally (a colocated replica, which prefills every prompt itself).
 
     Admission (backpressure): expect() refuses a request when `max_live_requests` (or the engine's
     max_num_seqs, if lower) are live, or when the pool cannot spare its prompt's blocks plus
@@ -32,9 +34,10 @@ class DecodeWorkerConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a decode worker needs a name")
-        if self.transport not in IMPLEMENTED_TRANSPORTS:
-            raise ValueError(f"transport must be one of {IMPLEMENTED_TRANSPORTS}, got {self.transport!r}")
-        if self.transport != "grpc" and self.rendezvous is None:
+        if self.transport not in (*IMPLEMENTED_TRANSPORTS, NO_TRANSPORT):
+            raise ValueError(f"transport must be one of {(*IMPLEMENTED_TRANSPORTS, NO_TRANSPORT)}, "
+                             f"got {self.transport!r}")
+        if self.transport not in ("grpc", NO_TRANSPORT) and self.rendezvous is None:
             raise ValueError(f"transport {self.transport!r} needs a DistRendezvous")
         if self.max_live_requests < 1 or self.headroom_blocks < 0 or self.expect_timeout_s <= 0:
             raise ValueError("max_live_requests >= 1, headroom_blocks >= 0, expect_timeout_s > 0")

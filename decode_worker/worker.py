@@ -7,27 +7,29 @@ Threads:
   thread sleeps on one queue while idle;
 - the receiver's own threads (kv_transfer) allocate blocks for incoming KV and land it.
 A request expected with prefill_locally (conditional disaggregation: a short prompt) skips the KV
-transfer: the step thread adds it to the engine, which prefills it between decode steps.
+transfer: the step thread adds it to the engine, which prefills it between decode steps. A worker of
+transport "none" (a colocated replica) has no KV receiver and takes only such requests.
 expect() / cancel() / stats() may be called from any thread. Every accepted request gets exactly one
 final event (a DecodeChunk with finish_reason, or a DecodeEnded); whatever way it ends, its blocks are
 freed: a delivery for a request that is no longer expected (cancelled, timed out) is freed on arrival.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
-import dataclasses
 
 from decode_worker.admission import AdmissionControl
 from decode_worker.commands import Cancel, Delivered, Expect, Stop, TransferStarted, Waiting
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,
                                     EmitEvent, ExpectedRequest)
+from decode_worker.no_receiver import NO_TRANSPORT, NoReceiver
 from engine.command_queue import take_commands
-from engine.step_watch import StepHealth, StepWatch
 from engine.llm_engine import LLMEngine
+from engine.step_watch import StepHealth, StepWatch
 from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, TransferStatus, create_receiver
 from kv_transfer.engine_pool import admit_received, engine_pool_view
 
@@ -44,9 +46,9 @@ class DecodeWorker:
         max_live = min(config.max_live_requests, engine.config.max_num_seqs)  # transferred requests count too
         self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
                                            engine.reserve_blocks, engine.free_blocks, max_live, config.headroom_blocks)
-        pool = engine_pool_view(engine, allocate_for=self._blocks_for_transfer)
-        self._receiver = create_receiver(config.transfer, pool, config.transport,
-                                         rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
+        self._receiver = NoReceiver() if config.transport == NO_TRANSPORT else create_receiver(
+            config.transfer, engine_pool_view(engine, allocate_for=self._blocks_for_transfer), config.transport,
+            rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
         self._commands: queue.Queue = queue.Queue()
         self._waiting: dict[str, Waiting] = {}
         self._running: dict[str, EmitEvent] = {}
@@ -160,6 +162,10 @@ class DecodeWorker:
             return
         if command.request.prefill_locally:
             self._prefill_here(command.request, command.emit)
+            return
+        if isinstance(self._receiver, NoReceiver):
+            self._end(request_id, command.emit, DecodeStatus.INVALID, "this worker receives no KV: it prefills "
+                      "every prompt itself (expect it with prefill_locally)")
             return
         self._waiting[request_id] = Waiting(command.request, command.emit)
 

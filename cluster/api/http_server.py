@@ -22,10 +22,10 @@ from cluster.api.api_key import ApiKeyCheck
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
-from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
 from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel, parse_chat_request,
                                          parse_completion_request, parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
+from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 
 logger = logging.getLogger("tandem.cluster.http")
@@ -148,8 +148,9 @@ class OpenAIFrontEnd:
         if failures:  # which workers were lost, and why (the survivors serve)
             body["lost_workers"] = failures
         workers = health.details.get("workers")
-        if workers:  # each serving worker's role and process (disaggregated)
-            body["workers"] = {name: {"role": load.get("role"), "pid": load.get("pid")} for name, load in workers.items()}
+        if workers:  # each serving worker's role, process and Ray node (disaggregated)
+            body["workers"] = {name: {key: load.get(key) for key in ("role", "pid", "node_id", "node_ip")}
+                               for name, load in workers.items()}
         return web.json_response(body, status=200 if health.serving else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

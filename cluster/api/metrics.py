@@ -5,7 +5,8 @@ process never share counters. Per-request series are recorded by MeteredBackend;
 read from BackendHealth.details at scrape time (keys: running_requests, waiting_requests,
 free_kv_blocks, total_kv_blocks; a missing key leaves its gauge unchanged; `workers`, a dict of worker
 name -> {role, free_kv_blocks, total_kv_blocks, running_requests}, fills the per-worker gauges, labelled
-worker and role; a worker no longer listed loses its series).
+worker and role; a worker no longer listed loses its series; with node_id / node_ip in its entry, a worker
+also has tandem_worker_info{worker,role,node_id,node_ip} 1, saying which Ray node it runs on).
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ class ServingMetrics:
             "running_requests": Gauge("tandem_worker_running_requests", "Requests one worker holds", labels,
                                       registry=r)}
         self._worker_series: set[tuple[str, str]] = set()
+        self._worker_node = Gauge("tandem_worker_info", "1 per serving worker: its role and the Ray node it runs on",
+                                  ["worker", "role", "node_id", "node_ip"], registry=r)
         self._load_gauges = {"running_requests": self.running, "waiting_requests": self.waiting,
                              "free_kv_blocks": self.free_blocks, "total_kv_blocks": self.total_blocks}
 
@@ -102,6 +105,11 @@ class ServingMetrics:
             for gauge in self._worker_gauges.values():
                 gauge.remove(*stale)
         self._worker_series = series
+        self._worker_node.clear()
+        for name, load in workers.items():
+            if "node_id" in load:
+                self._worker_node.labels(worker=name, role=str(load.get("role", "")), node_id=str(load["node_id"]),
+                                         node_ip=str(load.get("node_ip", ""))).set(1)
         for name, load in workers.items():
             for key, gauge in self._worker_gauges.items():
                 if key in load:

@@ -1,12 +1,13 @@
 """`tandem bench compare`: the same workload against each serving mode in turn, side by side.
 
-    tandem bench compare          # 48 mixed requests (20% of 1536 tokens, the rest 64) x rates 4, 8 x 4 modes
+    tandem bench compare --workers 2   # 48 mixed requests (20% of 1536 tokens, the rest 64) x rates 4, 8:
+                                       # colocated-2 vs disagg-1p1d on the same 2 workers' worth of hardware
 
 For each mode (cluster/bench/compare_modes.py) it starts `tandem serve` as a subprocess, sends the
 warm-up requests, runs the workload once per request rate through the streaming HTTP API (the
 `tandem bench serve` client and metrics), checks that the server's KV pool is whole again, and stops
-the server. Then it writes into --results-dir: results.md (one row per mode and rate, the goal check),
-results.json, ttft_cdf.png, itl_cdf.png, ttft_breakdown.png, and one server log per mode.
+the server. Then it writes into --results-dir: results.md (one row per mode and rate with the hardware
+it got, the goal check), results.json, ttft_cdf.png, itl_cdf.png, ttft_breakdown.png, and one server log per mode.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 from cluster.bench.checkpoint import SHAPES, build_bench_checkpoint
-from cluster.bench.compare_modes import ModeSettings, default_mode_names, parse_modes, serving_mode
+from cluster.bench.compare_modes import ModeSettings, default_mode_names, default_workers, parse_modes, serving_mode
 from cluster.bench.compare_plots import require_matplotlib, write_plots
 from cluster.bench.compare_report import ModeRun, format_markdown, runs_json
 from cluster.bench.compare_server import ServerProcess, ServerStartError
@@ -39,9 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc"])
+    parser.add_argument("--workers", type=int, default=None,
+                        help="equal hardware: compare colocated-W (W replicas) with every disagg split of W "
+                             "workers (2: disagg-1p1d; 4: 1p3d, 2p2d, 3p1d); each worker gets cores/W threads "
+                             "or a GPU (default: 4 with 4 GPUs or 8 cores, else 2)")
     parser.add_argument("--modes", default=None,
-                        help="comma-separated: colocated, colocated-chunked, disagg-<P>p<D>d "
-                             "(default: the three baselines, plus disagg-2p2d where the machine has room)")
+                        help="comma-separated, instead of --workers' set: colocated-<N>, disagg-<P>p<D>d, "
+                             "disagg-<P>p<D>d-local<N>, colocated / colocated-chunked (one in-process engine)")
     parser.add_argument("--request-rates", default="4,8", help="comma-separated req/s, 'inf' = all at once")
     parser.add_argument("--chunk-size", type=int, default=256, help="prefill chunk of colocated-chunked")
     parser.add_argument("--long-prefill-threshold", type=int, default=256,
@@ -71,14 +76,18 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def _mode_names(args: argparse.Namespace) -> list[str]:
+def _num_gpus(device: str) -> int:
+    import torch
+    return torch.cuda.device_count() if device in ("auto", "cuda") else 0
+
+
+def _mode_names(args: argparse.Namespace, num_gpus: int) -> list[str]:
     if args.modes is not None:
+        if args.workers is not None:
+            raise ValueError("give --workers (its equal-hardware set of modes) or --modes, not both")
         return parse_modes(args.modes)
     import os
-
-    import torch
-    gpus = torch.cuda.device_count() if args.device in ("auto", "cuda") else 0
-    return default_mode_names(gpus, os.cpu_count() or 1)
+    return default_mode_names(args.workers or default_workers(num_gpus, os.cpu_count() or 1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     could not be started or reached. ValueError (exit 2 from the CLI) on invalid flags."""
     check_counts(args)
     require_matplotlib()
-    rates, names, slos = parse_rates(args.request_rates), _mode_names(args), parse_goodput(args.goodput)
+    num_gpus = _num_gpus(args.device)
+    rates, names, slos = parse_rates(args.request_rates), _mode_names(args, num_gpus), parse_goodput(args.goodput)
     if args.chunk_size < 1 or args.long_prefill_threshold < 0:
         raise ValueError("--chunk-size must be >= 1 and --long-prefill-threshold >= 0")
     if args.model is not None and args.shape is not None:
@@ -104,13 +114,15 @@ def run(args: argparse.Namespace) -> int:
         if args.shape is not None:
             model = str(build_bench_checkpoint(Path(tmp), args.shape, args.seed))
         settings = ModeSettings(model, args.dtype, args.device, args.transport, _round_up(longest, 16),
-                                args.chunk_size, args.kv_cache_memory_mib, args.long_prefill_threshold)
+                                args.chunk_size, args.kv_cache_memory_mib, args.long_prefill_threshold,
+                                num_gpus=num_gpus)
+        modes = [serving_mode(name, settings) for name in names]  # ValueError before anything starts
         print(f"bench compare: {args.num_prompts} {args.dataset_name} requests x rates {args.request_rates} x "
-              f"modes {', '.join(names)}; model {args.model or args.shape or 'embedded default'}", flush=True)
+              f"modes {', '.join(f'{m.name} ({m.hardware})' for m in modes)}; "
+              f"model {args.model or args.shape or 'embedded default'}", flush=True)
         try:
-            runs = [run for name in names
-                    for run in _run_mode(serving_mode(name, settings), args, rates, samples, warmups, slos,
-                                         results_dir)]
+            runs = [run for mode in modes
+                    for run in _run_mode(mode, args, rates, samples, warmups, slos, results_dir)]
         except (ServerStartError, ServerUnreachable) as error:
             print(f"tandem bench compare: {error}", file=sys.stderr)
             return 1
@@ -136,7 +148,8 @@ def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path) -> l
             _, results, duration = asyncio.run(run_requests(config, samples[index], gaps,
                                                             warmups if index == 0 else []))
             pool_whole = _wait_for_whole_pool(server)
-            run = ModeRun(mode.name, rate, compute_metrics(results, duration, slos), results, pool_whole)
+            run = ModeRun(mode.name, rate, compute_metrics(results, duration, slos), results, pool_whole,
+                          mode.hardware)
             print(f"[{mode.name}] rate {rate:g}: {run.summary_line()}", flush=True)
             runs.append(run)
     return runs

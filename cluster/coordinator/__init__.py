@@ -7,4 +7,6 @@ the prompt to the prefill worker (or lets the decode worker prefill a short one 
 decode worker's tokens back with the timing breakdown; a `DecodeEventPump` per decode worker routes that
 worker's event stream to per-request mailboxes. The calls that cross into the actor processes are
 `DecodeActor.expect.remote`, `PrefillActor.prefill.remote` and the `DecodeActor.events` stream.
+Colocated replicas (`--replicas N`) are the same coordinator over decode workers that prefill every prompt
+themselves (no prefill workers), routed by load with prefix affinity.
 """

@@ -1,4 +1,5 @@
-"""Coordinator: the Backend of disaggregated serving, over prefill and decode worker actors on Ray.
+"""Coordinator: the Backend of disaggregated serving, over prefill and decode worker actors on Ray, and of
+colocated replicas (decode worker actors that prefill every prompt themselves, no prefill workers).
 
 Per request (on the front end's asyncio loop): pick a decode worker (cluster.coordinator.routing), ask it to
 expect the request (it accepts or refuses: backpressure, the next one is tried), pick a prefill worker, then
@@ -6,7 +7,8 @@ let a RequestFlow drive prefill -> KV transfer -> decode and stream the chunks b
 on one stream per decode worker (cluster/coordinator/decode_events.py), routed to per-request mailboxes. The
 coordinator keeps the load accounting, and stops routing to a worker as soon as any call finds it dead. A
 request whose prefill worker dies before the request delivered anything starts over on a surviving prefill
-worker.
+worker. With replicas every request takes the local-prefill flow on the replica the router picks (by
+load, with prefix affinity), so migration, health, cancel, metrics and timing are the same code.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost,
 from cluster.coordinator.routing import Router
 from cluster.workers.actors import WorkerInfo
 from cluster.workers.cluster_config import ClusterConfig
-from cluster.workers.placement import ClusterResources, release_cluster
+from cluster.workers.placement import ClusterResources, release_cluster, stop_actors
 from decode_worker import ExpectedRequest
 
 logger = logging.getLogger("tandem.cluster.coordinator")
@@ -57,7 +59,8 @@ class Coordinator:
         self.max_model_len = min(w.info.max_model_len for w in workers)
         self._tokenizer, self._config, self._resources = tokenizer, config, resources
         self._workers = {w.info.name: w for w in workers}
-        decode_blocks = {w.info.name: w.info.total_blocks for w in workers if w.info.role == "decode"}
+        self._replicas, self._decode_role = config.replicas, config.decode_role
+        decode_blocks = {w.info.name: w.info.total_blocks for w in workers if w.info.role == config.decode_role}
         self._router = Router([w.info.name for w in workers if w.info.role == "prefill"], decode_blocks,
                               workers[0].info.block_size)
         self._numbers = itertools.count()
@@ -98,7 +101,8 @@ class Coordinator:
                         yield progress.delivered(chunk)
                 return
             except WorkerLost as lost:
-                refusal = resume_refusal(lost.role, *self._router.alive_counts(), progress, len(self._workers))
+                refusal = resume_refusal(lost.role, *self._router.alive_counts(), progress, len(self._workers),
+                                         self._replicas)
                 if refusal is not None:
                     raise WorkerLost(f"{lost}; {refusal}", lost.role) from lost
                 progress.migrations += 1
@@ -110,26 +114,29 @@ class Coordinator:
         decode (or, for a prompt shorter than local_prefill_tokens, prefill and decode on the decode
         worker). `resumed`: the last that many prompt tokens were streamed by an earlier attempt. Whatever
         way it ends, the router's claims for it are released and no worker keeps it."""
-        local = len(request.prompt_token_ids) < self._config.local_prefill_tokens
+        local = self._replicas or len(request.prompt_token_ids) < self._config.local_prefill_tokens
         if not local and self._router.alive_counts()[0] == 0:
             raise BackendUnavailable("no prefill worker is alive")
         request_id = f"{request.request_id}#{next(self._numbers)}"
         blocks = self._router.decode_blocks_for(
             min(len(request.prompt_token_ids) - resumed + request.params.max_tokens, self.max_model_len))
-        decode, mailbox = await self._open_decode(request, request_id, blocks, local, resumed)
+        queued = len(request.prompt_token_ids) if local else 0  # prefilled on the decode worker itself
+        decode, mailbox = await self._open_decode(request, request_id, blocks, queued, resumed)
         try:
             if local:
                 flow = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
-                                        self._router.is_alive)
+                                        self._router.is_alive, self._decode_role)
                 source = flow.chunks()
             else:
                 source = self._disaggregated(request, request_id, decode, mailbox, resumed)
             async with aclosing(source) as chunks:
                 async for chunk in chunks:
+                    if chunk.token_ids and queued:  # the first token: its prompt no longer waits
+                        self._router.prefilled(decode.info.name, queued)
+                        queued = 0
                     yield chunk
         finally:
-            self._router.decode_done(decode.info.name, blocks)
-            self._pumps[decode.info.name].close(request_id)
+            self._unclaim(decode.info.name, request_id, blocks, queued)
 
     async def _disaggregated(self, request: GenerationRequest, request_id: str, decode: Worker,
                              mailbox: asyncio.Queue, resumed: int) -> AsyncIterator[GenerationChunk]:
@@ -156,17 +163,22 @@ class Coordinator:
         finally:
             release_prefill()
 
-    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, local: bool,
+    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, queued: int,
                            resumed: int):
         """The first decode worker (in routing order) that accepts the request, and the request's
-        mailbox on that worker's event stream. The request's blocks are claimed on that worker (the
-        caller releases them with decode_done and closes the mailbox with the pump's close())."""
-        expected = ExpectedRequest(request_id, request.prompt_token_ids, request.params, prefill_locally=local,
+        mailbox on that worker's event stream. The request's blocks (and, prefilled there, its `queued`
+        prompt tokens) are claimed on that worker (the caller releases them with prefilled and
+        decode_done, and closes the mailbox with the pump's close())."""
+        prompt = request.prompt_token_ids
+        expected = ExpectedRequest(request_id, prompt, request.params, prefill_locally=queued > 0,
                                    num_resumed_tokens=resumed)
+        order = self._router.replica_order(prompt, blocks) if self._replicas else self._router.decode_order()
         refusals = []
-        for name in self._router.decode_order():
+        for name in order:
             worker, pump = self._workers[name], self._pump(name)
-            self._router.claim_decode(name, blocks)
+            self._router.claim_decode(name, blocks, queued)
+            if self._replicas:  # at once, so that the prompts right behind it with its prefix follow it
+                self._router.served_prefix(prompt, name)
             mailbox = pump.open(request_id)
             try:
                 admission = await worker.actor.expect.remote(expected)
@@ -175,18 +187,22 @@ class Coordinator:
                 self._worker_lost(name, error)
             except BaseException:  # the consumer left meanwhile: drop what the worker may have accepted
                 worker.actor.cancel.remote(request_id)
-                self._router.decode_done(name, blocks)
-                pump.close(request_id)
+                self._unclaim(name, request_id, blocks, queued)
                 raise
             if admission is not None and admission.accepted:
                 return worker, mailbox
-            self._router.decode_done(name, blocks)
-            pump.close(request_id)
+            self._unclaim(name, request_id, blocks, queued)
             if admission is not None:
                 refusals.append(f"{name}: {admission.reason}")
+        role = "replica" if self._replicas else "decode worker"
         if not refusals:
-            raise BackendUnavailable("no decode worker is alive")
-        raise BackendOverloaded("every decode worker refused the request: " + "; ".join(refusals))
+            raise BackendUnavailable(f"no {role} is alive")
+        raise BackendOverloaded(f"every {role} refused the request: " + "; ".join(refusals))
+
+    def _unclaim(self, name: str, request_id: str, blocks: int, queued: int) -> None:
+        self._router.prefilled(name, queued)
+        self._router.decode_done(name, blocks)
+        self._pumps[name].close(request_id)
 
     def _pump(self, name: str) -> DecodeEventPump:
         """The reader of decode worker `name`'s event stream on the running loop, started on first use
@@ -242,15 +258,15 @@ class Coordinator:
         return stats
 
     async def health(self) -> BackendHealth:
-        """Serving while at least one prefill and one decode worker are alive; details sum the decode
-        workers' load (the keys ServingMetrics reads), give each alive worker's load under "workers",
-        and list the dead workers."""
+        """Serving while at least one prefill and one decode worker (or one replica) are alive; details sum
+        the decode workers' (replicas') load (the keys ServingMetrics reads), give each alive worker's load
+        under "workers", and list the dead workers."""
         self._watch_health()
         stats = await self.worker_stats()
         num_prefill, num_decode = self._router.alive_counts()
         infos = {name: worker.info for name, worker in self._workers.items()}
         details = health_details(infos, stats, [n for n in infos if not self._router.is_alive(n)], self._failures)
-        serving = not self._closed and num_prefill > 0 and num_decode > 0
+        serving = not self._closed and (num_prefill > 0 or self._replicas) and num_decode > 0
         return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
 
     async def shutdown(self) -> None:
@@ -263,18 +279,8 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
-        alive = [w for name, w in self._workers.items() if self._router.is_alive(name)]
-        stops = [asyncio.ensure_future(w.actor.stop.remote()) for w in alive]
-        if stops:
-            done, late = await asyncio.wait(stops, timeout=self._config.worker_stop_timeout_s)
-            for stop in late:
-                stop.cancel()
-            for stop in done:
-                if stop.exception() is not None:  # the actor is gone already: nothing to stop
-                    logger.info("worker stop: %s", stop.exception())
-            if late:
-                logger.warning("%d worker(s) did not stop within %.0fs; killing them", len(late),
-                               self._config.worker_stop_timeout_s)
+        await stop_actors([w.actor for name, w in self._workers.items() if self._router.is_alive(name)],
+                          self._config.worker_stop_timeout_s)
         for pump in self._pumps.values():  # the stopped workers already ended every request
             pump.stop()
         if self._monitor is not None:

@@ -60,12 +60,16 @@ class HealthMonitor:
         return reason
 
 
+DECODE_ROLES = ("decode", "replica")  # workers that decode (and report DecodeStats)
+
+
 def health_details(infos: dict[str, WorkerInfo], stats: dict, dead: list[str], failures: dict[str, str]) -> dict:
-    """BackendHealth.details of a disaggregated cluster: the decode workers' load summed (the keys
-    ServingMetrics reads), each answering worker's role, pid and load under "workers", the dead workers,
-    and why each lost worker was declared lost."""
-    decode = [s for name, s in stats.items() if infos[name].role == "decode"]
-    return {"mode": "disaggregated", "running_requests": sum(s.running for s in decode),
+    """BackendHealth.details of a disaggregated cluster (or of colocated replicas): the decode workers'
+    (replicas') load summed (the keys ServingMetrics reads), each answering worker's role, pid and load
+    under "workers", the dead workers, and why each lost worker was declared lost."""
+    decode = [s for name, s in stats.items() if infos[name].role in DECODE_ROLES]
+    replicas = any(info.role == "replica" for info in infos.values())
+    return {"mode": "replicas" if replicas else "disaggregated", "running_requests": sum(s.running for s in decode),
             "waiting_requests": sum(s.waiting for s in decode),
             "free_kv_blocks": sum(s.free_blocks for s in decode),
             "total_kv_blocks": sum(s.total_blocks for s in decode),
@@ -74,7 +78,8 @@ def health_details(infos: dict[str, WorkerInfo], stats: dict, dead: list[str], f
 
 
 def _worker_load(info: WorkerInfo, stats) -> dict:
-    """One worker's entry of details["workers"] (the per-worker /metrics gauges, and its pid)."""
-    running = stats.running if info.role == "decode" else stats.live_requests
-    return {"role": info.role, "pid": info.pid, "free_kv_blocks": stats.free_blocks,
+    """One worker's entry of details["workers"] (the per-worker /metrics gauges; its pid and Ray node)."""
+    running = stats.running if info.role in DECODE_ROLES else stats.live_requests
+    return {"role": info.role, "pid": info.pid, "node_id": info.node_id, "node_ip": info.node_ip,
+            "free_kv_blocks": stats.free_blocks,
             "total_kv_blocks": stats.total_blocks, "running_requests": running}

@@ -4,6 +4,7 @@ Prompts shorter than ClusterConfig.local_prefill_tokens skip the prefill worker 
 the decode worker's engine prefills them between its decode steps (a short prompt costs a decode step
 little), so they do not pay the transfer and the prefill queue in their TTFT. The flow reads the
 request's mailbox on the decode worker's event stream; its Timing has no transfer and no prefill worker.
+Colocated replicas take this flow for every request (their decode workers are replicas, role "replica").
 """
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ from decode_worker import DecodeEnded
 
 class LocalPrefillFlow:
     def __init__(self, request: GenerationRequest, request_id: str, decode: WorkerRef, mailbox: asyncio.Queue,
-                 worker_lost: Callable[[str, BaseException], None], is_alive: Callable[[str], bool]) -> None:
+                 worker_lost: Callable[[str, BaseException], None], is_alive: Callable[[str], bool],
+                 role: str = "decode") -> None:
+        """role: the decode side's role ("decode", or "replica"), named in errors."""
         self._request, self._rid, self._decode, self._mailbox = request, request_id, decode, mailbox
         self._worker_lost, self._is_alive = worker_lost, is_alive
+        self._role = "replica" if role == "replica" else "decode worker"
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The request's chunks, the last with finish_reason and Timing. Raises what the decode worker's
@@ -48,7 +52,7 @@ class LocalPrefillFlow:
         if isinstance(event, DecodeEnded):
             return decode_ended_error(event, name)
         self._worker_lost(name, event.error)
-        return WorkerLost(f"decode worker {name} is lost: {event.error}", role="decode")
+        return WorkerLost(f"{self._role} {name} is lost: {event.error}", role="decode")
 
     def _timing(self, dispatched: float, first: float) -> Timing:
         arrival = self._request.arrival_time

@@ -50,10 +50,11 @@ class StreamProgress:
 
 
 def resume_refusal(role: str, alive_prefill: int, alive_decode: int, progress: StreamProgress,
-                   max_migrations: int) -> str | None:
-    """Why the request cannot continue after losing a `role` worker, or None when it can."""
+                   max_migrations: int, replicas: bool = False) -> str | None:
+    """Why the request cannot continue after losing a `role` worker, or None when it can. replicas:
+    the decode workers are colocated replicas (named so in the reason)."""
     if role == "decode" and alive_decode == 0:
-        return "no decode worker is left to continue it on"
+        return f"no {'replica' if replicas else 'decode worker'} is left to continue it on"
     if role == "prefill" and alive_prefill == 0:
         return "no prefill worker is left to continue it on"
     if role == "transfer" and 0 in (alive_prefill, alive_decode):

@@ -6,6 +6,16 @@ reported), except that prompts sharing their first block of tokens go to the sam
 prefix cache holds that block) unless that worker's queue is longer than the shortest by more than
 `affinity_slack_tokens`.
 
+Colocated replicas (no prefill workers; each replica prefills its own prompts): the alive replica with the
+least load, counted in tokens the next steps must run: its running requests (one token each per step)
+plus the prompt tokens routed to it that have not produced their first token yet (waiting tokens); then
+the most free blocks; replicas whose free blocks cannot hold the request go last. Prefix affinity
+(cluster/coordinator/prefix_affinity.py) goes first: a prompt whose leading blocks a replica served goes
+back to it (the longest such run wins), while that replica's waiting tokens are within
+`affinity_slack_tokens` of the least waiting replica's and its running requests within
+`affinity_slack_requests` of the fewest, so one hot prefix cannot pile onto one replica: past the slack it
+spills to the least loaded replica, which then holds the prefix too.
+
 The load is the coordinator's own accounting (it is the only client of its workers): a decode worker's
 free blocks are its pool minus an estimate of what the requests routed there may hold (prompt + max
 tokens); the workers themselves refuse what they cannot take (backpressure), and the coordinator then
@@ -16,6 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from cluster.coordinator.prefix_affinity import PrefixAffinity
+
 
 @dataclass
 class DecodeLoad:
@@ -23,6 +35,7 @@ class DecodeLoad:
     total_blocks: int
     claimed_blocks: int = 0
     running: int = 0
+    queued_tokens: int = 0   # prompt tokens it prefills itself that have not produced their first token
     alive: bool = True
 
     @property
@@ -41,17 +54,49 @@ class Router:
     """Load accounting and the two policies (see the module docstring)."""
 
     def __init__(self, prefill_names: list[str], decode_blocks: dict[str, int], block_size: int,
-                 affinity_slack_tokens: int = 4096, affinity_capacity: int = 65536) -> None:
+                 affinity_slack_tokens: int = 4096, affinity_capacity: int = 65536,
+                 affinity_slack_requests: int = 16) -> None:
         self._prefill = {name: PrefillLoad(name) for name in prefill_names}
         self._decode = {name: DecodeLoad(name, total) for name, total in decode_blocks.items()}
         self._block_size = block_size
         self._slack, self._capacity = affinity_slack_tokens, affinity_capacity
         self._affinity: OrderedDict[int, str] = OrderedDict()  # hash of a first block -> prefill worker
+        self._slack_requests = affinity_slack_requests
+        self._prefixes = PrefixAffinity(block_size, capacity=affinity_capacity)  # replicas' leading blocks
 
     def decode_order(self) -> list[str]:
         """Alive decode workers, best first (most free blocks, then fewest running, then name)."""
         alive = [load for load in self._decode.values() if load.alive]
         return [load.name for load in sorted(alive, key=lambda d: (-d.free_blocks, d.running, d.name))]
+
+    def replica_order(self, prompt_token_ids: tuple[int, ...], blocks: int) -> list[str]:
+        """Alive replicas, best first (see the module docstring); `blocks`: what the request may hold."""
+        alive = [load for load in self._decode.values() if load.alive]
+        ranked = sorted(alive, key=lambda d: (d.free_blocks < blocks, d.running + d.queued_tokens,
+                                              -d.free_blocks, d.name))
+        preferred = self._affine_replica(prompt_token_ids, alive, blocks)
+        if preferred is not None:
+            ranked.remove(preferred)
+            ranked.insert(0, preferred)
+        return [load.name for load in ranked]
+
+    def _affine_replica(self, prompt_token_ids: tuple[int, ...], alive: list[DecodeLoad],
+                        blocks: int) -> DecodeLoad | None:
+        """The replica holding the prompt's longest leading run, within the slack of the least loaded."""
+        if not alive:
+            return None
+        queued, running = min(d.queued_tokens for d in alive), min(d.running for d in alive)
+        for holders in self._prefixes.holders(self._prefixes.keys(prompt_token_ids)):
+            fits = [load for load in (self._decode[name] for name in holders)
+                    if load.alive and load.free_blocks >= blocks and load.queued_tokens <= queued + self._slack
+                    and load.running <= running + self._slack_requests]
+            if fits:
+                return min(fits, key=lambda d: (d.running + d.queued_tokens, d.name))
+        return None
+
+    def served_prefix(self, prompt_token_ids: tuple[int, ...], replica: str) -> None:
+        """`replica` is given this prompt: its prefix cache will hold the prompt's leading blocks."""
+        self._prefixes.remember(self._prefixes.keys(prompt_token_ids), replica)
 
     def pick_prefill(self, prompt_token_ids: tuple[int, ...]) -> str | None:
         """The prefill worker for this prompt (None if none is alive); remembers the prefix's worker."""
@@ -86,11 +131,17 @@ class Router:
     def decode_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
-    def claim_decode(self, decode: str, blocks: int) -> None:
+    def claim_decode(self, decode: str, blocks: int, queued_tokens: int = 0) -> None:
         """A request goes to `decode` (claimed before its admission is known, so that concurrent requests
-        see it); decode_done undoes it."""
+        see it); decode_done undoes it. queued_tokens: the prompt tokens it prefills there itself, waiting
+        until prefilled() (local prefill)."""
         self._decode[decode].claimed_blocks += blocks
         self._decode[decode].running += 1
+        self._decode[decode].queued_tokens += queued_tokens
+
+    def prefilled(self, decode: str, queued_tokens: int) -> None:
+        """The request's first token came (or it ended first): its prompt no longer waits on `decode`."""
+        self._decode[decode].queued_tokens -= queued_tokens
 
     def decode_done(self, decode: str, blocks: int) -> None:
         self._decode[decode].claimed_blocks -= blocks
@@ -111,6 +162,7 @@ class Router:
         load.alive = False
         for key in [k for k, worker in self._affinity.items() if worker == name]:
             del self._affinity[key]
+        self._prefixes.forget(name)
         return True
 
     def is_alive(self, name: str) -> bool:

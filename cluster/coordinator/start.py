@@ -15,10 +15,11 @@ from cluster.workers.launch import launch_workers
 from cluster.workers.placement import release_cluster
 
 
-def start_cluster(config: ClusterConfig, address: str | None = None) -> Coordinator:
+def start_cluster(config: ClusterConfig, address: str | None = None,
+                  node_ip_address: str | None = None) -> Coordinator:
     """Start (or join) Ray, place the workers, wait until every engine is loaded, and return the
     Coordinator. On any failure everything started here is released before the error propagates."""
-    launched = launch_workers(config, address)
+    launched = launch_workers(config, address, node_ip_address)
     try:
         workers = [Worker(info, actor) for info, actor in launched.workers]
         return Coordinator(config, _tokenizer(launched.model), workers, launched.resources)

@@ -36,6 +36,7 @@ class JobPlan:
     transport: str
     kv_host: str
     kv_cache_memory: int | None
+    device: str = "auto"
 
 
 def parse_args(argv: list[str] | None = None) -> JobPlan:
@@ -53,12 +54,15 @@ def parse_args(argv: list[str] | None = None) -> JobPlan:
                         help="address the gloo/nccl rendezvous store listens on, in this driver "
                              "(the head's routable address when workers span nodes)")
     parser.add_argument("--kv-cache-mib", type=int, default=None, help="KV pool per worker (default: engine's)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: GPUs as below when the cluster has them, else CPU")
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error("--requests must be >= 1")
     memory = args.kv_cache_mib << 20 if args.kv_cache_mib else None
     return JobPlan(args.model, args.dtype, args.address or os.environ.get("RAY_ADDRESS"), args.requests,
-                   args.max_tokens, args.prefill_workers, args.decode_workers, args.transport, args.kv_host, memory)
+                   args.max_tokens, args.prefill_workers, args.decode_workers, args.transport, args.kv_host, memory,
+                   args.device)
 
 
 def connect(plan: JobPlan) -> None:
@@ -74,9 +78,9 @@ def connect(plan: JobPlan) -> None:
 def worker_counts(plan: JobPlan) -> tuple[int, int, str, int | None, float]:
     """(prefill, decode, device, kv_cache_memory, gpus_per_worker): flags win; else half / half of the GPUs
     when there are >= 2, one prefill and one decode worker sharing the GPU when there is one, else one CPU
-    worker each with a small pool."""
+    worker each with a small pool. --device cpu ignores the GPUs; --device cuda insists on them."""
     import ray
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+    gpus = 0 if plan.device == "cpu" else int(ray.cluster_resources().get("GPU", 0))
     if plan.prefill_workers and plan.decode_workers:
         prefill, decode = plan.prefill_workers, plan.decode_workers
     elif gpus >= 2:
@@ -84,7 +88,7 @@ def worker_counts(plan: JobPlan) -> tuple[int, int, str, int | None, float]:
     else:
         prefill, decode = 1, 1
     share = 1.0 if gpus != 1 else 1.0 / (prefill + decode)
-    device = "cuda" if gpus >= prefill + decode or gpus == 1 else "cpu"
+    device = "cuda" if gpus >= prefill + decode or gpus == 1 or plan.device == "cuda" else "cpu"
     memory = plan.kv_cache_memory or (32 << 20 if device == "cpu" else None)
     return prefill, decode, device, memory, share
 

@@ -53,7 +53,7 @@ class WorkerInfo:
     """What a started worker reports about itself."""
 
     name: str
-    role: str                # "prefill" | "decode"
+    role: str                # "prefill" | "decode" | "replica"
     device: str
     node_id: str
     pid: int
@@ -62,6 +62,7 @@ class WorkerInfo:
     block_size: int
     total_blocks: int
     kv_address: ReceiverAddress | None  # decode workers: where prefill workers send KV
+    node_ip: str = ""                    # the address of the Ray node it runs on
 
 
 def _build_engine(spec: EngineSpec):
@@ -76,7 +77,8 @@ def _info(name: str, role: str, engine, kv_address: ReceiverAddress | None) -> W
     context = ray.get_runtime_context()
     gpu_ids = tuple(str(i) for i in context.get_accelerator_ids().get("GPU", []))
     return WorkerInfo(name, role, str(engine.device), context.get_node_id(), os.getpid(), gpu_ids,
-                      engine.max_model_len, engine.config.block_size, engine.num_total_blocks, kv_address)
+                      engine.max_model_len, engine.config.block_size, engine.num_total_blocks, kv_address,
+                      ray.util.get_node_ip_address())
 
 
 class _WorkerActor:
@@ -175,13 +177,14 @@ class PrefillActor(_WorkerActor):
 class DecodeActor(_WorkerActor):
     """A DecodeWorker (with its KV receiver) in a Ray actor process. A gRPC receiver binds this node's
     address as Ray knows it (127.0.0.1 on a local Ray started on loopback, the node's routable address
-    in a multi-node cluster), whatever config.host says."""
+    in a multi-node cluster), whatever config.host says. role: "decode", or "replica" for a colocated
+    replica (a worker of transport "none" that prefills every prompt itself)."""
 
-    def __init__(self, spec: EngineSpec, config: DecodeWorkerConfig) -> None:
+    def __init__(self, spec: EngineSpec, config: DecodeWorkerConfig, role: str = "decode") -> None:
         engine = _build_engine(spec)
         config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
         self._worker = DecodeWorker(engine, config)
-        self._info = _info(config.name, "decode", engine, self._worker.address)
+        self._info = _info(config.name, role, engine, self._worker.address)
         self._batcher: EventBatcher | None = None
         self._outbox_lock = threading.Lock()  # stop() runs on the control group's thread
         self._outbox_closed = False

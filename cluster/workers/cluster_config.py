@@ -1,8 +1,10 @@
-"""ClusterConfig: everything start_cluster needs to place prefill and decode workers on Ray (frozen)."""
+"""ClusterConfig: everything start_cluster needs to place prefill and decode workers (or colocated
+replicas) on Ray (frozen)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.workers.placement_check import check_role_resources
 from engine.config import EngineConfig
 from kv_transfer.config import TRANSPORTS, TransferConfig
 
@@ -12,7 +14,11 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """model: an HF checkpoint directory (absolute, or relative to the caller's cwd), None for the
+    """num_prefill_workers 0: colocated replicas. Each of the num_decode_workers workers is then a replica
+    (role "replica", named replica-<i>): a decode worker without a KV receiver that prefills every prompt
+    itself, chunked, between its decode steps; the coordinator routes by load with prefix affinity
+    (cluster/coordinator/routing.py). No KV moves, so transport and local_prefill_tokens do not apply.
+    model: an HF checkpoint directory (absolute, or relative to the caller's cwd), None for the
     embedded default model. device: auto = one GPU per worker when the Ray cluster has enough GPUs,
     else CPU. transport: auto = kv_transfer.resolve_transport's choice (gloo on one CPU host, nccl
     between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement group spreads the
@@ -30,7 +36,9 @@ class ClusterConfig:
     gpus_per_worker: the share of a GPU each worker's bundle takes on GPU nodes. 1: a GPU of its own. Below 1,
     every worker shares one GPU (num_workers x gpus_per_worker <= 1; the only way to serve disaggregated on a
     one-GPU machine): KV moves over CUDA IPC (auto), gloo or grpc, never NCCL, which refuses two ranks on one
-    device; each engine's gpu_memory_utilization then counts within its share (0.85 of a half GPU)."""
+    device; each engine's gpu_memory_utilization then counts within its share (0.85 of a half GPU).
+    prefill_resources / decode_resources: custom Ray resources added to each worker bundle of that role, so
+    the role runs only on nodes that have them (a node pool per phase; cluster/workers/placement_check.py)."""
 
     model: str | None = None
     model_name: str | None = None
@@ -52,10 +60,18 @@ class ClusterConfig:
     max_prefill_queue_tokens: int = 1 << 20
     worker_stop_timeout_s: float = 5.0
     gpus_per_worker: float = 1.0
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.num_prefill_workers < 1 or self.num_decode_workers < 1:
-            raise ValueError("disaggregated serving needs at least one prefill and one decode worker")
+        if self.num_prefill_workers < 0 or self.num_decode_workers < 1:
+            raise ValueError("disaggregated serving needs at least one prefill and one decode worker "
+                             "(colocated replicas: 0 prefill workers and at least one replica)")
+        if self.replicas and self.transport != "auto":
+            raise ValueError("colocated replicas move no KV: transport does not apply (leave it 'auto')")
+        if self.replicas and self.local_prefill_tokens:
+            raise ValueError("colocated replicas prefill every prompt themselves: local_prefill_tokens "
+                             "does not apply")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         self._check_gpu_share()
@@ -73,6 +89,8 @@ class ClusterConfig:
             raise ValueError("worker_stall_timeout_s must be > 0")
         if self.worker_stop_timeout_s <= 0:
             raise ValueError("worker_stop_timeout_s must be > 0")
+        check_role_resources(self.prefill_resources, "prefill_resources")
+        check_role_resources(self.decode_resources, "decode_resources")
 
     def _check_gpu_share(self) -> None:
         if not 0 < self.gpus_per_worker <= 1:
@@ -86,6 +104,16 @@ class ClusterConfig:
         if self.transport == "nccl" and self.shares_gpu:
             raise ValueError("transport 'nccl' cannot join two workers on one GPU (NCCL refuses two ranks on one "
                              "device); use ipc, gloo or grpc")
+
+    @property
+    def replicas(self) -> bool:
+        """Colocated replicas: no prefill workers; every decode worker prefills its own prompts."""
+        return self.num_prefill_workers == 0
+
+    @property
+    def decode_role(self) -> str:
+        """What the decode-side workers are called (WorkerInfo.role, /metrics, /health)."""
+        return "replica" if self.replicas else "decode"
 
     @property
     def shares_gpu(self) -> bool:

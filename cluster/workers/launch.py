@@ -1,4 +1,5 @@
-"""launch_workers: Ray, a placement group, and the prefill and decode worker actors, loaded and ready.
+"""launch_workers: Ray, a placement group, and the prefill and decode worker actors (or the colocated
+replicas: decode worker actors without a KV receiver), loaded and ready.
 
     launched = launch_workers(ClusterConfig(num_prefill_workers=1, num_decode_workers=2))
     ... launched.workers: (WorkerInfo, actor handle) per worker, prefill workers first ...
@@ -23,10 +24,11 @@ import torch
 
 from cluster.workers.actors import DecodeActor, EngineSpec, PrefillActor, WorkerInfo
 from cluster.workers.cluster_config import ClusterConfig
-from cluster.workers.placement import (ClusterResources, create_placement_group, release_cluster, release_ray,
-                                       start_actor)
+from cluster.workers.placement import ClusterResources, place_bundles, release_cluster, release_ray, start_actor
+from cluster.workers.placement_check import worker_bundles
 from cluster.workers.ray_host import RayHost, RayHostConfig, start_local_ray
 from decode_worker import DecodeWorkerConfig
+from decode_worker.no_receiver import NO_TRANSPORT
 from kv_transfer import DistRendezvous, resolve_transport, start_store
 from prefill_worker import PrefillWorkerConfig
 
@@ -42,15 +44,18 @@ class LaunchedWorkers:
     model: str | None                          # the checkpoint as the workers load it (absolute path)
 
 
-def connect_ray(address: str | None, config: ClusterConfig) -> tuple[bool, RayHost | None]:
-    """Uses the session already initialized in this process, or joins `address`, or starts a local Ray
+def connect_ray(address: str | None, config: ClusterConfig,
+                node_ip_address: str | None = None) -> tuple[bool, RayHost | None]:
+    """Uses the session already initialized in this process, or joins `address` (as a driver on this
+    machine's Ray node at `node_ip_address`, like `ray start --node-ip-address`: needed when the node's
+    address is not the one Ray would pick, e.g. a cluster on 127.0.0.2), or starts a local Ray
     on 127.0.0.1 with enough logical CPUs for the workers' bundles, in a RayHost process of its own
     (cluster/workers/ray_host.py says why). Returns (whether this call ran ray.init, the RayHost if it
     started one)."""
     if ray.is_initialized():
         return False, None
     if address is not None:
-        ray.init(address=address, include_dashboard=False)
+        ray.init(address=address, include_dashboard=False, _node_ip_address=node_ip_address)
         return True, None
     num_cpus = max(os.cpu_count() or 1, config.num_workers * config.cpu_threads_per_worker)
     host = start_local_ray(RayHostConfig(num_cpus=num_cpus, start_timeout_s=config.worker_start_timeout_s))
@@ -95,7 +100,8 @@ def engine_spec(config: ClusterConfig, model: str | None, device: str) -> Engine
 
 
 def worker_configs(config: ClusterConfig, transport: str, store_host: str, store_port: int | None):
-    """The PrefillWorkerConfig / DecodeWorkerConfig of every worker. gloo/nccl ranks: prefill workers
+    """The PrefillWorkerConfig / DecodeWorkerConfig of every worker (colocated replicas: none / one per
+    replica, without a KV receiver). gloo/nccl ranks: prefill workers
     0..N-1 (senders), decode workers N..N+M-1 (receivers listening to every prefill rank).
 
     gRPC: a prefill worker keeps at most grpc_max_concurrent_transfers transfers in flight to one decode
@@ -105,6 +111,11 @@ def worker_configs(config: ClusterConfig, transport: str, store_host: str, store
     Every call makes a new cluster secret (TransferConfig.cluster_secret, in every worker's config, not in
     any repr): the gRPC KV receivers accept streams only from senders holding it. gloo/nccl pairs meet only
     through this cluster's own store under its own namespace."""
+    if config.replicas:  # no KV moves: no receiver, no secret, no rendezvous
+        return [], [DecodeWorkerConfig(f"replica-{j}", NO_TRANSPORT, config.transfer, config.kv_host,
+                                       max_live_requests=config.max_live_per_decode_worker,
+                                       expect_timeout_s=config.expect_timeout_s)
+                    for j in range(config.num_decode_workers)]
     world, num_prefill = config.num_workers, config.num_prefill_workers
     namespace = f"tandem-{uuid.uuid4().hex[:8]}"
     transfer = dataclasses.replace(config.transfer, cluster_secret=secrets.token_hex(32))
@@ -125,27 +136,31 @@ def worker_configs(config: ClusterConfig, transport: str, store_host: str, store
     return prefill, decode
 
 
-def launch_workers(config: ClusterConfig, address: str | None = None) -> LaunchedWorkers:
+def launch_workers(config: ClusterConfig, address: str | None = None,
+                   node_ip_address: str | None = None) -> LaunchedWorkers:
     """Start (or join) Ray, place the workers and wait until every engine is loaded. On any failure
-    everything started here is released before the error propagates."""
-    owns_ray, host = connect_ray(address, config)
+    everything started here is released before the error propagates; a placement the cluster can never
+    satisfy is a PlacementInfeasible (ValueError) before any worker starts."""
+    owns_ray, host = connect_ray(address, config, node_ip_address)
     group = store = None
     actors: list = []
     try:
         device = resolve_device(config)
-        transport = resolve_cluster_transport(config, device)
+        transport = NO_TRANSPORT if config.replicas else resolve_cluster_transport(config, device)
         gpus = config.gpus_per_worker if device == "cuda" else 0.0
-        group = create_placement_group(config.num_workers, gpus, config.cpu_threads_per_worker,
-                                       config.placement_strategy, config.worker_start_timeout_s)
+        bundles = worker_bundles([("prefill", config.num_prefill_workers, config.prefill_resources),
+                                  (config.decode_role, config.num_decode_workers, config.decode_resources)],
+                                 config.cpu_threads_per_worker, gpus)
+        group = place_bundles(bundles, config.placement_strategy, config.worker_start_timeout_s)
         store_host = config.kv_host
-        store = start_store(store_host, 0) if transport != "grpc" else None
+        store = start_store(store_host, 0) if transport not in ("grpc", NO_TRANSPORT) else None
         prefill, decode = worker_configs(config, transport, store_host, store.port if store else None)
         model = str(Path(config.model).resolve()) if config.model is not None else None
         spec = engine_spec(config, model, device)
         threads = config.cpu_threads_per_worker
-        roles = [(PrefillActor, c) for c in prefill] + [(DecodeActor, c) for c in decode]
-        actors = [start_actor(cls, group, index, gpus, threads, spec, worker_config)
-                  for index, (cls, worker_config) in enumerate(roles)]
+        roles = [(PrefillActor, (c,)) for c in prefill] + [(DecodeActor, (c, config.decode_role)) for c in decode]
+        actors = [start_actor(cls, group, index, gpus, threads, spec, *worker_args)
+                  for index, (cls, worker_args) in enumerate(roles)]
         infos: list[WorkerInfo] = ray.get([a.info.remote() for a in actors], timeout=config.worker_start_timeout_s)
     except BaseException:
         if group is not None:
@@ -154,6 +169,7 @@ def launch_workers(config: ClusterConfig, address: str | None = None) -> Launche
             release_ray(owns_ray, host)
         raise
     for info in infos:
-        logger.info("%s: %s on node %s (pid %d, GPUs %s), %d KV blocks, transport %s", info.name, info.device,
-                    info.node_id[:12], info.pid, ",".join(info.accelerator_ids) or "none", info.total_blocks, transport)
+        logger.info("%s: %s on node %s (%s; pid %d, GPUs %s), %d KV blocks, transport %s", info.name,
+                    info.device, info.node_id[:12], info.node_ip, info.pid,
+                    ",".join(info.accelerator_ids) or "none", info.total_blocks, transport)
     return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray, host), model)

@@ -4,6 +4,7 @@ Runs in the process that starts the cluster (the serve process or a job's driver
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.workers.bounded import run_bounded
+from cluster.workers.placement_check import PlacementInfeasible, check_placement
 from cluster.workers.ray_host import RayHost
 
 logger = logging.getLogger("tandem.cluster.placement")
@@ -34,16 +36,51 @@ class ClusterResources:
 def create_placement_group(num_workers: int, gpus: float, cpu_threads: int, strategy: str,
                            timeout_s: float) -> PlacementGroup:
     """One bundle per worker ({GPU: gpus, CPU: threads}, or {CPU: threads} when gpus is 0: a share below 1
-    puts several workers on one GPU); waits until it is placed."""
+    puts several workers on one GPU); see place_bundles."""
     bundle = {"CPU": cpu_threads, "GPU": gpus} if gpus else {"CPU": cpu_threads}
-    group = placement_group([dict(bundle) for _ in range(num_workers)], strategy=strategy)
+    return place_bundles([("worker", dict(bundle)) for _ in range(num_workers)], strategy, timeout_s)
+
+
+def place_bundles(bundles: list[tuple[str, dict]], strategy: str, timeout_s: float) -> PlacementGroup:
+    """A placement group of `bundles` ((role, resources) per worker, in bundle order), placed. Fails fast
+    with PlacementInfeasible (a ValueError naming what is missing) when the alive nodes can never hold
+    them with `strategy`; otherwise waits at most timeout_s for Ray to place them, then removes the group
+    and raises RuntimeError with what is free on each node."""
+    check_placement(bundles, strategy, alive_node_resources())
+    group = placement_group([dict(bundle) for _, bundle in bundles], strategy=strategy)
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except Exception:
         ray.util.remove_placement_group(group)
-        raise RuntimeError(f"Ray could not place {num_workers} workers of {bundle} ({strategy}) within "
-                           f"{timeout_s}s; cluster resources: {ray.cluster_resources()}") from None
+        raise RuntimeError(f"Ray could not place {len(bundles)} workers ({strategy}) within {timeout_s:g}s: "
+                           f"{_why_pending(bundles, strategy)}") from None
     return group
+
+
+def alive_node_resources() -> dict[str, dict]:
+    """The total resources of each alive node, by "node-id-prefix (node ip)"."""
+    return {_node_name(node["NodeID"], node["NodeManagerAddress"]): dict(node["Resources"])
+            for node in ray.nodes() if node.get("Alive")}
+
+
+def _why_pending(bundles: list[tuple[str, dict]], strategy: str) -> str:
+    """What keeps the group from being placed with the resources free now (others hold the rest)."""
+    try:
+        free = ray._private.state.available_resources_per_node()
+        addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
+        free = {_node_name(node_id, addresses.get(node_id, "?")): res for node_id, res in free.items()}
+        check_placement(bundles, strategy, free)
+    except PlacementInfeasible as error:
+        return f"with the resources free now (the rest is held by others), {error}"
+    except Exception as error:  # the private state API changed or Ray went away
+        return f"free resources unknown ({error}); cluster resources: {ray.cluster_resources()}"
+    keys = {key for _, bundle in bundles for key in bundle}
+    return "free per node: " + ", ".join(f"{name} {({k: v for k, v in res.items() if k in keys})}"
+                                         for name, res in free.items())
+
+
+def _node_name(node_id: str, address: str) -> str:
+    return f"{node_id[:8]} ({address})"
 
 
 def start_actor(actor_class, group: PlacementGroup, bundle_index: int, gpus: float, cpu_threads: int,
@@ -52,6 +89,22 @@ def start_actor(actor_class, group: PlacementGroup, bundle_index: int, gpus: flo
     strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle_index)
     return actor_class.options(num_cpus=cpu_threads, num_gpus=gpus,
                                scheduling_strategy=strategy).remote(*args)
+
+
+async def stop_actors(actors: list, timeout_s: float) -> None:
+    """Asks every actor to stop() (end its requests, wait for its transfers, stop its threads) and waits
+    at most timeout_s; an actor already gone or still stopping then is left to release_cluster (killed)."""
+    stops = [asyncio.ensure_future(actor.stop.remote()) for actor in actors]
+    if not stops:
+        return
+    done, late = await asyncio.wait(stops, timeout=timeout_s)
+    for stop in late:
+        stop.cancel()
+    for stop in done:
+        if stop.exception() is not None:  # the actor is gone already: nothing to stop
+            logger.info("worker stop: %s", stop.exception())
+    if late:
+        logger.warning("%d worker(s) did not stop within %.0fs; killing them", len(late), timeout_s)
 
 
 def release_cluster(actors: list, resources: ClusterResources, timeout_s: float = RELEASE_TIMEOUT_S) -> None:

@@ -2,14 +2,15 @@
 end-to-end run over two modes (real `tandem serve` subprocesses, a local Ray for the disaggregated one)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 
 import pytest
 
 from cluster.bench.compare import parse_rates
-from cluster.bench.compare_modes import ModeSettings, default_mode_names, parse_modes, serving_mode
-from cluster.bench.compare_report import ModeRun, format_markdown, goal_lines, ratio_rows, runs_json
+from cluster.bench.compare_modes import ModeSettings, default_mode_names, default_workers, parse_modes, serving_mode
+from cluster.bench.compare_report import ModeRun, format_markdown, goal_baseline, goal_lines, ratio_rows, runs_json
 from cluster.bench.serve_metrics import RequestResult, compute_metrics
 from tests.support.serve_process import TANDEM
 
@@ -31,21 +32,43 @@ def test_modes_become_the_serve_flags_that_make_them():
     assert flags[flags.index("--local-prefill-tokens") + 1] == "0"
     local = serving_mode("disagg-1p1d-local300", SETTINGS).serve_flags
     assert local[local.index("--local-prefill-tokens") + 1] == "300"
+    replicas = serving_mode("colocated-2", SETTINGS)
+    flags = replicas.serve_flags
+    assert not replicas.is_disaggregated and flags[flags.index("--replicas") + 1] == "2"
+    assert flags[flags.index("--cpu-threads") + 1] == "2" and "--enable-chunked-prefill" in flags
+    assert flags[flags.index("--max-num-batched-tokens") + 1] == "128"
+
+
+def test_every_mode_says_what_hardware_it_got():
+    assert serving_mode("colocated-2", SETTINGS).hardware == "2 workers x 2 threads"
+    assert serving_mode("disagg-1p1d", SETTINGS).hardware == "2 workers x 2 threads"
+    assert serving_mode("disagg-1p3d", SETTINGS).hardware == "4 workers x 1 thread"
+    assert serving_mode("colocated", SETTINGS).hardware == "in-process engine, 4 threads"
+    gpus = lambda n: dataclasses.replace(SETTINGS, num_gpus=n)  # noqa: E731
+    assert serving_mode("colocated-4", gpus(4)).hardware == "4 GPUs, 1 per worker"
+    shared = serving_mode("disagg-1p1d", gpus(1))
+    assert shared.hardware == "1 GPU shared by 2 workers" and "--gpus-per-worker" in shared.serve_flags
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        serving_mode("disagg-2p2d", gpus(2))
 
 
 def test_mode_and_rate_lists_are_validated():
     assert parse_modes("colocated, disagg-2p1d,disagg-1p1d-local64") == ["colocated", "disagg-2p1d",
                                                                          "disagg-1p1d-local64"]
-    for bad in ("", "colocated,colocated", "disagg-0p1d", "disaggregated", "disagg-1p1d-local"):
+    assert parse_modes("colocated-4,colocated-chunked") == ["colocated-4", "colocated-chunked"]
+    for bad in ("", "colocated,colocated", "disagg-0p1d", "disaggregated", "disagg-1p1d-local", "colocated-0",
+                "colocated-x"):
         with pytest.raises(ValueError):
             parse_modes(bad)
     assert parse_rates("2, inf") == [2.0, float("inf")]
     for bad in ("", "0", "-1", "fast"):
         with pytest.raises(ValueError):
             parse_rates(bad)
-    assert default_mode_names(num_gpus=0, cpu_cores=2) == ["colocated", "colocated-chunked", "disagg-1p1d",
-                                                           "disagg-1p1d-local256"]
-    assert default_mode_names(num_gpus=4, cpu_cores=2)[-1] == "disagg-2p2d"
+    assert default_mode_names(2) == ["colocated-2", "disagg-1p1d"]
+    assert default_mode_names(4) == ["colocated-4", "disagg-1p3d", "disagg-2p2d", "disagg-3p1d"]
+    with pytest.raises(ValueError, match="--workers must be >= 2"):
+        default_mode_names(1)
+    assert (default_workers(0, 2), default_workers(0, 8), default_workers(2, 64), default_workers(4, 2)) == (2, 4, 2, 4)
 
 
 def _run(mode: str, ttft: float, gap: float) -> ModeRun:
@@ -53,7 +76,7 @@ def _run(mode: str, ttft: float, gap: float) -> ModeRun:
     results = [RequestResult(True, 8, 0.0, (ttft, ttft + gap, ttft + 2 * gap), (1, 1, 1),
                              timing={"queue_ms": 1.0, "prefill_ms": 2.0, "transfer_ms": 3.0 if "disagg" in mode else 0})
                for _ in range(2)]
-    return ModeRun(mode, 4.0, compute_metrics(results, duration=1.0), results, True)
+    return ModeRun(mode, 4.0, compute_metrics(results, duration=1.0), results, True, "2 workers x 1 thread")
 
 
 def test_ratios_and_the_goal_verdict():
@@ -67,16 +90,22 @@ def test_ratios_and_the_goal_verdict():
     slower = [runs[0], _run("disagg-1p1d", ttft=0.200, gap=0.150)]
     assert goal_lines(slower)[0].count("NOT met") == 2
     markdown = format_markdown(runs, "tandem bench compare")
-    assert markdown.count("\n| colocated") == 2 and "\n| disagg-1p1d | 4 | 2 / 0 |" in markdown
+    assert markdown.count("\n| colocated") == 2 and "\n| disagg-1p1d | 2 workers x 1 thread | 4 | 2 / 0 |" in markdown
     assert "| 3.0 / 3.0 |" in markdown
     document = runs_json(runs, {"burstiness": 1.0})
     assert [run["mode"] for run in document["runs"]] == ["colocated", "colocated-chunked", "disagg-1p1d"]
     assert document["runs"][2]["p99_itl_ms"] == pytest.approx(80.0)
+    assert document["runs"][0]["hardware"] == "2 workers x 1 thread"
+    equal = [_run("colocated-2", ttft=0.100, gap=0.100), _run("disagg-1p1d", ttft=0.120, gap=0.040)]
+    assert goal_baseline(equal) == "colocated-2" and goal_baseline(runs) == "colocated"
+    (line,) = goal_lines(equal)
+    assert "disagg-1p1d vs colocated-2: p99 ITL 0.40x" in line and "Goal (disaggregated vs colocated-2" in \
+        format_markdown(equal)
 
 
 def test_compare_runs_each_mode_end_to_end(tmp_path):
     results = tmp_path / "results"
-    done = subprocess.run([*TANDEM, "bench", "compare", "--modes", "colocated,disagg-1p1d", "--request-rates", "inf",
+    done = subprocess.run([*TANDEM, "bench", "compare", "--workers", "2", "--request-rates", "inf",
                            "--num-prompts", "4", "--num-warmups", "1", "--mixed-long-fraction", "0.25",
                            "--mixed-long-len", "80", "--mixed-short-len", "12", "--random-output-len", "4",
                            "--kv-cache-memory-mib", "16", "--results-dir", str(results)],
@@ -84,16 +113,17 @@ def test_compare_runs_each_mode_end_to_end(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     document = json.loads((results / "results.json").read_text())
     by_mode = {run["mode"]: run for run in document["runs"]}
-    assert set(by_mode) == {"colocated", "disagg-1p1d"}
+    assert set(by_mode) == {"colocated-2", "disagg-1p1d"}            # equal hardware: 2 Ray workers each
     for run in by_mode.values():
         assert run["completed"] == 4 and run["failed"] == 0 and run["total_output_tokens"] == 16
-        assert run["pool_whole"] is True
+        assert run["pool_whole"] is True and run["hardware"].startswith("2 workers x ")
     assert by_mode["disagg-1p1d"]["disagg"]["transfer_ms_p50"] > 0
-    assert by_mode["colocated"]["disagg"]["transfer_ms_p50"] == 0
+    assert by_mode["colocated-2"]["disagg"]["transfer_ms_p50"] == 0
     for name in ("results.md", "ttft_cdf.png", "itl_cdf.png", "ttft_breakdown.png",
-                 "server-colocated.log", "server-disagg-1p1d.log"):
+                 "server-colocated-2.log", "server-disagg-1p1d.log"):
         assert (results / name).stat().st_size > 0, name
-    assert "| disagg-1p1d | inf | 4 / 0 |" in (results / "results.md").read_text()
+    assert "replicas on Ray" in (results / "server-colocated-2.log").read_text()
+    assert "| inf | 4 / 0 |" in (results / "results.md").read_text()
 
 
 def test_compare_rejects_bad_flags_before_starting_anything(tmp_path):

@@ -40,3 +40,50 @@ def test_prefix_affinity_sends_a_shared_first_block_to_the_same_prefill_worker()
     r.claim_prefill(first, 6)
     assert r.pick_prefill((1, 2, 3, 4, 9)) == first                # same first block, within the slack
     assert r.pick_prefill((7, 7, 7, 7, 7)) != first                # another prefix: the shorter queue
+
+
+def replicas(slack_tokens: int = 100, slack_requests: int = 2) -> Router:
+    return Router([], {"replica-0": 50, "replica-1": 50}, block_size=4, affinity_slack_tokens=slack_tokens,
+                  affinity_slack_requests=slack_requests)
+
+
+def test_replicas_go_by_load_in_tokens_then_free_blocks():
+    r = replicas()
+    assert r.alive_counts() == (0, 2) and r.replica_order((1, 2, 3), blocks=2) == ["replica-0", "replica-1"]
+    r.claim_decode("replica-0", 2, queued_tokens=30)         # a 30-token prompt waits on replica-0
+    assert r.replica_order((9,), 2) == ["replica-1", "replica-0"]
+    for _ in range(32):                                        # 32 decoding requests outweigh 30 waiting tokens
+        r.claim_decode("replica-1", 1)
+    assert r.replica_order((9,), 2) == ["replica-0", "replica-1"]
+    r.prefilled("replica-0", 30)                               # its first token came: 1 running vs 32
+    assert r.replica_order((9,), 2)[0] == "replica-0"
+    tight = replicas()
+    tight.claim_decode("replica-0", 40)                        # least loaded (1 running), 10 blocks free
+    for _ in range(3):
+        tight.claim_decode("replica-1", 1)                     # 3 running, 47 blocks free
+    assert tight.replica_order((9,), blocks=5) == ["replica-0", "replica-1"]
+    assert tight.replica_order((9,), blocks=20) == ["replica-1", "replica-0"]  # replica-0 cannot hold 20
+
+
+def test_replica_prefix_affinity_holds_within_the_slack_then_spills_and_both_hold_it():
+    r = replicas(slack_tokens=100, slack_requests=2)
+    shared = tuple(range(1, 13))                               # 3 blocks of 4
+    r.claim_decode("replica-1", 1)                             # replica-1 busier: the first goes to replica-0 ...
+    r.served_prefix(shared + (50,), "replica-1")               # ... unless replica-1 served the prefix
+    assert r.replica_order(shared + (60, 61), 2)[0] == "replica-1"
+    assert r.replica_order((7, 7, 7, 7, 7, 7), 2)[0] == "replica-0"   # another prefix: least loaded
+    assert r.replica_order(shared[:4] + (99,) * 8, 2)[0] == "replica-1"  # one shared block is enough
+    r.claim_decode("replica-1", 1)
+    r.claim_decode("replica-1", 1)                             # 3 running vs 0: past the 2-request slack
+    assert r.replica_order(shared + (60,), 2)[0] == "replica-0"
+    r.served_prefix(shared + (60,), "replica-0")               # the spill: replica-0 holds it too now
+    r.claim_decode("replica-0", 1, queued_tokens=150)          # and is past the token slack
+    assert r.replica_order(shared + (70,), 2)[0] == "replica-1"  # least loaded holder within the slack
+    assert r.mark_dead("replica-1") and r.replica_order(shared + (70,), 2) == ["replica-0"]
+
+
+def test_the_block_of_the_last_token_is_no_prefix():
+    r = replicas()
+    r.claim_decode("replica-0", 1)
+    r.served_prefix((1, 2, 3, 4), "replica-0")                 # one block, and it holds the last token
+    assert r.replica_order((1, 2, 3, 4, 5), 2)[0] == "replica-1"
