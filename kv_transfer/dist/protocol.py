@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Executor
+from typing import Callable
 
 import numpy as np
 import torch
@@ -169,8 +170,16 @@ def receive_transfer(channel: PairChannel, pool: KVPoolView, staging: StagingPoo
         raise
     if incoming is None:
         return
+    land_and_settle(channel, incoming, inbox, deadline, lambda: _receive_runs(channel, incoming, deadline))
+
+
+def land_and_settle(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, deadline: float,
+                    land_runs: Callable[[], bool]) -> None:
+    """Lands an accepted transfer's runs with land_runs() (True: the sender committed), then verifies and
+    acks it (finish_receive); the outcome goes to the inbox. Any failure frees what the transfer holds
+    first; a failure of the link itself is raised after that."""
     try:
-        committed = _receive_runs(channel, incoming, deadline)
+        committed = land_runs()
     except KVTransferError as exc:
         inbox.put(incoming.fail(exc.status, exc.message))
         raise

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kv_transfer.dist.channel import PairChannel
-from kv_transfer.dist.protocol import finish_receive  # the verdict and final ack gloo/nccl send
+from kv_transfer.dist.protocol import land_and_settle  # the verdict and final ack gloo/nccl send
 from kv_transfer.dist.protocol import send_manifest
 from kv_transfer.ipc.landing import NO_STAGING, MappedIncoming
 from kv_transfer.ipc.pool_handle import MAX_HANDLE_BYTES, PoolHandleError, import_pool
@@ -154,12 +154,4 @@ def receive_transfer(channel: PairChannel, peer: PeerPool, pool: KVPoolView, inb
     if incoming is None:
         return
     peer.published = True
-    try:
-        committed = _copy_runs(channel, incoming, deadline)
-    except KVTransferError as exc:
-        inbox.put(incoming.fail(exc.status, exc.message))
-        raise
-    except BaseException as exc:
-        inbox.put(incoming.fail(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}"))
-        raise
-    inbox.put(finish_receive(channel, incoming, inbox, committed, deadline))
+    land_and_settle(channel, incoming, inbox, deadline, lambda: _copy_runs(channel, incoming, deadline))
