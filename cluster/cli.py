@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(bench, "transfer", "kv_transfer.bench", "KV transfer GB/s against a raw loopback socket")
     _add_command(bench, "sampler", "cluster.bench.sampler",
                  "engine.sampler.Sampler alone: ms per call per sampling mode")
+    _add_command(bench, "memory", "cluster.bench.memory_stress",
+                 "many decodes with a long prompt arriving, on a random model of a real shape: memory and steps")
     _add_command(commands, "selftest", "cluster.selftest.command",
                  "check this machine: kernels, greedy vs transformers, speed against its limits, KV transports")
     return parser
