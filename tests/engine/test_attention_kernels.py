@@ -14,7 +14,7 @@ from engine.attention.triton_decode import paged_decode  # noqa: E402
 from engine.attention.triton_prefill import paged_prefill  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-HEAD_SHAPES = [(4, 4), (8, 2), (8, 1)]  # (query heads, KV heads): GQA ratios 1, 4, 8
+HEAD_SHAPES = [(4, 4), (8, 2), (8, 1), (14, 2)]  # (query heads, KV heads): GQA 1, 4, 8 and 7 (Qwen2.5-0.5B)
 
 
 def reference(q, k_pool, v_pool, table, seq_len, block_size):
