@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, build_step_tensors, select_backend
+from engine.attention.block_tables import BlockTableMirrors
+from engine.attention.metadata import table_width
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.sampler import Sampler
+from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
 
@@ -39,19 +41,21 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.attention = attention or select_backend("auto", device, kv_cache.spec.dtype)
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine once the pool exists (CUDA)
+        self.block_tables = BlockTableMirrors()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[tuple[Sequence, ...], list[int]]:
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[tuple[Sequence, ...], SamplerOutput]:
         """Run one forward over all chunks (writes their K/V into the pool); returns the sampled
-        sequences and one new token for each. Does not change the sequences themselves."""
+        sequences and, for each, one new token (and its logprobs if asked). Does not change the
+        sequences themselves."""
         batch = self.prepare(chunks)
         hidden = self._forward(batch)  # [T, hidden]
         if not batch.sampled_seqs:
-            return (), []
+            return (), SamplerOutput([], [])
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [S, vocab]
         seqs = batch.sampled_seqs
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.num_tokens for s in seqs])
-        return seqs, tokens
+        return seqs, self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs],
+                                         [(s.token_ids, s.num_prompt_tokens) for s in seqs])
 
     def _forward(self, batch: ModelInput) -> torch.Tensor:
         """The model forward, replayed from a captured graph when the step is decode rows only."""
@@ -72,9 +76,10 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(row - 1)
                 sampled.append(seq)
-        step = build_step_tensors(self.attention, [c.seq.num_computed_tokens for c in ordered],
-                                  [c.num_new_tokens for c in ordered], [c.seq.block_table for c in ordered],
-                                  self.block_size, self.device)
+        computed, new = [c.seq.num_computed_tokens for c in ordered], [c.num_new_tokens for c in ordered]
+        width = table_width([c + n for c, n in zip(computed, new)], self.block_size)
+        tables = self.block_tables.tables([c.seq for c in ordered], width)  # [N, width] int32
+        step = build_step_tensors(self.attention, computed, new, tables, self.block_size, self.device)
         return ModelInput(self._tensor(input_ids), step.positions, step.meta, self._tensor(sample_rows),
                           tuple(sampled))
 

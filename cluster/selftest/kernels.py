@@ -32,6 +32,7 @@ class MixedStep:
 
 def mixed_step(device: torch.device, dtype: torch.dtype, seed: int = 0) -> MixedStep:
     from engine.attention import build_step_tensors
+    from engine.attention.metadata import padded_tables
     from engine.attention.backends import TorchBackend
 
     gen = torch.Generator().manual_seed(seed)
@@ -46,7 +47,7 @@ def mixed_step(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Mixed
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device, dtype)
     pool_shape = (NUM_BLOCKS * BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    meta = build_step_tensors(TorchBackend(), [c for c, _ in SPECS], [n for _, n in SPECS], tables,
+    meta = build_step_tensors(TorchBackend(), [c for c, _ in SPECS], [n for _, n in SPECS], padded_tables(tables),
                               BLOCK_SIZE, device).meta
     return MixedStep(randn(tokens, HEADS, HEAD_DIM), randn(tokens, KV_HEADS, HEAD_DIM),
                      randn(tokens, KV_HEADS, HEAD_DIM), randn(*pool_shape), randn(*pool_shape), meta)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -53,20 +54,19 @@ class StepTensors:
 
 
 def build_step_tensors(backend: "AttentionBackend", num_computed: list[int], num_new: list[int],
-                       block_tables: list[list[int]], block_size: int, device: torch.device) -> StepTensors:
+                       block_tables: np.ndarray, block_size: int, device: torch.device) -> StepTensors:
     """Positions, slot mapping and metadata for sequences whose chunks cover positions
-    [num_computed[i], num_computed[i] + num_new[i]) with block_tables[i]; single-token chunks come first."""
+    [num_computed[i], num_computed[i] + num_new[i]); single-token chunks come first. block_tables:
+    [N, max_blocks] int32, each row holding at least the blocks of positions up to its chunk's end."""
     seq_lens = [c + n for c, n in zip(num_computed, num_new)]
     query_start = [0]
     for n in num_new:
         query_start.append(query_start[-1] + n)
-    max_blocks = max(-(-length // block_size) for length in seq_lens)
-    table_rows = [table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])) for table in block_tables]
-    tables = _upload(table_rows, torch.int32, device)                              # [N, max_blocks]
-    starts = _upload(query_start, torch.int32, device)                             # [N + 1]
-    lens = _upload(seq_lens, torch.int32, device)                                  # [N]
-    computed = _upload(num_computed, torch.int64, device)                          # [N]
-    new = _upload(num_new, torch.int64, device)                                    # [N]
+    tables = _upload(block_tables, device)                                          # [N, max_blocks]
+    starts = _upload(np.asarray(query_start, dtype=np.int32), device)               # [N + 1]
+    lens = _upload(np.asarray(seq_lens, dtype=np.int32), device)                    # [N]
+    computed = _upload(np.asarray(num_computed, dtype=np.int64), device)            # [N]
+    new = _upload(np.asarray(num_new, dtype=np.int64), device)                      # [N]
     num_tokens = query_start[-1]
     seq_of_token = torch.repeat_interleave(torch.arange(len(num_new), device=device), new,
                                            output_size=num_tokens)                 # [T]
@@ -80,8 +80,22 @@ def build_step_tensors(backend: "AttentionBackend", num_computed: list[int], num
     return StepTensors(positions, meta)
 
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+def padded_tables(tables: list[list[int]]) -> np.ndarray:
+    """Block-table lists as one [N, longest] int32 array, 0-padded (tests and checks; the runner keeps
+    incremental mirrors instead, engine/attention/block_tables.py)."""
+    out = np.zeros((len(tables), max(map(len, tables), default=0)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        out[row, :len(table)] = table
+    return out
+
+
+def table_width(seq_lens: list[int], block_size: int) -> int:
+    """Blocks of the longest context: the width of the step's block tables."""
+    return max(-(-length // block_size) for length in seq_lens)
+
+
+def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(host)
     if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
