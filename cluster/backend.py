@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -53,12 +54,14 @@ class Timing:
 @dataclass(frozen=True)
 class GenerationChunk:
     """New tokens and stable text since the previous chunk; the last one has finish_reason
-    ("stop" or "length") and timing set."""
+    ("stop" or "length") and timing set. logprobs: one engine.logprobs.TokenLogprobs per token of
+    token_ids when the request asked for logprobs (SamplingParams.logprobs), else None."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
     timing: Timing | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)

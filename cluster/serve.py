@@ -24,16 +24,19 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from cluster.api.admission import AdmissionBound
 from cluster.api.draining_backend import DrainingBackend
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from cluster.api.metrics import ServingMetrics
 from cluster.backend import Backend
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
+from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, engine_config_from_args,
+                                 served_names_from_args)
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.placement_check import role_resources
-from engine.config import ATTENTION_BACKENDS, EngineConfig
+from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,12 @@ class ServeConfig:
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
     replicas: int = 0  # colocated: 0 = one engine in this process, N = N replica actors on Ray
+    served_model_names: tuple[str, ...] = ()  # empty: the model path (or "tandem-default")
+
+    @property
+    def model_name(self) -> str:
+        """The name reported (the first served name)."""
+        return self.served_model_names[0] if self.served_model_names else self.model or "tandem-default"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=50051)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require this key on gRPC and HTTP requests")
-    parser.add_argument("--max-pending-requests", type=int, default=256)
     parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="on SIGTERM/SIGINT, how long requests in flight may still run before they end "
                              "with 'the server is stopping' (0: end them at once)")
@@ -109,57 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="torch threads of the colocated engine (default: all cores) or of each CPU "
                              "worker (default: 1)")
-    _add_ray_arguments(parser.add_argument_group("Ray cluster (disaggregated mode)"))
-    _add_engine_arguments(parser.add_argument_group("engine (every worker's engine)"))
-
-
-def _add_ray_arguments(group) -> None:
-    group.add_argument("--node-ip-address", default=None,
-                       help="with --address: the address of this machine's Ray node (as `ray start "
-                            "--node-ip-address` was given), when it is not the one Ray would pick")
-    for role in ("prefill", "decode"):
-        group.add_argument(f"--{role}-resources", default=None,
-                           help=f"JSON object of custom Ray resources each {role} worker's bundle also takes, "
-                                f"e.g. '{{\"{role}_pool\": 1}}': {role} workers run only on nodes that have them")
-
-
-def _add_engine_arguments(group) -> None:
-    defaults = EngineConfig()
-    group.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
-                       help="token budget of one engine step")
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    group.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
-    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=defaults.enable_chunked_prefill,
-                       help="split long prompts across steps (off: max-num-batched-tokens >= max-model-len)")
-    group.add_argument("--long-prefill-token-threshold", type=int, default=defaults.long_prefill_token_threshold,
-                       help="cap on one prompt's tokens per step, so prompts queued behind a long one join "
-                            "the same step (0: off)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=defaults.enable_prefix_caching)
-    group.add_argument("--block-size", type=int, default=defaults.block_size)
-    group.add_argument("--kv-cache-memory-mib", type=int, default=None,
-                       help="KV pool size per engine in MiB (CPU default 1024; GPU default: the memory plan, "
-                            "what --gpu-memory-utilization leaves after weights, activations and CUDA graphs)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
-                       help="share of the GPU an engine may fill, KV pool included")
-    group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
-                       help="auto: triton on CUDA, the numba kernel on CPU float32, torch otherwise")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the engine flags describe (its own checks raise ValueError)."""
-    if args.kv_cache_memory_mib is not None and args.kv_cache_memory_mib < 1:
-        raise ValueError("--kv-cache-memory-mib must be >= 1")
-    memory = None if args.kv_cache_memory_mib is None else args.kv_cache_memory_mib << 20
-    return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        enable_chunked_prefill=args.enable_chunked_prefill,
-                        long_prefill_token_threshold=args.long_prefill_token_threshold,
-                        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
-                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+    add_api_arguments(parser.add_argument_group("API"))
+    add_ray_arguments(parser.add_argument_group("Ray cluster (disaggregated mode)"))
+    add_engine_arguments(parser.add_argument_group("engine (every worker's engine)"))
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -185,7 +145,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
                          args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
                          args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker, **placement,
-                         replicas=replicas)
+                         replicas=replicas, served_model_names=served_names_from_args(args))
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources):
             raise ValueError("colocated replicas move no KV and have no prefill workers: --transport and "
@@ -239,8 +199,7 @@ def start_backend(config: ServeConfig) -> Backend:
             import torch
             torch.set_num_threads(config.cpu_threads)
         engine = build_engine(config.model, config.engine, dtype=config.dtype, device=config.device)
-        return LocalEngineBackend(engine, LocalBackendConfig(
-            model_name=config.model or "tandem-default", max_pending_requests=config.max_pending_requests))
+        return LocalEngineBackend(engine, LocalBackendConfig(model_name=config.model_name))
     from cluster.coordinator.start import start_cluster
     return start_cluster(cluster_config(config), address=config.address, node_ip_address=config.node_ip_address)
 
@@ -248,7 +207,7 @@ def start_backend(config: ServeConfig) -> Backend:
 def cluster_config(config: ServeConfig) -> ClusterConfig:
     """The disaggregated cluster (or the colocated replicas: 0 prefill workers) this serve config describes
     (ValueError on an inconsistent one)."""
-    return ClusterConfig(model=config.model, dtype=config.dtype, device=config.device,
+    return ClusterConfig(model=config.model, model_name=config.model_name, dtype=config.dtype, device=config.device,
                          num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                          transport=config.transport, placement_strategy=config.placement_strategy,
                          engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
@@ -264,7 +223,7 @@ async def serve(config: ServeConfig) -> None:
     stop in order (the module docstring): refuse new requests, let those in flight finish for
     config.shutdown_grace_s, end the rest with "the server is stopping", close the front ends, stop the
     backend (workers, actors, placement group, local Ray). Returns once all of it is gone."""
-    backend = DrainingBackend(start_backend(config))
+    backend = DrainingBackend(AdmissionBound(start_backend(config), config.max_pending_requests))
     try:
         await _serve_until_signalled(backend, config)
     finally:
@@ -276,7 +235,8 @@ async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig) 
     grpc_server, grpc_port = await start_grpc_server(
         backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics)
     http_runner, http_port = await start_http_server(
-        backend, HttpServerConfig(host=config.host, port=config.http_port, api_key=config.api_key), metrics)
+        backend, HttpServerConfig(host=config.host, port=config.http_port, api_key=config.api_key,
+                                  served_model_names=config.served_model_names), metrics)
     workers = f", {config.replicas} replicas on Ray" if config.replicas else "" if config.mode == "colocated" \
         else f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
     print(f"tandem serving {backend.model_name} ({config.mode}{workers}): gRPC {config.host}:{grpc_port}, "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Union
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -34,12 +35,18 @@ class Admission:
 @dataclass(frozen=True)
 class DecodeChunk:
     """New tokens and stable text of one request; the first one carries the prefill's first token, the
-    last one has finish_reason ("stop" | "length")."""
+    last one has finish_reason ("stop" | "length"). logprobs: one per token when the request asked."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    @classmethod
+    def of(cls, delta) -> "DecodeChunk":
+        """The chunk of an engine StepDelta."""
+        return cls(delta.request_id, delta.new_token_ids, delta.new_text, delta.finish_reason, delta.logprobs)
 
 
 class DecodeStatus(str, Enum):

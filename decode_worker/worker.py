@@ -224,7 +224,7 @@ class DecodeWorker:
             self._end(request.request_id, waiting.emit, DecodeStatus.INVALID, str(error))
             return
         self._running[request.request_id] = waiting.emit
-        self._emit_chunk(DecodeChunk(request.request_id, delta.new_token_ids, delta.new_text, delta.finish_reason))
+        self._emit_chunk(DecodeChunk.of(delta))
 
     def _expire(self, now: float) -> None:
         for request_id in [rid for rid, until in self._early_cancels.items() if until <= now]:
@@ -246,8 +246,7 @@ class DecodeWorker:
             return
         for delta in deltas:
             if delta.request_id in self._running:
-                self._emit_chunk(DecodeChunk(delta.request_id, delta.new_token_ids, delta.new_text,
-                                             delta.finish_reason))
+                self._emit_chunk(DecodeChunk.of(delta))
 
     def _emit_chunk(self, chunk: DecodeChunk) -> None:
         emit = self._running[chunk.request_id]

@@ -5,8 +5,9 @@ Offline use mirrors vLLM: `from engine import LLM, SamplingParams`.
 from engine.config import EngineConfig, ModelConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput, StepDelta
+from engine.logprobs import TokenLogprobs
+from engine.outputs import CompletionOutput, Logprob, RequestOutput, StepDelta
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "LLMEngine", "RequestOutput",
-           "CompletionOutput", "StepDelta"]
+           "CompletionOutput", "StepDelta", "Logprob", "TokenLogprobs"]

@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepDelta
+from engine.logprobs import TokenLogprobs
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepDelta
 from engine.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
@@ -55,7 +56,8 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         results = self._run(ids, use_tqdm)
-        return [self._output(r, t, toks, results[r]) for r, t, toks in zip(ids, texts, token_lists)]
+        return [self._output(r, t, toks, results[r], self.engine.tokenizer)
+                for r, t, toks in zip(ids, texts, token_lists)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -118,10 +120,24 @@ class LLM:
 
     @staticmethod
     def _output(request_id: str, prompt: str | None, prompt_ids: list[int],
-                deltas: list[StepDelta]) -> RequestOutput:
+                deltas: list[StepDelta], tokenizer) -> RequestOutput:
         token_ids = [t for d in deltas for t in d.new_token_ids]
         text = "".join(d.new_text for d in deltas)
         last = deltas[-1]
-        completion = CompletionOutput(0, text, token_ids, last.finish_reason)
+        logprobs = None
+        if deltas[0].logprobs is not None:
+            logprobs = [_logprob_dict(lp, tokenizer) for d in deltas for lp in d.logprobs]
+        completion = CompletionOutput(0, text, token_ids, last.finish_reason, logprobs)
         metrics = last.metrics or RequestMetrics(0.0, None, 0.0)
         return RequestOutput(request_id, prompt, prompt_ids, [completion], metrics)
+
+
+def _logprob_dict(lp: TokenLogprobs, tokenizer) -> dict[int, Logprob]:
+    """vLLM's per-token entry: the sampled token first, then the top alternatives, each decoded alone."""
+    def decoded(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decoded(lp.token_id))}
+    for rank, (token_id, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+        entry.setdefault(token_id, Logprob(value, rank, decoded(token_id)))
+    return entry

@@ -18,6 +18,7 @@ from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_graphs import decode_graphs_for
 from engine.kv_cache import KVCache, KVCacheSpec
+from engine.logprobs import TokenLogprobs
 from engine.memory_plan import plan_memory
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
@@ -47,7 +48,8 @@ class LLMEngine:
                              f"({config.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len})")
         self.scheduler = Scheduler(config, self.kv_cache.allocator)
-        self.runner = ModelRunner(model, self.kv_cache, Sampler(config.seed), device, attention=attention)
+        sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids)
+        self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention)
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device)
         self.stats = EngineStats()
@@ -82,19 +84,27 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                               params: SamplingParams, block_ids: Seq[int],
-                              arrival_time: float | None = None, num_resumed_tokens: int = 0) -> StepDelta:
+                              arrival_time: float | None = None, num_resumed_tokens: int = 0,
+                              first_logprobs=None) -> StepDelta:
         """Admit a request whose prompt KV already sits in block_ids (from reserve_blocks).
 
         The sequence owns the blocks from here on (they are freed when it ends). Returns the first
         token's delta, final already if that token ends the request (max_tokens=1, EOS, stop);
         otherwise decoding continues in the following steps. num_resumed_tokens: as in add_request
-        (the KV in block_ids then covers the resumed tokens too).
+        (the KV in block_ids then covers the resumed tokens too). first_logprobs: the first token's
+        logprobs from the engine that sampled it (anything with logprob, rank, top_ids, top_logprobs),
+        required when params.logprobs is set.
         """
         self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
         if isinstance(first_token, bool) or not isinstance(first_token, int) \
                 or not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token!r} is outside the vocabulary "
                              f"[0, {self.model_config.vocab_size})")
+        logprobs = None
+        if params.logprobs is not None:
+            if first_logprobs is None:
+                raise ValueError(f"request {request_id!r} asks for logprobs; its first token came without them")
+            logprobs = TokenLogprobs.of(first_token, first_logprobs, params.logprobs)
         needed = -(-len(prompt_token_ids) // self.config.block_size)
         if len(block_ids) < needed:
             raise ValueError(f"{len(block_ids)} blocks cannot hold {len(prompt_token_ids)} prompt tokens")
@@ -105,13 +115,14 @@ class LLMEngine:
         self._track(seq)
         self.scheduler.add_running(seq)
         self.scheduler.register_full_blocks(seq)
-        return self._append_token(seq, first_token)
+        return self._append_token(seq, first_token, logprobs)
 
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
         prompt = seq.token_ids[:seq.num_prompt_tokens]
         self._texts[seq.request_id] = OutputText.create(self.tokenizer, prompt, seq.params.stop,
-                                                        resumed_token_ids=seq.output_token_ids)
+                                                        resumed_token_ids=seq.output_token_ids,
+                                                        min_tokens=seq.params.min_tokens)
 
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams,
                   num_resumed_tokens: int = 0) -> None:
@@ -136,6 +147,9 @@ class LLMEngine:
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        biased = [t for t, _ in params.logit_bias if t >= vocab]
+        if biased:
+            raise ValueError(f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab})")
 
     # ---- the step loop ---------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -147,44 +161,49 @@ class LLMEngine:
         if not chunks:
             return []
         started = time.perf_counter()
-        seqs, tokens = self.runner.execute(chunks)
+        seqs, sampled = self.runner.execute(chunks)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self.scheduler.register_full_blocks(chunk.seq)
         self.stats.record_step(chunks, time.perf_counter() - started)
-        return [self._append_token(seq, token) for seq, token in zip(seqs, tokens)]
+        return [self._append_token(seq, token, logprobs)
+                for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
 
-    def _append_token(self, seq: Sequence, token: int) -> StepDelta:
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepDelta:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         seq.token_ids.append(token)
         text = self._texts[seq.request_id]
-        reason = self._finish_reason(seq, token, text.append([token]))
+        may_stop = seq.num_output_tokens > seq.params.min_tokens  # min_tokens: no stop of any kind before
+        reason = self._finish_reason(seq, token, text.append([token], check_stop=may_stop), may_stop)
+        new_logprobs = (logprobs,) if logprobs is not None else None
         if reason is not None:
-            return self._finish(seq, reason, (token,))
+            return self._finish(seq, reason, (token,), new_logprobs)
         if seq.prefill_only:
             self.scheduler.finish(seq, SequenceStatus.PREFILLED, keep_blocks=True)
             return StepDelta(seq.request_id, (token,), text.take_delta(final=True),
-                             kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq))
-        return StepDelta(seq.request_id, (token,), text.take_delta(final=False))
+                             kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq),
+                             logprobs=new_logprobs)
+        return StepDelta(seq.request_id, (token,), text.take_delta(final=False), logprobs=new_logprobs)
 
-    def _finish_reason(self, seq: Sequence, token: int, stop_string_hit: bool) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, stop_string_hit: bool, may_stop: bool) -> str | None:
         params = seq.params
-        if stop_string_hit or token in params.stop_token_ids:
+        if may_stop and (stop_string_hit or token in params.stop_token_ids):
             return "stop"
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+        if may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...]) -> StepDelta:
+    def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...],
+                logprobs: tuple[TokenLogprobs, ...] | None = None) -> StepDelta:
         seq.finish_reason = reason
         self.scheduler.finish(seq, SequenceStatus.FINISHED)
         text = self._forget(seq.request_id)
         text.finish()
         return StepDelta(seq.request_id, new_tokens, text.take_delta(final=True), finish_reason=reason,
-                         metrics=RequestMetrics.of(seq))
+                         metrics=RequestMetrics.of(seq), logprobs=logprobs)
 
     # ---- ending requests -------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:

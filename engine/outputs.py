@@ -5,15 +5,30 @@ import time
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.logprobs import TokenLogprobs
 from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's Logprob: a token's logprob, its rank (1 = most likely) and its text decoded alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
 class CompletionOutput:
+    """vLLM's shape. logprobs (when the request asked): per generated token, {token id: Logprob} of the
+    sampled token and its top alternatives (the sampled one first; engine/logprobs.py says of which
+    logits), so a dict has `logprobs` or `logprobs` + 1 entries."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | None while running
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +65,8 @@ class StepDelta:
 
     new_token_ids/new_text: tokens and stable text since the last delta. finish_reason is set on the
     last delta. For a prefill-only request the last delta also carries kv_block_ids: the blocks that
-    hold the prompt's KV, kept allocated until LLMEngine.release_prefilled(request_id).
+    hold the prompt's KV, kept allocated until LLMEngine.release_prefilled(request_id). logprobs: one
+    TokenLogprobs per new token when the request asked for logprobs, else None.
     """
 
     request_id: str
@@ -59,6 +75,7 @@ class StepDelta:
     finish_reason: str | None = None
     kv_block_ids: tuple[int, ...] | None = None
     metrics: RequestMetrics | None = None   # set on the last delta
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -81,21 +98,24 @@ class OutputText:
 
     @classmethod
     def create(cls, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...],
-               resumed_token_ids: tuple[int, ...] | list[int] = ()):
+               resumed_token_ids: tuple[int, ...] | list[int] = (), min_tokens: int = 0):
         """The text state after the prompt, or, for a resumed request, after replaying the tokens it
         already generated one by one with their deltas taken, exactly as the engine that generated
-        them did: its next delta is the text that engine would have emitted next."""
+        them did (stop strings unchecked within min_tokens): its next delta is the text that engine
+        would have emitted next."""
         output = cls(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop)
-        for token in resumed_token_ids:
-            output.append([token])
+        for count, token in enumerate(resumed_token_ids, start=1):
+            output.append([token], check_stop=count > min_tokens)
             output.take_delta(final=False)
         return output
 
-    def append(self, token_ids: list[int]) -> bool:
-        """Add tokens; returns True if a stop string appeared (the text is then cut before it)."""
+    def append(self, token_ids: list[int], check_stop: bool = True) -> bool:
+        """Add tokens; returns True if a stop string appeared (the text is then cut before it).
+        check_stop False (min_tokens not reached): no stop string can end it yet; a later check looks
+        only at text from a stop string's length before its new tokens, as vLLM does."""
         old_len = len(self.text)
         self.text += self.detokenizer.step(token_ids)
-        if not self.stop:
+        if not self.stop or not check_stop:
             return False
         longest = max(len(s) for s in self.stop)
         search_from = max(0, old_len - longest + 1)

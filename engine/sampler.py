@@ -1,22 +1,31 @@
-"""Sampler: one next token per sampled row, greedy or temperature / top-k / top-p, seedable per request.
+"""Sampler: one next token per sampled row, greedy or temperature / min-p / top-k / top-p, seedable per
+request, with the row's logprobs when it asks.
 
-On the logits' device (CPU or CUDA), vectorised over rows: greedy rows are an argmax; the others go
-through `transform_logits` (temperature; issue 15's min_p, penalties and logit_bias belong there), then
-`candidate_probs`: no cut is a softmax, nothing sorted; top-k is a `torch.topk` partial sort of the largest
-k asked for (each row masks past its own k), top-p then cut within those candidates; top-p without top-k
-sorts the whole vocabulary (the nucleus is defined on the sorted order and no fixed candidate count is sure
-to hold it; vLLM sorts too: cheap on a GPU, the slow case on a CPU). The draw is an inverse CDF, one
-uniform per row, in two levels (block sums, then a cumsum inside the chosen block). The host only builds
-small index / parameter tensors (non-blocking copies) and per-row generators; the one device-to-host sync
-is the final `tokens.tolist()` in `Sampler.__call__`.
+On the logits' device (CPU or CUDA), vectorised over rows. First `process_logits`
+(engine/logits_processors.py: min_tokens, logit_bias, penalties) on the rows that ask for any, greedy rows
+included (it changes their argmax); no row asking, nothing runs. Greedy rows are then an argmax; the
+others go through `transform_logits` (temperature), `cut_min_p`, then `candidate_probs`: no cut is a
+softmax, nothing sorted; top-k is a `torch.topk` partial sort of the largest k asked for (each row masks
+past its own k), top-p then cut within those candidates; top-p without top-k sorts the whole vocabulary
+(the nucleus is defined on the sorted order and no fixed candidate count is sure to hold it; vLLM sorts
+too: cheap on a GPU, the slow case on a CPU). The draw is an inverse CDF, one uniform per row, in two
+levels (block sums, then a cumsum inside the chosen block). Rows asking for logprobs get
+`engine.logprobs.logprob_tensors` (log_softmax of the processed logits after temperature, before the
+cuts) beside the draw. The host only builds small index / parameter tensors (non-blocking copies) and
+per-row generators; the one device-to-host sync is the final `tolist()` in `Sampler.sample`, which
+brings the tokens and the small [L, 2 + 2k] logprob tensor back in one copy.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from engine.host_lists import to_device as _to_device
+from engine.logits_processors import History, cut_min_p, process_logits
+from engine.logprobs import TokenLogprobs, logprob_tensors, unpack
 from engine.sampling_params import SamplingParams
 
 _BLOCK = 1024  # columns per block in the two-level argmax and draw
@@ -29,31 +38,55 @@ def position_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest, "little")
 
 
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One step's picks: a token per row, and per row its TokenLogprobs (None where not asked)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
 class Sampler:
     """Picks tokens from logits. A seeded row draws its uniform from a generator on the logits' device
     seeded from (seed, position), so a seeded request gets the same tokens whatever shares its batch
     and whichever engine samples which of its tokens; unseeded rows share the sampler's generator for
-    that device (one per device, created on first use, each seeded with `seed`)."""
+    that device (one per device, created on first use, each seeded with `seed`). eos_token_ids: what
+    min_tokens masks besides a request's stop_token_ids (unless it ignores EOS)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
         self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 positions: Sequence[int]) -> list[int]:
-        """One token per row of logits; positions[i] is the index the new token of row i will have."""
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                 histories: Sequence[History] | None = None) -> list[int]:
+        """The tokens of `sample`."""
+        return self.sample(logits, params, positions, histories).tokens
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+               histories: Sequence[History] | None = None) -> SamplerOutput:
+        """One token per row of logits [S, vocab]; positions[i] is the index the new token of row i will
+        have; histories[i] = (row i's prompt + generated ids, its prompt length), read only by rows with
+        penalties or an unmet min_tokens (None: empty histories)."""
+        logits = process_logits(logits, params, histories, self.eos_token_ids)  # [S, vocab]
         tokens = _argmax(logits)  # [S] int64: the greedy pick, and the fallback of every row
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             index = _to_device(rows, torch.long, logits.device)  # [R]
             row_params = [params[i] for i in rows]
             picked = logits if len(rows) == logits.shape[0] else logits.index_select(0, index)
-            scaled = transform_logits(picked.float(), row_params)  # [R, vocab]
+            scaled = cut_min_p(transform_logits(picked.float(), row_params), row_params)  # [R, vocab]
             uniforms = self._uniforms(row_params, [positions[i] for i in rows], logits.device)  # [R]
             drawn = sample_rows(scaled, row_params, uniforms)  # [R], -1 where a row has no mass
             fallback = tokens.index_select(0, index)  # [R]
             tokens = tokens.index_copy(0, index, torch.where(drawn >= 0, drawn, fallback))
-        return tokens.tolist()  # the one device-to-host sync
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not asked:
+            return SamplerOutput(tokens.tolist(), [None] * len(params))  # the one device-to-host sync
+        packed = logprob_tensors(logits, tokens, params, asked)  # [L, 2 + 2k] float64
+        host = torch.cat([tokens.double(), packed.flatten()]).tolist()  # the one device-to-host sync
+        picks = [int(t) for t in host[:len(params)]]
+        return SamplerOutput(picks, unpack(host[len(params):], picks, params, asked))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -78,9 +111,9 @@ class Sampler:
 
 
 def transform_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The per-row logit transforms before any cut: temperature (issue 15 adds min_p, penalties and
-    logit_bias here). logits: [R, vocab] float32 of non-greedy rows -> [R, vocab], the input itself
-    (never written to) when every temperature is 1."""
+    """The per-row transform between the logits processors and the cuts: temperature. logits: [R, vocab]
+    float32 of non-greedy rows -> [R, vocab], the input itself (never written to) when every
+    temperature is 1."""
     if all(p.temperature == 1.0 for p in params):
         return logits
     temperature = _to_device([p.temperature for p in params], logits.dtype, logits.device)  # [R]
@@ -122,8 +155,9 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]):
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution the sampler draws from: raw logits [R, vocab] of non-greedy rows -> [R, vocab]
-    probabilities (zero outside each row's top-k / top-p set). For tests and inspection."""
-    logits = transform_logits(logits.float(), params)  # [R, vocab]
+    probabilities (zero outside each row's min-p / top-k / top-p set; no logits processors: `logits`
+    are taken as processed). For tests and inspection."""
+    logits = cut_min_p(transform_logits(logits.float(), params), params)  # [R, vocab]
     out = torch.zeros_like(logits)  # [R, vocab]
     for group in _row_groups(params, logits.shape[-1]):
         index = _to_device(group, torch.long, logits.device)  # [G]
@@ -191,11 +225,6 @@ def _block_columns(x: torch.Tensor, block: torch.Tensor, fill: float):
     columns = block * _BLOCK + torch.arange(_BLOCK, device=x.device)  # [R, B]
     values = x.gather(1, columns.clamp(max=x.shape[-1] - 1))  # [R, B]
     return values.masked_fill(columns >= x.shape[-1], fill), columns
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on device; non_blocking, as a blocking CUDA copy would wait on the stream (a sync)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _below(value: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:

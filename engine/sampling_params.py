@@ -6,27 +6,47 @@ from dataclasses import dataclass
 
 MAX_TOP_K = 2 ** 31 - 1  # larger values mean "no cut" anyway; this keeps them inside int tensors
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: below this, dividing logits by it overflows to inf / NaN
+MAX_LOGPROBS = 20        # top alternatives a request may ask for per token (vLLM's and OpenAI's 20)
+MAX_LOGIT_BIAS = 100.0   # |bias| bound, as OpenAI's logit_bias
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings; validated on construction (ValueError on bad values).
+    """Per-request decoding settings; validated on construction (ValueError naming the field).
 
     temperature below 1e-5 (0 included) means greedy; top_k -1 means no top-k cut; top_p 1.0 means no
-    nucleus cut. A seeded request draws the token at position p from (seed, p) alone, so it gets the
+    nucleus cut; min_p 0 means no min-p cut (else tokens below min_p x the top token's probability are
+    cut). A seeded request draws the token at position p from (seed, p) alone, so it gets the
     same tokens wherever it runs (colocated, prefilled on one worker and decoded on another, migrated).
     `stop` strings end generation and are cut from the returned text; `stop_token_ids` end it and
     stay in `token_ids`. The model's EOS ends it too unless `ignore_eos`.
+
+    Logits processors (vLLM's semantics, applied to greedy rows too, in this order): `min_tokens`
+    masks EOS and `stop_token_ids` until that many tokens were generated (stop strings cannot end it
+    before either); `logit_bias` ({token id: bias in [-100, 100]}, stored as sorted (id, bias) pairs)
+    is added to the logits; `repetition_penalty` (> 0, 1 = off) divides the positive and multiplies
+    the negative logits of every token seen in the prompt or the output; `frequency_penalty` and
+    `presence_penalty` (in [-2, 2]) subtract penalty x count and penalty x (count > 0) of each token
+    in the output so far. `logprobs` (None = off, 0..20): report the sampled token's logprob and the
+    `logprobs` most likely alternatives' for every generated token (engine/sampler.py says of which
+    logits).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] | str | list[str] | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens)
@@ -41,16 +61,38 @@ class SamplingParams:
         _check_int("top_k", self.top_k)
         if self.top_k == 0 or self.top_k < -1 or self.top_k > MAX_TOP_K:
             raise ValueError(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got {self.top_k}")
+        _check_range("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < 2 ** 63:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        object.__setattr__(self, "logit_bias", _normalize_bias(self.logit_bias))
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty needs the sequence's token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def _check_int(name: str, value) -> None:
@@ -61,6 +103,12 @@ def _check_int(name: str, value) -> None:
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _check_range(name: str, value, low: float, high: float) -> None:
+    _check_number(name, value)
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")
 
 
 def _normalize_stop(stop) -> tuple[str, ...]:
@@ -84,3 +132,22 @@ def _normalize_ids(ids) -> tuple[int, ...]:
         if token_id < 0:
             raise ValueError(f"stop_token_ids must be >= 0, got {token_id}")
     return ids
+
+
+def _normalize_bias(bias) -> tuple[tuple[int, float], ...]:
+    """{id: bias} or (id, bias) pairs -> (id, float bias) pairs sorted by id; ids the vocabulary
+    holds are checked at admission (LLMEngine), which knows it."""
+    if bias is None:
+        return ()
+    pairs = list(bias.items()) if isinstance(bias, dict) else list(bias)
+    normalized = {}
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+        token_id, value = pair
+        _check_int("logit_bias token id", token_id)
+        if token_id < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {token_id}")
+        _check_range(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        normalized[token_id] = float(value)
+    return tuple(sorted(normalized.items()))

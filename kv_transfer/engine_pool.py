@@ -19,6 +19,7 @@ from kv_transfer.config import ReceiverAddress
 from kv_transfer.connector import KVSender
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, SendRequest, TransferHandle
+from kv_transfer.token_logprobs import FirstTokenLogprobs
 
 
 class PagedEngine(Protocol):
@@ -38,7 +39,8 @@ class PagedEngine(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], first_token: int,
-                              params: Any, block_ids: Sequence[int], arrival_time: float | None = None) -> Any: ...
+                              params: Any, block_ids: Sequence[int], arrival_time: float | None = None,
+                              num_resumed_tokens: int = 0, first_logprobs: Any = None) -> Any: ...
 
 
 def engine_pool_view(engine: PagedEngine,
@@ -50,28 +52,31 @@ def engine_pool_view(engine: PagedEngine,
     return KVPoolView(engine.kv_cache.kv, engine.reserve_blocks, engine.free_blocks, allocate_for)
 
 
-def take_prefilled(engine: PagedEngine, request_id: str) -> SendRequest:
+def take_prefilled(engine: PagedEngine, request_id: str, first_logprobs: Any = None) -> SendRequest:
     """Takes a finished prefill-only request out of the engine and describes its KV for a transfer.
 
     The request must be PREFILLED (its last delta carried kv_block_ids); ValueError otherwise, and
     nothing changes. On return the caller owns the blocks: it passes the SendRequest to
     KVSender.send (the transfer frees them) or frees them with engine.free_blocks. num_tokens is the
-    prompt length (the first token has no KV yet); first_token is the token the prefill sampled.
-    Call it on the thread that steps the engine.
+    prompt length (the first token has no KV yet); first_token is the token the prefill sampled;
+    first_logprobs (the last delta's logprobs[0], an engine.logprobs.TokenLogprobs, when the request
+    asked for them) travel with it. Call it on the thread that steps the engine.
     """
     seq = engine.get_sequence(request_id)
     if seq is None or seq.num_computed_tokens != seq.num_tokens - 1:
         raise ValueError(f"request {request_id!r} is not a prefilled request with exactly one sampled token")
     num_tokens, first_token = seq.num_computed_tokens, seq.token_ids[-1]  # a resumed request's outputs too
+    wire = None if first_logprobs is None else FirstTokenLogprobs.of(first_logprobs)
     block_ids = engine.take_prefilled_blocks(request_id)
-    return SendRequest(request_id, tuple(block_ids), num_tokens, first_token)
+    return SendRequest(request_id, tuple(block_ids), num_tokens, first_token, wire)
 
 
-def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress, request_id: str) -> TransferHandle:
+def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress, request_id: str,
+                   first_logprobs: Any = None) -> TransferHandle:
     """take_prefilled + sender.send: the request leaves the engine and its blocks go to the transfer,
     which frees them exactly once when it ends (handle resolved or failed). If send() itself raises
     (e.g. a bad peer address) the blocks are freed here before the exception propagates."""
-    request = take_prefilled(engine, request_id)
+    request = take_prefilled(engine, request_id, first_logprobs)
     try:
         return sender.send(peer, request)
     except BaseException:
@@ -85,9 +90,10 @@ def admit_received(engine: PagedEngine, received: ReceivedKV, prompt_token_ids: 
 
     The prompt must be the one the manifest describes (same length); the first token comes from the
     manifest (for a resumed request: the prompt and the tokens generated before, the last
-    num_resumed_tokens). On success the engine's sequence owns received.block_ids (freed when it ends). On any
-    error (ValueError: a length mismatch, a bad or duplicate request) the blocks are freed here and
-    the exception propagates, so no path leaks them. Call it on the thread that steps the engine.
+    num_resumed_tokens), with its logprobs when the prefill reported them. On success the engine's
+    sequence owns received.block_ids (freed when it ends). On any error (ValueError: a length mismatch, a
+    bad or duplicate request) the blocks are freed here and the exception propagates, so no path leaks
+    them. Call it on the thread that steps the engine.
     """
     manifest = received.manifest
     try:
@@ -99,7 +105,8 @@ def admit_received(engine: PagedEngine, received: ReceivedKV, prompt_token_ids: 
                              f"the vocabulary")
         return engine.add_prefilled_request(manifest.request_id, prompt_token_ids, manifest.first_token, params,
                                             received.block_ids, arrival_time=arrival_time,
-                                            num_resumed_tokens=num_resumed_tokens)
+                                            num_resumed_tokens=num_resumed_tokens,
+                                            first_logprobs=manifest.first_logprobs)
     except BaseException:
         _release_after_failed_admission(engine, manifest.request_id, received.block_ids)
         raise

@@ -14,13 +14,15 @@ import msgpack
 
 from kv_transfer.checksum import CHECKSUM_ALGO
 from kv_transfer.status import TransferStatus
+from kv_transfer.token_logprobs import MAX_TOP_LOGPROBS, FirstTokenLogprobs, LogprobsError
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_STRING_BYTES = 2048  # request_id is at most 512 characters: 2048 bytes of UTF-8
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 _U64 = 1 << 64
-# The longest encoding of a manifest within ManifestLimits: the map, its keys, three strings and the scalars,
+# The longest encoding of a manifest within ManifestLimits: the map, its keys, three strings, the scalars and
+# the first token's logprobs (at most 20 ids and floats, < 400 bytes),
 # plus per block a uint64 id and at most one run of one block (array header, three uint64, a uint64 checksum).
 _FIXED_BYTES = 8 << 10
 _BYTES_PER_BLOCK = 9 + 1 + 4 * 9
@@ -107,6 +109,7 @@ class Manifest:
     first_token: int
     runs: tuple[RunInfo, ...]
     checksum_algo: str = CHECKSUM_ALGO
+    first_logprobs: FirstTokenLogprobs | None = None  # when the request asked for logprobs
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -174,8 +177,8 @@ def _validate_runs(m: Manifest) -> None:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    """msgpack bytes of a (valid) manifest."""
-    return msgpack.packb({
+    """msgpack bytes of a (valid) manifest; first_logprobs only when set."""
+    top = {
         "version": MANIFEST_VERSION,
         "request_id": m.request_id,
         "fingerprint": asdict(m.fingerprint),
@@ -184,18 +187,22 @@ def encode_manifest(m: Manifest) -> bytes:
         "first_token": m.first_token,
         "checksum_algo": m.checksum_algo,
         "runs": [[r.start_block, r.num_blocks, r.nbytes, r.checksum] for r in m.runs],
-    })
+    }
+    if m.first_logprobs is not None:
+        top["first_logprobs"] = m.first_logprobs.encode()
+    return msgpack.packb(top)
 
 
 _TOP_KEYS = {"version", "request_id", "fingerprint", "num_tokens", "block_ids", "first_token", "checksum_algo", "runs"}
+_OPTIONAL_TOP_KEYS = {"first_logprobs"}
 _FP_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"}
 
 
-def _expect_map(value: Any, keys: set[str], name: str) -> dict:
+def _expect_map(value: Any, keys: set[str], name: str, optional: set[str] = frozenset()) -> dict:
     if not isinstance(value, dict):
         raise ManifestError(f"{name} must be a map, got {type(value).__name__}")
-    if set(value) != keys:
-        missing, extra = sorted(keys - set(value)), sorted(map(str, set(value) - keys))
+    if not keys <= set(value) <= keys | optional:
+        missing, extra = sorted(keys - set(value)), sorted(map(str, set(value) - keys - optional))
         raise ManifestError(f"{name} keys wrong: missing {missing}, unexpected {extra}")
     return value
 
@@ -207,19 +214,21 @@ def _decode_run(i: int, raw: Any) -> RunInfo:
 
 
 def _unpack(data: bytes, limits: ManifestLimits | None) -> Any:
-    """msgpack-decodes data; with limits, every list holds at most limits.max_blocks entries and the whole
-    encoding fits limits.max_manifest_bytes, checked before (and while) anything is built."""
+    """msgpack-decodes data; with limits, every list holds at most max(limits.max_blocks, 20) entries (20:
+    the first token's logprobs) and the whole encoding fits limits.max_manifest_bytes, checked before (and
+    while) anything is built."""
     max_bytes = MAX_MANIFEST_BYTES if limits is None else limits.max_manifest_bytes
     if len(data) > max_bytes:
         raise ManifestError(f"manifest of {len(data)} bytes exceeds {max_bytes}"
                             + ("" if limits is None else f" (the most {limits.max_blocks} blocks can take)"))
+    max_list = 0 if limits is None else max(limits.max_blocks, 4, MAX_TOP_LOGPROBS)
     bounds = {} if limits is None else {
-        "max_array_len": max(limits.max_blocks, 4), "max_map_len": len(_TOP_KEYS), "max_str_len": MAX_STRING_BYTES,
-        "max_bin_len": 0, "max_ext_len": 0}
+        "max_array_len": max_list, "max_map_len": len(_TOP_KEYS) + len(_OPTIONAL_TOP_KEYS),
+        "max_str_len": MAX_STRING_BYTES, "max_bin_len": 0, "max_ext_len": 0}
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, **bounds)
     except Exception as exc:  # msgpack raises several unrelated types
-        within = "" if limits is None else f" within this receiver's bounds (lists of at most {limits.max_blocks} entries)"
+        within = "" if limits is None else f" within this receiver's bounds (lists of at most {max_list} entries)"
         raise ManifestError(f"manifest is not valid msgpack{within}: {exc}") from None
 
 
@@ -243,7 +252,7 @@ def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manife
     anything the size of which the sender chose is built: the encoding's length, every list's length, the
     fingerprint, num_tokens, the number of runs; then the runs' block counts must sum to the block list
     before any run is expanded. Changes nothing."""
-    top = _expect_map(_unpack(data, limits), _TOP_KEYS, "manifest")
+    top = _expect_map(_unpack(data, limits), _TOP_KEYS, "manifest", _OPTIONAL_TOP_KEYS)
     if top["version"] != MANIFEST_VERSION:
         raise ManifestError(f"manifest version {top['version']!r} unsupported (expected {MANIFEST_VERSION})")
     if not isinstance(top["block_ids"], list) or not isinstance(top["runs"], list):
@@ -260,6 +269,9 @@ def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manife
             first_token=top["first_token"],
             runs=tuple(_decode_run(i, r) for i, r in enumerate(top["runs"])),
             checksum_algo=top["checksum_algo"],
+            first_logprobs=None if "first_logprobs" not in top else FirstTokenLogprobs.decode(top["first_logprobs"]),
         )
+    except LogprobsError as exc:
+        raise ManifestError(str(exc)) from None
     except TypeError as exc:
         raise ManifestError(f"manifest field has the wrong type: {exc}") from None

@@ -10,16 +10,19 @@ from typing import Callable, Union
 
 from kv_transfer.manifest import Manifest
 from kv_transfer.status import KVTransferError, TransferStatus
+from kv_transfer.token_logprobs import FirstTokenLogprobs
 
 
 @dataclass(frozen=True)
 class SendRequest:
-    """One request's KV to ship: its sender-side blocks, the number of valid tokens, the first token."""
+    """One request's KV to ship: its sender-side blocks, the number of valid tokens, the first token
+    (and its logprobs when the request asked for them: they travel in the manifest)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
+    first_logprobs: FirstTokenLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import ReceiverAddress
 
@@ -37,7 +38,9 @@ class PrefillTask:
 @dataclass(frozen=True)
 class PrefillReport:
     """The one answer to a PrefillTask. first_token / text are set once the prefill sampled (SHIPPED,
-    FINISHED, and a TRANSFER_FAILED or CANCELLED after sampling); finish_reason only for FINISHED."""
+    FINISHED, and a TRANSFER_FAILED or CANCELLED after sampling), with first_logprobs when the request
+    asked for logprobs (they also travel to the decode worker in the KV manifest); finish_reason only
+    for FINISHED."""
 
     request_id: str
     status: PrefillStatus
@@ -45,6 +48,7 @@ class PrefillReport:
     received_at: float
     first_token: int | None = None
     text: str = ""
+    first_logprobs: TokenLogprobs | None = None
     finish_reason: str | None = None
     prefill_started: float | None = None
     prefill_ended: float | None = None

@@ -18,9 +18,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine.command_queue import take_commands
-from engine.step_watch import StepHealth, StepWatch
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepDelta
+from engine.step_watch import StepHealth, StepWatch
 from kv_transfer import KVTransferError, TransferHandle, create_sender
 from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
 from prefill_worker.config import PrefillWorkerConfig
@@ -209,8 +209,9 @@ class PrefillWorker:
         if live is None:
             return
         cached = delta.metrics.num_cached_tokens if delta.metrics is not None else 0
+        first_logprobs = delta.logprobs[0] if delta.logprobs else None
         live.report = dataclasses.replace(live.report, first_token=delta.new_token_ids[0], text=delta.new_text,
-                                          prefill_ended=now, num_cached_tokens=cached)
+                                          first_logprobs=first_logprobs, prefill_ended=now, num_cached_tokens=cached)
         if delta.kv_block_ids is None:  # the first token ended the request; the engine freed its blocks
             live.report = dataclasses.replace(live.report, finish_reason=delta.finish_reason)
             self._resolve(delta.request_id, PrefillStatus.FINISHED)
@@ -228,7 +229,8 @@ class PrefillWorker:
             live.waiting_for_slot = False
             live.report = dataclasses.replace(live.report, transfer_started=time.time())
             try:
-                live.handle = ship_prefilled(self._engine, self._sender, live.task.decode_address, request_id)
+                live.handle = ship_prefilled(self._engine, self._sender, live.task.decode_address, request_id,
+                                             live.report.first_logprobs)
             except Exception as error:  # ship_prefilled freed the blocks
                 self._resolve(request_id, PrefillStatus.TRANSFER_FAILED, f"send failed: {error}")
                 request_id = self._slots.release(live.task.decode_address)

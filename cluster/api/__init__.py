@@ -4,7 +4,9 @@ Runs in the serve process (`tandem serve`, or the driver of `tandem demo` / a Ra
 loop. Parses and validates wire requests (bad input -> 400 / INVALID_ARGUMENT before anything is
 queued), turns them into a `cluster.backend.GenerationRequest`, and writes the backend's chunks back as
 gRPC messages, SSE events or JSON bodies; checks the API key and records the Prometheus metrics
-(`/metrics`); `draining_backend.py` ends requests in flight with "the server is stopping" when
-`tandem serve` stops. It knows only the Backend contract: never an engine, a worker or Ray. The one call
-that crosses into the next layer is `Backend.generate(request)`.
+(`/metrics`); `admission.py` bounds the requests in the system (`--max-pending-requests`, every mode);
+`grpc_operators.py` adds the standard gRPC health (following the backend) and reflection services;
+`draining_backend.py` ends requests in flight with "the server is stopping" when `tandem serve` stops.
+It knows only the Backend contract: never an engine, a worker or Ray. The one call that crosses into the
+next layer is `Backend.generate(request)`.
 """

@@ -3,7 +3,8 @@
 Generate streams one GenerateResponse per backend chunk; the last has finish_reason and timing.
 Status codes: bad input INVALID_ARGUMENT, overload RESOURCE_EXHAUSTED, no workers UNAVAILABLE,
 missing or wrong API key UNAUTHENTICATED. A client cancel closes the backend stream, which aborts the
-request and frees its blocks. Health needs no API key (for probes).
+request and frees its blocks. Health needs no API key (for probes). Beside it, the standard
+grpc.health.v1.Health (following the backend) and server reflection: grpc_operators.py.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import grpc
 
 from cluster.api.api_key import ApiKeyCheck
+from cluster.api.grpc_operators import add_operator_services
+from cluster.api.grpc_wire import UndecodableRequest, add_tandem_service
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import ServingMetrics
@@ -33,12 +36,14 @@ GENERATE_METHOD = "/tandem.v1.Tandem/Generate"
 @dataclass(frozen=True)
 class GrpcServerConfig:
     """Where the gRPC front end listens and what it accepts. port 0 picks a free port. api_key None
-    serves without authentication. max_message_bytes bounds each received and sent message."""
+    serves without authentication. max_message_bytes bounds each received and sent message.
+    health_poll_s: how often grpc.health.v1.Health reads the backend's health."""
 
     host: str = "127.0.0.1"
     port: int = 0
     api_key: str | None = None
     max_message_bytes: int = 4 * 1024 * 1024
+    health_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,6 +52,8 @@ class GrpcServerConfig:
             raise ValueError("api_key must be None or a non-empty string")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if not 0 < self.health_poll_s <= 60:
+            raise ValueError(f"health_poll_s must be in (0, 60], got {self.health_poll_s}")
 
 
 class TandemService(tandem_pb2_grpc.TandemServicer):
@@ -55,15 +62,18 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
 
-    async def Generate(self, request: tandem_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: tandem_pb2.GenerateRequest | UndecodableRequest,
+                       context: grpc.aio.ServicerContext) -> None:
         arrival = time.perf_counter()
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             if len(request.prompt) > OFF_LOOP_INPUT_CHARS:  # tokenizing a large prompt: not on the loop
                 generation = await asyncio.to_thread(self._generation_request, request, arrival)
             else:
                 generation = self._generation_request(request, arrival)
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except Exception as error:  # ValueError: INVALID_ARGUMENT; anything else: INTERNAL with an incident id
+            await context.abort(*_status_of(error, request.request_id[:MAX_REQUEST_ID_CHARS] or "-"))
         failure: Exception | None = None
         async with aclosing(self._backend.generate(generation)) as chunks:
             try:
@@ -103,9 +113,12 @@ def _sampling_params(request: tandem_pb2.GenerateRequest):
     def optional(name: str):
         return getattr(request, name) if request.HasField(name) else None
 
+    processors = {name: optional(name) for name in ("min_p", "presence_penalty", "frequency_penalty",
+                                                    "repetition_penalty", "min_tokens", "logprobs")}
     return build_sampling_params(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
                                  top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
-                                 stop=list(request.stop) or None, ignore_eos=request.ignore_eos)
+                                 stop=list(request.stop) or None, ignore_eos=request.ignore_eos,
+                                 logit_bias=dict(request.logit_bias) or None, **processors)
 
 
 def _status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:
@@ -122,6 +135,9 @@ def _status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]
 def _response(request_id: str, chunk: GenerationChunk) -> tandem_pb2.GenerateResponse:
     response = tandem_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
                                            finish_reason=chunk.finish_reason or "", request_id=request_id)
+    for lp in chunk.logprobs or ():
+        response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top_ids=lp.top_ids,
+                              top_logprobs=lp.top_logprobs)
     if chunk.timing is not None:
         t = chunk.timing
         response.timing.CopyFrom(tandem_pb2.Timing(
@@ -167,10 +183,12 @@ async def start_grpc_server(backend: Backend, config: GrpcServerConfig = GrpcSer
                ("grpc.max_send_message_length", config.max_message_bytes),
                ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    tandem_pb2_grpc.add_TandemServicer_to_server(TandemService(backend), server)
+    add_tandem_service(TandemService(backend), server)
+    health = await add_operator_services(server, backend, config.health_poll_s)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise ValueError(f"cannot bind the gRPC server to {config.host}:{config.port}")
     await server.start()
+    health.follow(server)
     logger.info("gRPC front end on %s:%d serving %s", config.host, port, backend.model_name)
     return server, port

@@ -1,10 +1,11 @@
-"""The OpenAI-compatible HTTP front end (aiohttp): completions, chat completions, models, health, metrics.
+"""The OpenAI-compatible HTTP front end (aiohttp): completions, chat completions, health, metrics, /ping;
+the models, /tokenize, /detokenize and /version are in utility_routes.py.
 
 Every error is answered with OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad
-input, 401 missing or wrong API key (/v1/* only; /health and /metrics stay open for probes and
-scrapers), 404 unknown model or route, 413 body over the limit, 429 overload, 503 no backend. A
-client that disconnects cancels its handler, which closes the backend stream: the request is
-aborted and its blocks freed.
+input (`param` names the field), 401 missing or wrong API key (every route but the probes, PROBE_PATHS,
+which stay open for probes and scrapers), 404 unknown model or route, 413 body over the limit, 429
+overload, 503 no backend. A client that disconnects cancels its handler, which closes the backend stream:
+the request is aborted and its blocks freed.
 """
 from __future__ import annotations
 
@@ -26,22 +27,26 @@ from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel
                                          parse_completion_request, parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
 from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
+from cluster.api.utility_routes import UtilityRoutes
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 
 logger = logging.getLogger("tandem.cluster.http")
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+PROBE_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})  # answered without the API key
 
 
 @dataclass(frozen=True)
 class HttpServerConfig:
     """Where the HTTP front end listens and what it accepts. port 0 picks a free port; api_key None
-    serves without authentication; a body over max_body_bytes gets 413."""
+    serves without authentication; a body over max_body_bytes gets 413. served_model_names: the names
+    requests may give as `model` (the first is the one reported); empty: the backend's model_name."""
 
     host: str = "127.0.0.1"
     port: int = 0
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_timeout_s: float = 2.0
+    served_model_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -50,6 +55,10 @@ class HttpServerConfig:
             raise ValueError("api_key must be None or a non-empty string")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        names = self.served_model_names
+        if not isinstance(names, tuple) or not all(isinstance(n, str) and n.strip() for n in names) \
+                or len(set(names)) != len(names):
+            raise ValueError(f"served_model_names must be a tuple of distinct non-empty names, got {names!r}")
 
 
 def backend_error(error: Exception) -> OpenAIError:
@@ -58,8 +67,8 @@ def backend_error(error: Exception) -> OpenAIError:
         return OpenAIError(429, str(error), type="rate_limit_error", code="overloaded")
     if isinstance(error, BackendUnavailable):
         return OpenAIError(503, str(error), type="service_unavailable", code="backend_unavailable")
-    if isinstance(error, ValueError):
-        return OpenAIError(400, str(error), code="invalid_value")
+    if isinstance(error, ValueError):  # InvalidField names its field
+        return OpenAIError(400, str(error), code="invalid_value", param=getattr(error, "field", None))
     return OpenAIError(500, report_internal_error(logger, error, None), type="internal_error",
                        code="internal_error")
 
@@ -74,14 +83,17 @@ class OpenAIFrontEnd:
     def __init__(self, backend: Backend, metrics: ServingMetrics, config: HttpServerConfig) -> None:
         self._backend, self._metrics = backend, metrics
         self._api_key = ApiKeyCheck(config.api_key)
-        self._served = ServedModel(backend.model_name, backend.tokenizer, backend.max_model_len)
+        names = config.served_model_names or (backend.model_name,)
+        self._served = ServedModel(names[0], backend.tokenizer, backend.max_model_len, names[1:])
 
     def build_app(self, max_body_bytes: int) -> web.Application:
         app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
+        UtilityRoutes(self._served).add_to(app)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.ping)
+        app.router.add_post("/ping", self.ping)
         app.router.add_get("/metrics", self.metrics)
         return app
 
@@ -99,7 +111,7 @@ class OpenAIFrontEnd:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if request.path.startswith("/v1/") and not self._api_key.accepts(
+        if request.path not in PROBE_PATHS and not self._api_key.accepts(
                 request.headers.get("Authorization"), request.headers.get("X-Api-Key")):
             raise OpenAIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                               code="invalid_api_key")
@@ -120,7 +132,8 @@ class OpenAIFrontEnd:
         else:
             call = parse(parse_json_body(body), self._served)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids)
+        shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids,
+                           call.params.logprobs, self._served.tokenizer)
         generation = GenerationRequest(request_id, call.prompt_token_ids, call.params, arrival)
         async with aclosing(self._backend.generate(generation)) as chunks:
             try:
@@ -134,16 +147,11 @@ class OpenAIFrontEnd:
                 return await _stream(request, call, shape, first, chunks)
             return web.json_response(await _whole(call, shape, first, chunks))
 
-    async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self._served.name, "object": "model", "created": 0, "owned_by": "tandem",
-                 "root": self._served.name, "max_model_len": self._served.max_model_len}
-        return web.json_response({"object": "list", "data": [model]})
-
     async def health(self, request: web.Request) -> web.Response:
         health = await self._backend.health()
         failures = health.details.get("worker_failures") or {}
         status = "unavailable" if not health.serving else "degraded" if failures else "ok"
-        body = {"status": status, "model": health.model,
+        body = {"status": status, "model": self._served.name,
                 "prefill_workers": health.prefill_workers, "decode_workers": health.decode_workers}
         if failures:  # which workers were lost, and why (the survivors serve)
             body["lost_workers"] = failures
@@ -153,21 +161,28 @@ class OpenAIFrontEnd:
                                for name, load in workers.items()}
         return web.json_response(body, status=200 if health.serving else 503)
 
+    async def ping(self, request: web.Request) -> web.Response:
+        """vLLM's liveness probe (GET or POST): 200 while the backend serves, else 503; no body."""
+        health = await self._backend.health()
+        return web.Response(status=200 if health.serving else 503)
+
     async def metrics(self, request: web.Request) -> web.Response:
         body = self._metrics.render(await self._backend.health())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def _whole(call: ParsedRequest, shape: ResponseShape, first: GenerationChunk, chunks) -> dict:
-    text, token_ids, last = [first.text], list(first.token_ids), first
+    text, token_ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs or ()), first
     try:
         async for chunk in chunks:
             text.append(chunk.text)
             token_ids.extend(chunk.token_ids)
+            logprobs.extend(chunk.logprobs or ())
             last = chunk
     except Exception as error:
         raise backend_error(error) from error
-    return shape.full("".join(text), token_ids, last.finish_reason, last.timing, len(call.prompt_token_ids))
+    return shape.full("".join(text), token_ids, last.finish_reason, last.timing, len(call.prompt_token_ids),
+                      logprobs)
 
 
 async def _stream(request: web.Request, call: ParsedRequest, shape: ResponseShape, first: GenerationChunk,

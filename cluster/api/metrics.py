@@ -3,7 +3,8 @@
 Each instance has its own CollectorRegistry (nothing global), so tests and several servers in one
 process never share counters. Per-request series are recorded by MeteredBackend; the load gauges are
 read from BackendHealth.details at scrape time (keys: running_requests, waiting_requests,
-free_kv_blocks, total_kv_blocks; a missing key leaves its gauge unchanged; `workers`, a dict of worker
+free_kv_blocks, total_kv_blocks, and requests_in_flight / max_pending_requests of the admission bound,
+cluster/api/admission.py; a missing key leaves its gauge unchanged; `workers`, a dict of worker
 name -> {role, free_kv_blocks, total_kv_blocks, running_requests}, fills the per-worker gauges, labelled
 worker and role; a worker no longer listed loses its series; with node_id / node_ip in its entry, a worker
 also has tandem_worker_info{worker,role,node_id,node_ip} 1, saying which Ray node it runs on).
@@ -52,6 +53,9 @@ class ServingMetrics:
         self.free_blocks = Gauge("tandem_kv_free_blocks", "Free KV cache blocks", registry=r)
         self.total_blocks = Gauge("tandem_kv_total_blocks", "KV cache blocks in the pool", registry=r)
         self.serving = Gauge("tandem_backend_serving", "1 while the backend serves, else 0", registry=r)
+        self.in_flight = Gauge("tandem_requests_in_flight", "Requests admitted and not ended (all front ends)",
+                               registry=r)
+        self.max_pending = Gauge("tandem_max_pending_requests", "The admission bound: past it, 429", registry=r)
         labels = ["worker", "role"]
         self._worker_gauges = {
             "free_kv_blocks": Gauge("tandem_worker_kv_free_blocks", "Free KV blocks of one worker", labels,
@@ -64,7 +68,8 @@ class ServingMetrics:
         self._worker_node = Gauge("tandem_worker_info", "1 per serving worker: its role and the Ray node it runs on",
                                   ["worker", "role", "node_id", "node_ip"], registry=r)
         self._load_gauges = {"running_requests": self.running, "waiting_requests": self.waiting,
-                             "free_kv_blocks": self.free_blocks, "total_kv_blocks": self.total_blocks}
+                             "free_kv_blocks": self.free_blocks, "total_kv_blocks": self.total_blocks,
+                             "requests_in_flight": self.in_flight, "max_pending_requests": self.max_pending}
 
     def observe_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -2,28 +2,30 @@
 
 Everything a client gets wrong becomes an OpenAIError (HTTP status + OpenAI's error body) before any
 backend sees the request. Fields are checked strictly: wrong types are rejected, fields that would
-change the result but are not implemented (n > 1, best_of, logprobs, penalties, tools, ...) are
-accepted only at their no-op value, and unknown fields are rejected, as OpenAI does.
+change the result but are not implemented (n > 1, best_of, echo, tools, ...) are accepted only at their
+no-op value, and unknown fields are rejected, as OpenAI does. The logits processors and logprobs fields
+are parsed in openai_sampling.py.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from cluster.api.request_validation import build_sampling_params, check_prompt_token_ids, encode_prompt
+from cluster.api.json_body import load_json_object
+from cluster.api.openai_sampling import PROCESSOR_FIELDS, sampling_extras
+from cluster.api.request_validation import (InvalidField, build_sampling_params, check_chat_roles,
+                                            check_prompt_token_ids, encode_prompt)
 from engine.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                             "stop_token_ids", "stream", "stream_options", "ignore_eos", "return_token_ids",
-                            "user", "metadata"})
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+                            "user", "metadata", *PROCESSOR_FIELDS})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # Fields that would change the result; only their no-op value (or null) is accepted.
 NO_OP_VALUES = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
-    "suffix": ("",), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "min_tokens": (0,), "logit_bias": ({},), "tools": ([],),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "tools": ([],),
     "tool_choice": ("none",), "response_format": ({"type": "text"},), "parallel_tool_calls": (True, False),
 }
 
@@ -46,11 +48,17 @@ def bad_request(message: str, *, code: str = "invalid_value", param: str | None 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What requests are checked against: the model's name, tokenizer and context length."""
+    """What requests are checked against: the model's name, tokenizer and context length. `name` is
+    reported; `other_names` are accepted as `model` too (--served-model-name A B: name A, other_names (B,))."""
 
     name: str
     tokenizer: object
     max_model_len: int
+    other_names: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.other_names)
 
 
 @dataclass(frozen=True)
@@ -66,18 +74,14 @@ class ParsedRequest:
 
 
 def parse_json_body(raw: bytes) -> dict:
-    """The request body as a JSON object; 400 for anything else (NaN and Infinity included)."""
+    """The request body as a JSON object; 400 for anything else (NaN and Infinity, nesting past
+    json_body.MAX_JSON_DEPTH, and strings with lone surrogates, which name their field, included)."""
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise bad_request(f"the request body is not valid JSON: {error}", code="invalid_json") from error
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+        return load_json_object(raw)
+    except InvalidField as error:
+        raise bad_request(str(error), param=error.field) from error
+    except ValueError as error:
+        raise bad_request(str(error), code="invalid_json") from error
 
 
 def parse_completion_request(body: dict, served: ServedModel) -> ParsedRequest:
@@ -110,30 +114,32 @@ def parse_chat_request(body: dict, served: ServedModel) -> ParsedRequest:
     model = _model(body, served)
     messages = _messages(body.get("messages"))
     try:
+        check_chat_roles(messages, served.tokenizer)
         text = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = encode_prompt(text, served.tokenizer, served.max_model_len, add_special_tokens=False)
+        ids = encode_prompt(text, served.tokenizer, served.max_model_len, add_special_tokens=False,
+                            field="messages")
     except ValueError as error:
-        raise bad_request(str(error), param="messages") from error
+        raise bad_request(str(error), param=getattr(error, "field", "messages")) from error
     max_tokens = _int_field(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens")
     if max_tokens is None:
         max_tokens = max(1, served.max_model_len - len(ids))
-    return _parsed(body, model, ids, max_tokens)
+    return _parsed(body, model, ids, max_tokens, chat=True)
 
 
-def _parsed(body: dict, model: str, ids: tuple[int, ...], max_tokens: int) -> ParsedRequest:
+def _parsed(body: dict, model: str, ids: tuple[int, ...], max_tokens: int, chat: bool = False) -> ParsedRequest:
     stream = _bool_field(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise bad_request("stream_options must be an object with at most 'include_usage'",
                           param="stream_options")
     include_usage = _bool_field(options or {}, "include_usage")
-    return ParsedRequest(model, ids, _sampling_params(body, max_tokens), stream, include_usage,
+    return ParsedRequest(model, ids, _sampling_params(body, max_tokens, chat), stream, include_usage,
                          _bool_field(body, "return_token_ids"))
 
 
-def _sampling_params(body: dict, max_tokens: int) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens: int, chat: bool) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not _is_list_of(stop, str):
         raise bad_request("stop must be a string or a list of strings", code="invalid_type", param="stop")
@@ -145,9 +151,10 @@ def _sampling_params(body: dict, max_tokens: int) -> SamplingParams:
         return build_sampling_params(
             max_tokens=max_tokens, temperature=_number_field(body, "temperature"),
             top_p=_number_field(body, "top_p"), top_k=_int_field(body, "top_k"), seed=_int_field(body, "seed"),
-            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=_bool_field(body, "ignore_eos"))
-    except ValueError as error:
-        raise bad_request(str(error)) from error
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=_bool_field(body, "ignore_eos"),
+            **sampling_extras(body, chat))
+    except ValueError as error:  # InvalidField names its field
+        raise bad_request(str(error), param=getattr(error, "field", None)) from error
 
 
 def _check_fields(body: dict, known: frozenset) -> None:
@@ -171,8 +178,9 @@ def _model(body: dict, served: ServedModel) -> str:
         return served.name
     if not isinstance(model, str):
         raise bad_request("model must be a string", code="invalid_type", param="model")
-    if model != served.name:
-        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{served.name}`",
+    if model not in served.names:
+        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                               f"{', '.join(f'`{name}`' for name in served.names)}",
                           code="model_not_found", param="model")
     return model
 
@@ -222,3 +230,7 @@ def _bool_field(body: dict, name: str) -> bool:
     if value is not None and not isinstance(value, bool):
         raise bad_request(f"{name} must be a boolean, got {json.dumps(value)}", code="invalid_type", param=name)
     return bool(value)
+
+
+# Shared with the routes beside generation (/tokenize, /detokenize: cluster/api/utility_routes.py).
+requested_model, chat_messages, bool_field = _model, _messages, _bool_field

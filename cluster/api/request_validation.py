@@ -16,15 +16,67 @@ MAX_STOP_TOKEN_IDS = 64
 OFF_LOOP_INPUT_CHARS = 8192          # inputs longer than this are tokenized on a worker thread
 SEED_RANGE = (-(2 ** 63), 2 ** 63)  # what a torch.Generator takes and gRPC's int64 carries
 MAX_TOP_K = 2 ** 31 - 1              # the sampler builds an int64 tensor of top_k values
+MAX_LOGIT_BIAS_ENTRIES = 1024        # each biased token costs the sampler a little every step
+PROCESSOR_ARGS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                  "logit_bias", "logprobs")
+STANDARD_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-def encode_prompt(text: str, tokenizer, max_model_len: int, add_special_tokens: bool = True) -> tuple[int, ...]:
+class InvalidField(ValueError):
+    """Bad input in one named field (`field`, e.g. "messages[0].role"): HTTP 400 with it as the error's
+    `param`, gRPC INVALID_ARGUMENT; the message names it too."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_text(text: str, field: str) -> None:
+    """InvalidField unless `text` is Unicode text that UTF-8 can carry (a lone surrogate such as the
+    JSON escape "\\ud800" cannot be; no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidField(field, f"{field} is not valid Unicode text: it has a lone surrogate "
+                                  f"U+{ord(text[error.start]):04X} at character {error.start}") from None
+
+
+def encode_prompt(text: str, tokenizer, max_model_len: int, add_special_tokens: bool = True,
+                  field: str = "prompt") -> tuple[int, ...]:
     """The token ids of a text prompt (with the tokenizer's BOS unless told otherwise), checked
-    like any token-id prompt."""
-    if not isinstance(text, str):
-        raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    like any token-id prompt. Text the tokenizer cannot take is InvalidField(`field`)."""
+    ids = tokenize_text(text, tokenizer, add_special_tokens, field)
     return check_prompt_token_ids(ids, tokenizer, max_model_len)
+
+
+def tokenize_text(text: str, tokenizer, add_special_tokens: bool, field: str = "prompt") -> list[int]:
+    """tokenizer.encode(text), any length (empty too); InvalidField(`field`) for what is not a string,
+    a lone surrogate, or text the tokenizer raises on."""
+    if not isinstance(text, str):
+        raise InvalidField(field, f"{field} must be a string, got {type(text).__name__}")
+    check_text(text, field)
+    try:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as error:  # the tokenizers library raises TypeError and bare Exceptions on odd text
+        raise InvalidField(field, f"the tokenizer cannot take {field} ({type(error).__name__})") from error
+
+
+def check_chat_roles(messages: Sequence[dict], tokenizer) -> None:
+    """InvalidField("messages[i].role") for a role that is neither one of STANDARD_CHAT_ROLES nor named
+    in the chat template as a string literal (a template that handles, say, "ipython" accepts it)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if not _accepted_role(role, template):
+            raise InvalidField(f"messages[{index}].role", f"messages[{index}].role {role!r} is not a chat role: "
+                                                          f"use one of {', '.join(STANDARD_CHAT_ROLES)}")
+
+
+def _accepted_role(role, template: str) -> bool:
+    if role in STANDARD_CHAT_ROLES:
+        return True
+    plain = isinstance(role, str) and role.strip() and not set(role) & set("'\"\\{}%")
+    return bool(plain) and (f"'{role}'" in template or f'"{role}"' in template)
 
 
 def check_prompt_token_ids(ids: Sequence, tokenizer, max_model_len: int) -> tuple[int, ...]:
@@ -46,10 +98,15 @@ def build_sampling_params(*, max_tokens: int | None = None, temperature: float |
                           top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                           stop: Sequence[str] | str | None = None,
                           stop_token_ids: Sequence[int] | None = None,
-                          ignore_eos: bool = False) -> SamplingParams:
-    """SamplingParams from wire values; None takes SamplingParams' default. Rejects NaN and
-    infinities, seeds outside int64, more than MAX_STOP_STRINGS or overlong stop strings, and more than
-    MAX_STOP_TOKEN_IDS stop token ids, on top of SamplingParams' own checks."""
+                          ignore_eos: bool = False, **processors) -> SamplingParams:
+    """SamplingParams from wire values; None takes SamplingParams' default. `processors`: the
+    PROCESSOR_ARGS (logits processors and logprobs, SamplingParams' names). Rejects NaN and
+    infinities, seeds outside int64, more than MAX_STOP_STRINGS or overlong stop strings, more than
+    MAX_STOP_TOKEN_IDS stop token ids and more than MAX_LOGIT_BIAS_ENTRIES logit_bias entries, on top
+    of SamplingParams' own checks; a bad value is an InvalidField naming its field."""
+    unknown = set(processors) - set(PROCESSOR_ARGS)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
     values = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
               "seed": seed, "stop": stop, "stop_token_ids": stop_token_ids}
     for name in ("temperature", "top_p"):
@@ -65,8 +122,18 @@ def build_sampling_params(*, max_tokens: int | None = None, temperature: float |
         raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(stop_token_ids)}")
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"ignore_eos must be a boolean, got {ignore_eos!r}")
-    given = {name: value for name, value in values.items() if value is not None}
-    return SamplingParams(ignore_eos=ignore_eos, **given)
+    bias = processors.get("logit_bias")
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidField("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are supported, "
+                                         f"got {len(bias)}")
+    given = {name: value for name, value in {**values, **processors}.items() if value is not None}
+    try:
+        return SamplingParams(ignore_eos=ignore_eos, **given)
+    except ValueError as error:  # SamplingParams' messages start with the field's name
+        field = next((name for name in sorted(given, key=len, reverse=True) if str(error).startswith(name)), None)
+        if field is None:
+            raise
+        raise InvalidField(field, str(error)) from None
 
 
 def _check_stop(stop) -> None:

@@ -1,7 +1,8 @@
 """Benchmark: engine.sampler.Sampler alone, on random logits, per sampling mode.
 
 `tandem bench sampler --rows 64 --vocab 151936 --device cpu`: for greedy, temperature 1, top_k 50,
-top_p 0.9, top_k 50 + top_p 0.9 and all-seeded temperature 1, the median wall time of one call over
+top_p 0.9, top_k 50 + top_p 0.9, all-seeded temperature 1, min_p, logprobs and the penalties (each row
+with a history of HISTORY_TOKENS tokens, half of them prompt), the median wall time of one call over
 `--repeats` warm calls (after `--warmup` calls), tokens back on the host included (the call ends in its
 one device-to-host sync, so no extra synchronisation is needed). Issue 10's target: 64 rows x 152k vocab
 at temperature 1 under 50 ms on CPU.
@@ -19,7 +20,13 @@ MODES = {
     "top_p 0.9": {"top_p": 0.9},
     "top_k 50 + top_p 0.9": {"top_k": 50, "top_p": 0.9},
     "seeded temperature 1": {"seed": 1234},
+    "min_p 0.05": {"min_p": 0.05},
+    "greedy + logprobs 5": {"temperature": 0.0, "logprobs": 5},
+    "greedy + penalties": {"temperature": 0.0, "repetition_penalty": 1.2, "presence_penalty": 0.5,
+                           "frequency_penalty": 0.5},
+    "temperature 1 + penalties + logprobs 20": {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "logprobs": 20},
 }
+HISTORY_TOKENS = 1024
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def time_mode(sampler, logits, params, repeats: int, warmup: int) -> float:
     """Median seconds of one sampler call over `repeats` calls, after `warmup` untimed ones."""
-    rows = logits.shape[0]
+    rows, vocab = logits.shape
+    histories = [([(r * 7919 + i * 104729) % vocab for i in range(HISTORY_TOKENS)], HISTORY_TOKENS // 2)
+                 for r in range(rows)]
     times = []
     for call in range(warmup + repeats):
         positions = list(range(call * rows, (call + 1) * rows))  # new positions: fresh seeded draws
         started = time.perf_counter()
-        tokens = sampler(logits, [params] * rows, positions)
+        tokens = sampler(logits, [params] * rows, positions, histories)
         elapsed = time.perf_counter() - started
         if call >= warmup:
             times.append(elapsed)
@@ -63,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     sampler = Sampler(args.seed)
     print(f"Sampler on {args.rows} rows x {args.vocab} vocab, {device}, torch threads "
           f"{torch.get_num_threads()}; median of {args.repeats} warm calls")
-    print(f"{'mode':<24} {'ms/call':>9}")
+    print(f"{'mode':<40} {'ms/call':>9}")
     for name, fields in MODES.items():
         seconds = time_mode(sampler, logits, SamplingParams(**fields), args.repeats, args.warmup)
-        print(f"{name:<24} {seconds * 1e3:>9.1f}")
+        print(f"{name:<40} {seconds * 1e3:>9.1f}")
     return 0

@@ -151,7 +151,8 @@ class RequestFlow:
         self._cancel_decode()
         if report.status is PrefillStatus.FINISHED:  # the first token ended it: nothing was shipped
             self._ended = True
-            chunk = GenerationChunk((report.first_token,), report.text, report.finish_reason)
+            logprobs = None if report.first_logprobs is None else (report.first_logprobs,)
+            chunk = GenerationChunk((report.first_token,), report.text, report.finish_reason, logprobs=logprobs)
             return dataclasses.replace(chunk, timing=dataclasses.replace(self._timing(), decode_worker=""))
         self._ended = True
         if report.status is PrefillStatus.INVALID:
@@ -166,7 +167,7 @@ class RequestFlow:
     def _on_decoded(self, chunk: DecodeChunk) -> GenerationChunk | None:
         self._decoded_any = True
         if chunk.finish_reason is None:
-            return GenerationChunk(chunk.token_ids, chunk.text)
+            return GenerationChunk(chunk.token_ids, chunk.text, logprobs=chunk.logprobs)
         self._decode_ended = True
         if self._report is None:  # its timings are still on the way
             self._held_final = chunk
@@ -194,7 +195,7 @@ class RequestFlow:
 
     def _final(self, chunk: DecodeChunk) -> GenerationChunk:
         self._ended = True
-        return GenerationChunk(chunk.token_ids, chunk.text, chunk.finish_reason, self._timing())
+        return GenerationChunk(chunk.token_ids, chunk.text, chunk.finish_reason, self._timing(), chunk.logprobs)
 
     def _timing(self) -> Timing:
         """Everything but ttft_ms, which is set when the chunk is handed to the consumer."""

@@ -1,8 +1,9 @@
 """LocalEngineBackend: one LLMEngine in this process behind the Backend protocol.
 
 The colocated single-worker case (prefill and decode in one engine) and the front ends' tests. The
-engine is driven by an EngineLoop thread; this class is the asyncio side: admission control, one
-asyncio.Queue per request fed by the engine thread, and abort when a consumer stops early.
+engine is driven by an EngineLoop thread; this class is the asyncio side: one asyncio.Queue per request fed
+by the engine thread, and abort when a consumer stops early. How many requests it takes at once is bounded
+above it, as for every backend (cluster/api/admission.py, `--max-pending-requests`).
 """
 from __future__ import annotations
 
@@ -13,26 +14,22 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
+from cluster.backend import BackendHealth, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.local.engine_loop import ChunkSink, EngineLoad, EngineLoop
 from engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
 class LocalBackendConfig:
-    """model_name: what the front ends serve it as (OpenAI `model`). max_pending_requests: live
-    requests (waiting or running) beyond which generate() raises BackendOverloaded."""
+    """model_name: what the front ends serve it as (OpenAI `model`); worker_name: the worker named in
+    its Timing."""
 
     model_name: str = "tandem-default"
-    max_pending_requests: int = 256
     worker_name: str = "local"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
-        if isinstance(self.max_pending_requests, bool) or not isinstance(self.max_pending_requests, int) \
-                or self.max_pending_requests < 1:
-            raise ValueError(f"max_pending_requests must be an integer >= 1, got {self.max_pending_requests!r}")
 
 
 def load_details(load: EngineLoad) -> dict:
@@ -54,7 +51,6 @@ class LocalEngineBackend:
         self.model_name = config.model_name
         self.max_model_len = engine.max_model_len
         self._tokenizer = engine.tokenizer
-        self._config = config
         self._engine_loop = EngineLoop(engine, config.worker_name)
         self._live: set[str] = set()
         self._request_numbers = itertools.count()
@@ -71,8 +67,8 @@ class LocalEngineBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the chunks of `request`; see Backend.generate. Raises BackendUnavailable after
-        shutdown, BackendOverloaded when max_pending_requests are live, ValueError (before any chunk)
-        when the engine rejects the input. Closing the iterator early aborts the request."""
+        shutdown, ValueError (before any chunk) when the engine rejects the input. Closing the iterator
+        early aborts the request."""
         engine_id = self._admit(request)
         chunks: asyncio.Queue = asyncio.Queue()
         self._engine_loop.submit(engine_id, request, ChunkSink(asyncio.get_running_loop(), chunks))
@@ -98,9 +94,6 @@ class LocalEngineBackend:
     def _admit(self, request: GenerationRequest) -> str:
         if self._closed or not self._engine_loop.alive:
             raise BackendUnavailable("the backend is shut down")
-        if len(self._live) >= self._config.max_pending_requests:
-            raise BackendOverloaded(f"{len(self._live)} requests in flight, the limit is "
-                                    f"{self._config.max_pending_requests}; retry later")
         engine_id = f"{request.request_id}#{next(self._request_numbers)}"
         self._live.add(engine_id)
         return engine_id

@@ -182,7 +182,8 @@ class EngineLoop:
         if delta.finish_reason is not None:
             del self._live[delta.request_id]
             timing = self._timing(live, now)
-        return live.sink, GenerationChunk(delta.new_token_ids, delta.new_text, delta.finish_reason, timing)
+        return live.sink, GenerationChunk(delta.new_token_ids, delta.new_text, delta.finish_reason, timing,
+                                          delta.logprobs)
 
     def _timing(self, live: _LiveRequest, now: float) -> Timing:
         scheduled = live.scheduled_at if live.scheduled_at is not None else live.arrival_time

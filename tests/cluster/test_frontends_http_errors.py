@@ -28,8 +28,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stream": "yes"}, 400, "invalid_type"),
     ({"prompt": "x", "n": 2}, 400, "unsupported_parameter"),
     ({"prompt": "x", "best_of": 3}, 400, "unsupported_parameter"),
-    ({"prompt": "x", "logprobs": 1}, 400, "unsupported_parameter"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, 400, "unsupported_parameter"),
+    ({"prompt": "x", "echo": True}, 400, "unsupported_parameter"),
+    ({"prompt": "x", "logprobs": 21}, 400, "invalid_value"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, 400, "invalid_value"),
     ({"prompt": "x", "mystery_knob": 1}, 400, "unknown_parameter"),
     ({"prompt": ["a", "b"]}, 400, "unsupported_value"),
     ({"prompt": {"text": "x"}}, 400, "invalid_value"),
@@ -149,6 +150,8 @@ def test_backend_gone_means_503(served):
                     tail = (await streaming.read()).decode()
                     assert '"backend_unavailable"' in tail and tail.endswith("data: [DONE]\n\n")
                     async with session.get("/health") as response:
+                        assert response.status == 503
+                    async with session.get("/ping") as response:
                         assert response.status == 503
                     status, body = await post(session, "/v1/completions", completion_body("x", 2))
                     assert_openai_error(status, body, 503, "backend_unavailable")

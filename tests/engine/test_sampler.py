@@ -172,3 +172,41 @@ def test_cuda_one_sync_and_seeded_rows_match_across_batches():
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert tokens[0] == logits[0].argmax().item()
     assert sampler(logits[5:], params[5:], [5])[0] == tokens[5]
+
+
+def test_plain_rows_take_the_fast_paths():
+    """No row asks for a processor: the logits are not copied; none asks for logprobs: none come back."""
+    from engine.logits_processors import process_logits
+
+    logits = _logits(3)
+    params = [SP(temperature=0), SP(top_k=5), SP(min_tokens=0, stop_token_ids=[3])]
+    assert process_logits(logits, params, [([1, 2], 2)] * 3) is logits
+    out = Sampler(0).sample(logits, params, [5, 6, 7], [([1, 2], 2)] * 3)
+    assert out.logprobs == [None] * 3 and out.tokens[0] == logits[0].argmax().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_processors_and_logprobs_keep_one_sync():
+    logits = _logits(5, seed=10).cuda()  # [5, vocab]
+    params = [SP(temperature=0, repetition_penalty=1.3, logprobs=5), SP(presence_penalty=0.5, logprobs=0),
+              SP(logit_bias={7: 5.0}, min_tokens=3, stop_token_ids=[9], seed=3), SP(min_p=0.1, logprobs=20),
+              SP(frequency_penalty=-0.5, top_k=40)]
+    histories = [([1, 2, 3, 2, 1], 3)] * 5
+    sampler = Sampler(0, eos_token_ids=[11])
+    expected = sampler.sample(logits.cpu(), params, list(range(5)), histories)
+    sampler.sample(logits, params, list(range(5)), histories)  # warm: generators, kernels
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = sampler.sample(logits, params, list(range(5)), histories)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert out.tokens[0] == expected.tokens[0]
+    for got, want in zip(out.logprobs, expected.logprobs):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.top_ids == want.top_ids and abs(got.logprob - want.logprob) < 1e-4

@@ -66,7 +66,7 @@ LIMITS = ManifestLimits(FP, max_blocks=16)
 
 @pytest.mark.parametrize("mutate, reason", [
     (lambda d: d.update(num_tokens=16 * 4 + 1), "could ever hold"),
-    (lambda d: d.update(block_ids=list(range(17))), "at most 16 entries"),
+    (lambda d: d.update(block_ids=list(range(21))), "at most 20 entries"),  # 20: a first token's top logprobs
     (lambda d: d.update(runs=[[3, 1, FP.block_nbytes, None]] * 5), "5 runs for 4 blocks"),
     (lambda d: d.update(runs=[[3, 10**12, 10**12 * FP.block_nbytes, None]]), "already cover"),
     (lambda d: d.update(request_id="r" * 5000), "exceeds"),
@@ -248,3 +248,19 @@ def test_resolve_transport():
         resolve_transport("nccl", cpu, cuda0)
     with pytest.raises(ValueError, match="ipc"):
         resolve_transport("ipc", cuda0, cuda1)
+
+
+def test_the_first_tokens_logprobs_travel_in_the_manifest():
+    from kv_transfer.token_logprobs import FirstTokenLogprobs
+
+    plain = _manifest()
+    assert plain.first_logprobs is None and "first_logprobs" not in _raw(plain)
+    logprobs = FirstTokenLogprobs(-0.25, 2, tuple(range(20)), tuple(-0.1 * i for i in range(20)))
+    m = dataclasses.replace(plain, first_logprobs=logprobs)
+    assert decode_manifest(encode_manifest(m), LIMITS) == m  # 20 alternatives fit a 16-block receiver's bounds
+    for bad, reason in [([0.5, 1, [], []], "logprob"), ([-1.0, 0, [], []], "rank"), ([-1.0, 1, [3], []], "as many"),
+                        ([-1.0, 1, [-3], [-2.0]], "top_ids"), ("x", "first_logprobs must be")]:
+        raw = _raw(plain)
+        raw["first_logprobs"] = bad
+        with pytest.raises(ManifestError, match=reason):
+            decode_manifest(msgpack.packb(raw), LIMITS)

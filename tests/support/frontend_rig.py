@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 
+from cluster.api.admission import AdmissionBound
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from engine import SamplingParams
 
@@ -39,10 +40,13 @@ async def wait_until_busy(engine, timeout_s: float = IDLE_TIMEOUT_S) -> None:
 
 
 @contextlib.asynccontextmanager
-async def local_backend(engine, **config_fields):
-    """A LocalEngineBackend owning `engine` for the block; on a clean exit the pool must be free
+async def local_backend(engine, max_pending_requests: int | None = None, **config_fields):
+    """A LocalEngineBackend owning `engine` for the block (behind the AdmissionBound `tandem serve` puts
+    in front of every backend, when max_pending_requests is given); on a clean exit the pool must be free
     before the backend shuts down (so shutdown never hides a leak), and after."""
     backend = LocalEngineBackend(engine, LocalBackendConfig(**config_fields))
+    if max_pending_requests is not None:
+        backend = AdmissionBound(backend, max_pending_requests)
     try:
         yield backend
         await wait_until_idle(engine)

@@ -17,16 +17,26 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 
 @contextlib.asynccontextmanager
-async def http_client(engine, *, api_key=None, **backend_fields):
+async def http_server(engine, *, api_key=None, served_model_names=(), max_body_bytes=MAX_BODY_BYTES,
+                      **backend_fields):
+    """The HTTP front end over a LocalEngineBackend of `engine` on loopback; yields its base URL. At the end
+    every block of the engine must be free."""
     async with local_backend(engine, model_name=MODEL, **backend_fields) as backend:
-        config = HttpServerConfig(api_key=api_key, max_body_bytes=MAX_BODY_BYTES)
+        config = HttpServerConfig(api_key=api_key, max_body_bytes=max_body_bytes,
+                                  served_model_names=served_model_names)
         runner, port = await start_http_server(backend, config)
         try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
-                yield session
-                await wait_until_idle(engine)
+            yield f"http://127.0.0.1:{port}"
+            await wait_until_idle(engine)
         finally:
             await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def http_client(engine, **server_fields):
+    """An aiohttp session on the front end of http_server(engine, **server_fields)."""
+    async with http_server(engine, **server_fields) as url, aiohttp.ClientSession(url) as session:
+        yield session
 
 
 async def post(session, path: str, body, headers=None) -> tuple[int, dict]:
