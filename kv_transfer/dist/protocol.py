@@ -22,7 +22,7 @@ import torch
 
 from kv_transfer.dist.channel import PairChannel
 from kv_transfer.incoming import IncomingTransfer
-from kv_transfer.manifest import MAX_MANIFEST_BYTES, ManifestError, decode_manifest
+from kv_transfer.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode_manifest
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox, ReceiveOutcome
@@ -87,11 +87,20 @@ def _receive_manifest(channel: PairChannel, pool: KVPoolView, staging: StagingPo
         raise KVTransferError(TransferStatus.MALFORMED, f"manifest length {length} out of range")
     raw = torch.empty(length, dtype=torch.uint8, device=channel.device)
     channel.recv(raw, deadline)
+    return answer_manifest(channel, raw.cpu().numpy().tobytes(), pool, inbox, deadline,
+                           lambda manifest: IncomingTransfer.accept(manifest, pool, staging, lander))
+
+
+def answer_manifest(channel: PairChannel, raw: bytes, pool: KVPoolView, inbox: ReceiveInbox, deadline: float,
+                    accept: Callable[[Manifest], IncomingTransfer]) -> IncomingTransfer | None:
+    """Checks a received manifest against this pool's limits and the cancel list, lets accept() allocate,
+    and answers the sender (OK, or why not). None when declined: nothing is held and the failure is in the
+    inbox. A link that fails after accept() frees what it allocated before the error is raised."""
     try:  # checked against this pool's limits before anything is allocated
-        manifest = decode_manifest(raw.cpu().numpy().tobytes(), pool.manifest_limits)
+        manifest = decode_manifest(raw, pool.manifest_limits)
         if inbox.is_cancelled(manifest.request_id):
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
-        incoming = IncomingTransfer.accept(manifest, pool, staging, lander)
+        incoming = accept(manifest)
     except (ManifestError, KVTransferError) as exc:
         status = exc.status  # ManifestError: MALFORMED or REJECTED_FINGERPRINT
         channel.send_code(status, deadline)

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from kv_transfer.dist.channel import PairChannel
-from kv_transfer.dist.protocol import land_and_settle  # the verdict and final ack gloo/nccl send
-from kv_transfer.dist.protocol import send_manifest
+from kv_transfer.dist.protocol import (answer_manifest, land_and_settle,  # the shared answer, verdict and ack
+                                       send_manifest)
 from kv_transfer.ipc.landing import NO_STAGING, MappedIncoming
 from kv_transfer.ipc.pool_handle import MAX_HANDLE_BYTES, PoolHandleError, import_pool
-from kv_transfer.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode_manifest
+from kv_transfer.manifest import MAX_MANIFEST_BYTES, Manifest
 from kv_transfer.pool import KVPoolView, fingerprint_of
 from kv_transfer.results import ReceiveFailed, ReceiveInbox
 from kv_transfer.status import KVTransferError, TransferStatus
@@ -106,24 +106,17 @@ class PeerPool:
 
 def _receive_manifest(channel: PairChannel, peer: PeerPool, pool: KVPoolView, inbox: ReceiveInbox,
                       deadline: float, lander: Executor) -> MappedIncoming | None:
-    """Reads the manifest and answers accept/decline; None when declined (nothing is held then)."""
+    """Reads the manifest and answers accept/decline; None when declined (nothing is held then). Checked
+    against this pool's limits, then against the sender's mapped pool, before anything is allocated."""
     raw = _recv_blob(channel, MAX_MANIFEST_BYTES, deadline, "manifest")
-    try:  # checked against this pool's limits, then the sender's, before anything is allocated
-        manifest = decode_manifest(raw, pool.manifest_limits)
-        if inbox.is_cancelled(manifest.request_id):
-            raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
+
+    def accept(manifest):
         peer.check(manifest)
-        incoming = MappedIncoming.accept(manifest, pool, NO_STAGING, lander)
-    except (ManifestError, KVTransferError) as exc:
-        channel.send_code(exc.status, deadline)
-        inbox.put(ReceiveFailed(getattr(exc, "request_id", ""), exc.status, str(exc)))
-        return None
-    try:
-        channel.send_code(TransferStatus.OK, deadline)
-    except KVTransferError as exc:  # the link failed between allocating and accepting: free, then report
-        incoming.fail(exc.status, exc.message)
-        raise KVTransferError(exc.status, exc.message, manifest.request_id) from None
-    incoming.source = peer.kv
+        return MappedIncoming.accept(manifest, pool, NO_STAGING, lander)
+
+    incoming = answer_manifest(channel, raw, pool, inbox, deadline, accept)
+    if incoming is not None:
+        incoming.source = peer.kv
     return incoming
 
 
