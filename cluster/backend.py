@@ -38,12 +38,16 @@ class Timing:
     """Per-stage breakdown of one request, in milliseconds (gRPC `Timing`, HTTP `tandem_timing`).
 
     ttft_ms runs from arrival at the front end to the first token handed back to it, KV transfer
-    included. In colocated serving transfer_ms and kv_bytes are 0. migrations: how often the request moved
-    to other workers after a worker under it failed (the workers named are the last ones)."""
+    included. transfer_ms runs from the transfer's first byte to its acknowledgement; with layer-wise
+    streaming it overlaps prefill_ms, and transfer_exposed_ms is the part the client waits for (the
+    prefill step end -> KV landed on the decode worker): ttft ~ queue + prefill + exposed transfer +
+    delivery. In colocated serving the transfer fields and kv_bytes are 0. migrations: how often the
+    request moved to other workers after a worker under it failed (the workers named are the last ones)."""
 
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
     transfer_ms: float = 0.0
+    transfer_exposed_ms: float = 0.0
     ttft_ms: float = 0.0
     kv_bytes: int = 0
     prefill_worker: str = ""

@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(bench, "serve", "cluster.bench.serve", "load a running server; vLLM's serving metrics")
     _add_command(bench, "compare", "cluster.bench.compare",
                  "every serving mode on the same workload: table and plots")
-    _add_command(bench, "transfer", "kv_transfer.bench", "KV transfer GB/s against a raw loopback socket")
+    _add_command(bench, "transfer", "cluster.bench.transfer",
+                 "KV transfer GB/s against a raw loopback socket; --streaming: the transfer layer streaming hides")
     _add_command(bench, "sampler", "cluster.bench.sampler",
                  "engine.sampler.Sampler alone: ms per call per sampling mode")
     _add_command(bench, "memory", "cluster.bench.memory_stress",

@@ -37,6 +37,7 @@ from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.placement_check import role_resources
 from engine.config import EngineConfig
+from kv_transfer.layer_stream import STREAMING_MODES
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ServeConfig:
     decode_resources: dict[str, float] = field(default_factory=dict)
     replicas: int = 0  # colocated: 0 = one engine in this process, N = N replica actors on Ray
     served_model_names: tuple[str, ...] = ()  # empty: the model path (or "tandem-default")
+    kv_streaming: str = "layer"  # disaggregated: KV sent layer by layer under the prefill, or whole after it
 
     @property
     def model_name(self) -> str:
@@ -104,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-host", default="127.0.0.1",
                         help="address the gloo/nccl rendezvous store listens on, in this process "
                              "(disaggregated; this node's routable address when workers span nodes)")
+    parser.add_argument("--kv-streaming", default="layer", choices=list(STREAMING_MODES),
+                        help="disaggregated: send each prompt's KV layer by layer while its last prefill step "
+                             "runs (layer, default), or whole once the step is done (request); ipc sends whole")
     parser.add_argument("--local-prefill-tokens", type=int, default=0,
                         help="conditional disaggregation: prompts shorter than this are prefilled on their "
                              "decode worker, skipping the prefill worker and the KV transfer (0: off)")
@@ -145,14 +150,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
                          args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
                          args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker, **placement,
-                         replicas=replicas, served_model_names=served_names_from_args(args))
+                         replicas=replicas, served_model_names=served_names_from_args(args),
+                         kv_streaming=args.kv_streaming)
     if mode == "disaggregated" or replicas:
-        if replicas and (args.transport != "auto" or args.prefill_resources):
-            raise ValueError("colocated replicas move no KV and have no prefill workers: --transport and "
-                             "--prefill-resources do not apply")
+        if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):
+            raise ValueError("colocated replicas move no KV and have no prefill workers: --transport, "
+                             "--kv-streaming and --prefill-resources do not apply")
         cluster_config(config)  # its own checks: transport against the GPU share, worker counts
-    elif args.transport != "auto" or args.gpus_per_worker != 1.0 or args.prefill_resources or args.decode_resources:
-        raise ValueError("--transport, --gpus-per-worker and --prefill/decode-resources need --mode disaggregated")
+    elif args.transport != "auto" or args.gpus_per_worker != 1.0 or args.prefill_resources or args.decode_resources \
+            or args.kv_streaming != "layer":
+        raise ValueError("--transport, --gpus-per-worker, --kv-streaming and --prefill/decode-resources need "
+                         "--mode disaggregated")
     return config
 
 
@@ -215,7 +223,7 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          worker_stall_timeout_s=config.worker_stall_timeout_s,
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,
                          gpus_per_worker=config.gpus_per_worker, prefill_resources=config.prefill_resources,
-                         decode_resources=config.decode_resources)
+                         decode_resources=config.decode_resources, kv_streaming=config.kv_streaming)
 
 
 async def serve(config: ServeConfig) -> None:

@@ -10,7 +10,9 @@ Not thread-safe: one thread drives an engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from typing import Protocol
 
 import torch
 
@@ -29,6 +31,17 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
 from engine.tokenizer import Tokenizer
+
+
+class StepObserver(Protocol):
+    """Watches one engine step from the thread that calls step() (layer-wise KV streaming)."""
+
+    def forward_starting(self, completing: list[Sequence]) -> Callable[[int], None] | None:
+        """completing: the prefill-only sequences whose prompt this step finishes (PREFILLED after it,
+        unless their first token ends them). Returns the per-layer callback for the forward, or None."""
+
+    def forward_failed(self, error: str) -> None:
+        """The forward raised after forward_starting returned a callback."""
 
 
 class LLMEngine:
@@ -155,13 +168,27 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
 
-    def step(self) -> list[StepDelta]:
-        """Run one packed forward over the scheduled chunks and return the deltas it produced."""
+    def step(self, observer: StepObserver | None = None) -> list[StepDelta]:
+        """Run one packed forward over the scheduled chunks and return the deltas it produced.
+
+        observer (a prefill worker streaming KV layer by layer) is told, before the forward, which
+        prefill-only requests this step completes (their block tables are final: every prompt token has
+        a slot), and gets per-layer callbacks during it; if the forward raises, forward_failed(error) runs
+        before the exception propagates."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         started = time.perf_counter()
-        seqs, sampled = self.runner.execute(chunks)
+        on_layer = None
+        if observer is not None:
+            completing = [c.seq for c in chunks if c.samples and c.seq.prefill_only]
+            on_layer = observer.forward_starting(completing) if completing else None
+        try:
+            seqs, sampled = self.runner.execute(chunks, on_layer)
+        except BaseException as error:
+            if on_layer is not None:
+                observer.forward_failed(f"{type(error).__name__}: {error}")
+            raise
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self.scheduler.register_full_blocks(chunk.seq)

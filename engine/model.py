@@ -6,7 +6,7 @@ compute_logits() runs the LM head on just the rows that get sampled.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -16,7 +16,6 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.linear import meta_linear, prepare_linears
-
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim] each
 
@@ -60,8 +59,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, h: torch.Tensor, rope: RopeTables, meta: AttentionMetadata, kv_cache: KVCache):
+    def forward(self, h: torch.Tensor, rope: RopeTables, meta: AttentionMetadata, kv_cache: KVCache,
+                kv_written: Callable[[], None] | None = None):
+        """kv_written, when given, runs once the attention (which stores this layer's K/V) is issued,
+        before the MLP: a layer-streamed transfer can send this layer's KV under the MLP's work."""
         h = h + self.self_attn(self.input_layernorm(h), rope, meta, kv_cache)
+        if kv_written is not None:
+            kv_written()
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -94,11 +98,13 @@ class CausalLM(nn.Module):
         prepare_linears(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
+                kv_cache: KVCache, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """on_layer(i), when given, runs once layer i has issued the work that stores its K/V (they are in
+        the pool once that work completes), before its MLP: layer-wise KV streaming sends layer i then."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.lookup(positions)
-        for layer in self.layers:
-            h = layer(h, rope, meta, kv_cache)
+        for index, layer in enumerate(self.layers):
+            h = layer(h, rope, meta, kv_cache, None if on_layer is None else lambda i=index: on_layer(i))
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

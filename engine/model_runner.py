@@ -6,6 +6,7 @@ sees the other prompt tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +45,13 @@ class ModelRunner:
         self.block_tables = BlockTableMirrors()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[tuple[Sequence, ...], SamplerOutput]:
+    def execute(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None,
+                ) -> tuple[tuple[Sequence, ...], SamplerOutput]:
         """Run one forward over all chunks (writes their K/V into the pool); returns the sampled
         sequences and, for each, one new token (and its logprobs if asked). Does not change the
-        sequences themselves."""
+        sequences themselves. on_layer: called after each layer of an eager forward (CausalLM.forward)."""
         batch = self.prepare(chunks)
-        hidden = self._forward(batch)  # [T, hidden]
+        hidden = self._forward(batch, on_layer)  # [T, hidden]
         if not batch.sampled_seqs:
             return (), SamplerOutput([], [])
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [S, vocab]
@@ -57,12 +59,14 @@ class ModelRunner:
         return seqs, self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs],
                                          [(s.token_ids, s.num_prompt_tokens) for s in seqs])
 
-    def _forward(self, batch: ModelInput) -> torch.Tensor:
-        """The model forward, replayed from a captured graph when the step is decode rows only."""
+    def _forward(self, batch: ModelInput, on_layer: Callable[[int], None] | None) -> torch.Tensor:
+        """The model forward, replayed from a captured graph when the step is decode rows only (no layer
+        callbacks then: only prefill steps stream)."""
         meta, graphs = batch.meta, self.decode_graphs
-        if graphs is not None and meta.num_decode_rows == meta.num_seqs and graphs.covers(meta.num_seqs):
+        if graphs is not None and meta.num_decode_rows == meta.num_seqs and graphs.covers(meta.num_seqs) \
+                and on_layer is None:
             return graphs.run(batch.input_ids, batch.positions, meta)
-        return self.model(batch.input_ids, batch.positions, meta, self.kv_cache)
+        return self.model(batch.input_ids, batch.positions, meta, self.kv_cache, on_layer)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
         """The step's flat batch: ids, positions, each token's pool slot and the attention metadata.

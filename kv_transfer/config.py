@@ -29,6 +29,10 @@ class TransferConfig:
     # gRPC receiver: transfers past the limit above wait (manifest read, nothing allocated) in a FIFO queue of
     # at most this many, each for up to kv_transfer_timeout_s; one more is rejected with REJECTED_BUSY.
     grpc_max_queued_transfers: int = 64
+    # gloo/nccl/ipc: channels (two-rank process groups) per sender/receiver pair, each with its own thread at
+    # both ends: a pair carries this many transfers at once (a step's layer-streamed transfers to one decode
+    # worker go side by side instead of one after the other).
+    dist_lanes: int = 4
     cancel_ttl_s: float = 600.0  # how long a receiver remembers cancel(id) for a transfer that has not arrived
     staging_cache_bytes: int = 1 << 30
     max_run_bytes: int = 16 << 20  # longer runs are split so gather / wire / scatter pipeline
@@ -51,6 +55,8 @@ class TransferConfig:
             raise ValueError("direct_min_plane_bytes must be >= 0 or None")
         if self.grpc_max_concurrent_transfers < 1 or self.grpc_max_queued_transfers < 0:
             raise ValueError("grpc_max_concurrent_transfers must be >= 1 and grpc_max_queued_transfers >= 0")
+        if isinstance(self.dist_lanes, bool) or not isinstance(self.dist_lanes, int) or not 1 <= self.dist_lanes <= 64:
+            raise ValueError(f"dist_lanes must be an int in [1, 64], got {self.dist_lanes!r}")
         if self.cancel_ttl_s <= 0:
             raise ValueError("cancel_ttl_s must be positive")
         if not 0 < self.grpc_chunk_bytes < self.grpc_max_message_bytes:

@@ -10,12 +10,13 @@ import torch
 
 from kv_transfer.checksum import checksum_blocks
 from kv_transfer.device_sync import copy_stream
-from kv_transfer.manifest import Manifest
+from kv_transfer.manifest import Manifest, ManifestError
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed
-from kv_transfer.runs import as_blocks, block_planes, run_views, scatter_run, staging_offsets
+from kv_transfer.runs import as_blocks, block_planes, layer_piece_shape, scatter_run, staging_offsets
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
+from kv_transfer.stream_tail import complete_manifest
 
 
 class IncomingTransfer:
@@ -32,13 +33,16 @@ class IncomingTransfer:
         self.manifest, self.pool, self.block_ids = manifest, pool, tuple(block_ids)
         self.started = time.monotonic()
         self._staging_pool, self._lander = staging_pool, lander
-        self._staging: torch.Tensor | None = staging_pool.acquire(staging_offsets([r.nbytes for r in manifest.runs])[1])
-        self.payloads = run_views(self._staging, manifest.fingerprint, manifest.runs)  # flat uint8 per run
+        sizes = manifest.piece_nbytes  # a run each, or (streamed) a layer each
+        offsets, total = staging_offsets(sizes)
+        self._staging: torch.Tensor | None = staging_pool.acquire(total)
+        self.payloads = [self._staging[off : off + size] for off, size in zip(offsets, sizes)]  # flat uint8
         self._first_block = np.cumsum([0] + [r.num_blocks for r in manifest.runs]).tolist()
         self._landings: list[Future | None] = []
         self._cursor = (0, 0, 0)  # (run index, target piece, byte offset in it) of the next streamed byte
         self._stream_targets: tuple[list[np.ndarray], bool] | None = None  # pieces of the streamed run
-        self._checksums: list[int | None] = [run.checksum for run in manifest.runs]
+        self._checksums: list[int | None] = [None] * len(sizes) if manifest.streamed else \
+            [run.checksum for run in manifest.runs]
         self._awaiting_checksum: tuple[int, bool] | None = None  # (run, in place): bytes in, checksum not yet
         self.bytes_written = 0
         self._settle_lock = threading.Lock()
@@ -51,7 +55,7 @@ class IncomingTransfer:
         transport can carry checksums after the runs (otherwise the manifest must hold every one).
         Raises KVTransferError (MALFORMED / REJECTED_FINGERPRINT / REJECTED_NO_BLOCKS); nothing is held then."""
         rid = manifest.request_id
-        if manifest.trailing_checksums and not trailing_checksums:
+        if manifest.trailing_checksums and not (trailing_checksums or manifest.streamed):  # layers' always trail
             raise KVTransferError(TransferStatus.MALFORMED, "this transport needs every run's checksum in the manifest", rid)
         diff = pool.fingerprint.mismatch(manifest.fingerprint)
         if diff:
@@ -67,9 +71,17 @@ class IncomingTransfer:
             pool.free(block_ids)
             raise
 
+    @property
+    def num_pieces(self) -> int:
+        """Pieces in wire order: the manifest's runs, or a streamed transfer's layers."""
+        return len(self.payloads)
+
     def land(self, index: int, in_place: bool = False) -> None:
-        """Verifies run `index` against its checksum, then writes it into this side's blocks: from staging
+        """Verifies piece `index` against its checksum, then writes it into this side's blocks: from staging
         (scatter), or, in_place, it is already there and only the blocks are verified."""
+        if self.manifest.streamed:
+            self._land_layer(index)
+            return
         run, fp = self.manifest.runs[index], self.manifest.fingerprint
         first = self._first_block[index]
         dst = self.block_ids[first : first + run.num_blocks]
@@ -85,9 +97,22 @@ class IncomingTransfer:
             if not in_place:
                 scatter_run(self.pool.kv, self.payloads[index], fp, dst)
 
-    def landed(self, index: int, in_place: bool = False) -> None:
-        """Run `index` is complete (in staging, or in place in this side's blocks): land it now, or on the
-        lander thread."""
+    def _land_layer(self, layer: int) -> None:
+        """A streamed layer: verify its staging piece, then write it into layer `layer` of this side's blocks."""
+        fp = self.manifest.fingerprint
+        piece = self.payloads[layer].view(self.pool.kv.dtype).view(layer_piece_shape(fp, len(self.block_ids)))
+        with copy_stream(self.pool.device):
+            if checksum_blocks(piece.unsqueeze(0)) != self._checksums[layer]:
+                raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"layer {layer} failed its checksum",
+                                      self.manifest.request_id)
+            ids = torch.tensor(self.block_ids, dtype=torch.long, device=self.pool.device)
+            self.pool.kv[layer].index_copy_(1, ids, piece.to(self.pool.device, non_blocking=True))  # [2, N, ...]
+
+    def landed(self, index: int, in_place: bool = False, checksum: int | None = None) -> None:
+        """Piece `index` is complete (in staging, or in place in this side's blocks): land it now, or on the
+        lander thread. checksum: the piece's trailing checksum, when the manifest left it out."""
+        if checksum is not None:
+            self._checksums[index] = checksum
         if self._lander is None:
             self.land(index, in_place)
             self._landings.append(None)
@@ -107,7 +132,9 @@ class IncomingTransfer:
 
     def _stream_pieces(self, index: int) -> tuple[list[np.ndarray], bool]:
         """Where a streamed run's bytes go, in order: its planes in this side's blocks (in place), or its
-        whole staging piece."""
+        whole staging piece (always, for a layer of a layer-streamed transfer)."""
+        if self.manifest.streamed:
+            return [self.payloads[index].numpy()], False
         planes, in_place = self.plane_targets(index, torch.device("cpu"))
         pieces = planes if in_place else [self.payloads[index]]
         return [piece.numpy() for piece in pieces], in_place
@@ -166,7 +193,15 @@ class IncomingTransfer:
     @property
     def complete(self) -> bool:
         """Every run's bytes (and trailing checksum) are in; landing may still be under way."""
-        return len(self._landings) == len(self.manifest.runs)
+        return len(self._landings) == self.num_pieces
+
+    def set_tail(self, tail: bytes) -> None:
+        """A streamed transfer's tail (the first token): completes the manifest. KVTransferError(MALFORMED)
+        if it is malformed or none is due (then the caller fails the transfer)."""
+        try:
+            self.manifest = complete_manifest(self.manifest, tail)
+        except ManifestError as exc:
+            raise KVTransferError(TransferStatus.MALFORMED, str(exc), self.manifest.request_id) from None
 
     def commit(self) -> ReceivedKV:
         """Waits for every run to have landed; on success the blocks belong to the caller. Raises
@@ -178,7 +213,9 @@ class IncomingTransfer:
         if not self.complete:
             raise KVTransferError(TransferStatus.LENGTH_MISMATCH, f"got {self.bytes_written} of "
                                   f"{self.manifest.total_nbytes} bytes ({len(self._landings)} of "
-                                  f"{len(self.manifest.runs)} runs)", rid)
+                                  f"{self.num_pieces} pieces)", rid)
+        if self.manifest.first_token is None:
+            raise KVTransferError(TransferStatus.LENGTH_MISMATCH, "the stream's tail (first token) never arrived", rid)
         for landing in self._landings:
             if landing is not None:
                 landing.result()

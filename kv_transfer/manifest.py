@@ -106,10 +106,11 @@ class Manifest:
     fingerprint: ModelFingerprint
     num_tokens: int
     block_ids: tuple[int, ...]
-    first_token: int
+    first_token: int | None  # None only while a streamed transfer's tail has not arrived
     runs: tuple[RunInfo, ...]
     checksum_algo: str = CHECKSUM_ALGO
     first_logprobs: FirstTokenLogprobs | None = None  # when the request asked for logprobs
+    streamed: bool = False  # layer-streamed: pieces are layers, checksums trail them, the first token comes last
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -121,6 +122,13 @@ class Manifest:
     @property
     def total_nbytes(self) -> int:
         return sum(run.nbytes for run in self.runs)
+
+    @property
+    def piece_nbytes(self) -> list[int]:
+        """Bytes of each piece in wire order: a run each, or (streamed) one layer of every block each."""
+        if self.streamed:
+            return [self.total_nbytes // self.fingerprint.num_layers] * self.fingerprint.num_layers
+        return [run.nbytes for run in self.runs]
 
     @property
     def trailing_checksums(self) -> bool:
@@ -140,7 +148,12 @@ def _validate(m: Manifest) -> None:
     if not isinstance(m.request_id, str) or not 0 < len(m.request_id) <= 512:
         raise ManifestError("request_id must be a non-empty string of at most 512 characters")
     _check_int(m.num_tokens, "num_tokens", minimum=1)
-    _check_int(m.first_token, "first_token")
+    if not isinstance(m.streamed, bool):
+        raise ManifestError(f"streamed must be a bool, got {type(m.streamed).__name__}")
+    if m.first_token is not None or not m.streamed:  # a streamed manifest leaves it to the tail
+        _check_int(m.first_token, "first_token")
+    if m.streamed and any(run.checksum is not None for run in m.runs):
+        raise ManifestError("a streamed manifest carries no run checksums (each layer's trails it)")
     if m.checksum_algo != CHECKSUM_ALGO:
         raise ManifestError(f"unknown checksum_algo {m.checksum_algo!r}")
     expected_blocks = -(-m.num_tokens // m.fingerprint.block_size)
@@ -190,11 +203,13 @@ def encode_manifest(m: Manifest) -> bytes:
     }
     if m.first_logprobs is not None:
         top["first_logprobs"] = m.first_logprobs.encode()
+    if m.streamed:
+        top["streamed"] = True
     return msgpack.packb(top)
 
 
 _TOP_KEYS = {"version", "request_id", "fingerprint", "num_tokens", "block_ids", "first_token", "checksum_algo", "runs"}
-_OPTIONAL_TOP_KEYS = {"first_logprobs"}
+_OPTIONAL_TOP_KEYS = {"first_logprobs", "streamed"}
 _FP_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"}
 
 
@@ -270,6 +285,7 @@ def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manife
             runs=tuple(_decode_run(i, r) for i, r in enumerate(top["runs"])),
             checksum_algo=top["checksum_algo"],
             first_logprobs=None if "first_logprobs" not in top else FirstTokenLogprobs.decode(top["first_logprobs"]),
+            streamed=top.get("streamed", False),
         )
     except LogprobsError as exc:
         raise ManifestError(str(exc)) from None

@@ -1,17 +1,25 @@
-"""Sender side of one transfer: describe the request's runs in a manifest, gather them into staging."""
+"""Sender side of one transfer: describe the request's runs in a manifest, gather them into staging.
+
+A whole-request transfer's pieces are its block runs (all layers each). A layer-streamed one's pieces are
+its layers (one layer of every block each), gathered as soon as the step's LayerClock says the layer is
+written, each followed by its checksum; the first token follows the last layer (the tail)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from kv_transfer.checksum import checksum_blocks
 from kv_transfer.device_sync import copy_stream
+from kv_transfer.layer_stream import LayerStream
 from kv_transfer.manifest import Manifest, RunInfo, encode_manifest
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import SendRequest
-from kv_transfer.runs import BlockRun, block_planes, gather_run, group_runs, staging_offsets
+from kv_transfer.runs import BlockRun, block_planes, gather_run, group_runs, layer_piece_shape, staging_offsets
 from kv_transfer.staging import StagingPool
+from kv_transfer.stream_tail import encode_tail
 
 
 @dataclass
@@ -29,21 +37,59 @@ class OutgoingTransfer:
     gathered: list[bool]
     direct: list[bool]
     ready_event: "torch.cuda.Event | None" = None  # CUDA: the pool's KV is written once this completes
+    stream: LayerStream | None = None  # layer-streamed: run_payloads are layers, gathered as they are written
+    deadline: float = float("inf")     # time.monotonic() by which the stream's layers and tail must be in
+    layer_checksums: list[int | None] = field(default_factory=list)
+    _gather_lock: threading.Lock = field(default_factory=threading.Lock)  # one gather per piece, whoever asks
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces in wire order: runs, or the layers of a streamed transfer."""
+        return len(self.run_payloads)
 
     def gather(self, index: int) -> None:
-        """Copies run `index` from the pool into its staging piece once (complete on return); a no-op
-        for a direct run."""
-        if self.gathered[index] or self.direct[index]:
+        """Copies piece `index` from the pool into its staging piece once (complete on return); a no-op
+        for a direct run. A streamed layer waits for the step to have written it first (raises
+        KVTransferError ABORTED_BY_SENDER or TIMEOUT when it never will be)."""
+        if self.direct[index]:
             return
-        with copy_stream(self.pool.device, after=self.ready_event):
-            gather_run(self.pool.kv, self.runs[index], self.run_payloads[index], self.manifest.fingerprint)
-        self.gathered[index] = True
+        with self._gather_lock:
+            if self.gathered[index]:
+                return
+            if self.stream is not None:
+                self._gather_layer(index)
+            else:
+                with copy_stream(self.pool.device, after=self.ready_event):
+                    gather_run(self.pool.kv, self.runs[index], self.run_payloads[index], self.manifest.fingerprint)
+            self.gathered[index] = True
+
+    def _gather_layer(self, layer: int) -> None:
+        written = self.stream.wait_layer(layer, self.deadline)
+        fp, payload = self.manifest.fingerprint, self.run_payloads[layer]
+        out = payload.view(self.pool.kv.dtype).view(layer_piece_shape(fp, self.manifest.num_blocks))
+        with copy_stream(self.pool.device, after=written):
+            ids = torch.tensor(self.manifest.block_ids, dtype=torch.long, device=self.pool.device)
+            torch.index_select(self.pool.kv[layer], 1, ids, out=out)  # [2, N, bs, H, D]
+            self.layer_checksums[layer] = checksum_blocks(out.unsqueeze(0))
 
     def checksum(self, index: int) -> int:
-        """Run `index`'s rowsum64, read straight from the sender's pool (for a manifest that leaves it out)."""
+        """Piece `index`'s rowsum64 (for a manifest that leaves it out): a run's read straight from the
+        sender's pool, a streamed layer's taken when it was gathered."""
+        if self.stream is not None:
+            self.gather(index)
+            return self.layer_checksums[index]
         run = self.runs[index]
         with copy_stream(self.pool.device, after=self.ready_event):
             return checksum_blocks(self.pool.kv[:, :, run.start : run.start + run.num_blocks])
+
+    def tail(self) -> bytes | None:
+        """A streamed transfer's tail once the step sampled the first token (None: not streamed). Raises
+        KVTransferError ABORTED_BY_SENDER (the first token ended the request, the step failed, a cancel)
+        or TIMEOUT."""
+        if self.stream is None:
+            return None
+        tail = self.stream.wait_tail(self.deadline)
+        return encode_tail(tail.first_token, tail.first_logprobs)
 
     def gather_all(self) -> None:
         for index in range(len(self.runs)):
@@ -61,16 +107,38 @@ class OutgoingTransfer:
         return block_planes(self.pool.kv[:, :, run.start : run.start + run.num_blocks])
 
 
+def prepare_streamed(pool: KVPoolView, request: SendRequest, staging_pool: StagingPool,
+                     timeout_s: float) -> OutgoingTransfer:
+    """The manifest (no checksums, no first token) and one staging piece per layer of a layer-streamed
+    request; gathers nothing (each layer waits for the step). Reads nothing from the pool."""
+    fp = pool.fingerprint
+    runs = group_runs(request.block_ids)
+    infos = tuple(RunInfo(r.start, r.num_blocks, r.num_blocks * fp.block_nbytes, None) for r in runs)
+    manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
+                        block_ids=tuple(request.block_ids), first_token=None, runs=infos, streamed=True)
+    sizes = manifest.piece_nbytes
+    offsets, total = staging_offsets(sizes)
+    staging = staging_pool.acquire(total)
+    payloads = [staging[off : off + size] for off, size in zip(offsets, sizes)]
+    return OutgoingTransfer(manifest, encode_manifest(manifest), pool, runs, staging, payloads,
+                            [False] * len(sizes), [False] * len(sizes), None, request.stream,
+                            time.monotonic() + timeout_s, [None] * len(sizes))
+
+
 def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: StagingPool,
                      ready_event: "torch.cuda.Event | None" = None, max_run_bytes: int = 0,
-                     direct_min_plane_bytes: int | None = None, trailing_checksums: bool = False) -> OutgoingTransfer:
+                     direct_min_plane_bytes: int | None = None, trailing_checksums: bool = False,
+                     stream_timeout_s: float = 60.0) -> OutgoingTransfer:
     """Splits request.block_ids into runs (at most max_run_bytes each, 0: unbounded), checksums each
     run straight from the pool and builds the manifest; reserves staging but gathers nothing yet.
     trailing_checksums: the manifest leaves every checksum out (the transport sends checksum(i) after
     run i's bytes), so nothing is read from the pool here.
     A run is direct (sent as its pool planes) when direct_min_plane_bytes is set, the pool lives on the
     staging device (the wire's device) and each plane has at least that many bytes; the other runs get
-    staging. Reads the pool, changes nothing in it."""
+    staging. Reads the pool, changes nothing in it. A streamed request (request.stream) is laid out by
+    prepare_streamed instead (its layers must be in within stream_timeout_s)."""
+    if request.stream is not None:
+        return prepare_streamed(pool, request, staging_pool, stream_timeout_s)
     fp = pool.fingerprint
     runs = group_runs(request.block_ids, max(1, max_run_bytes // fp.block_nbytes) if max_run_bytes else 0)
     if trailing_checksums:

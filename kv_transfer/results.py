@@ -6,23 +6,31 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 from kv_transfer.manifest import Manifest
 from kv_transfer.status import KVTransferError, TransferStatus
 from kv_transfer.token_logprobs import FirstTokenLogprobs
 
+if TYPE_CHECKING:
+    from kv_transfer.layer_stream import LayerStream
+
 
 @dataclass(frozen=True)
 class SendRequest:
     """One request's KV to ship: its sender-side blocks, the number of valid tokens, the first token
-    (and its logprobs when the request asked for them: they travel in the manifest)."""
+    (and its logprobs when the request asked for them: they travel in the manifest).
+
+    stream set: a layer-streamed send started before the step that computes the KV: layer l goes once
+    stream.clock says it is written, first_token/first_logprobs come later (stream.finish, sent after the
+    last layer), and the blocks belong to the transfer only once handed over (kv_transfer/layer_stream.py)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
-    first_token: int
+    first_token: int | None
     first_logprobs: FirstTokenLogprobs | None = None
+    stream: "LayerStream | None" = None
 
 
 @dataclass(frozen=True)

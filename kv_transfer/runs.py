@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from kv_transfer.manifest import ModelFingerprint, RunInfo
+from kv_transfer.manifest import ModelFingerprint
 from kv_transfer.pool import TORCH_DTYPES
 
 STAGING_ALIGN = 64
@@ -50,12 +50,9 @@ def run_shape(fp: ModelFingerprint, num_blocks: int) -> tuple[int, ...]:
     return (fp.num_layers, 2, num_blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
 
 
-def run_views(staging: torch.Tensor, fp: ModelFingerprint, runs: Sequence[RunInfo]) -> list[torch.Tensor]:
-    """Flat uint8 views of each run inside a staging buffer laid out by staging_offsets."""
-    offsets, total = staging_offsets([run.nbytes for run in runs])
-    if staging.numel() < total:
-        raise ValueError(f"staging buffer of {staging.numel()} bytes is smaller than {total}")
-    return [staging[off : off + run.nbytes] for off, run in zip(offsets, runs)]
+def layer_piece_shape(fp: ModelFingerprint, num_blocks: int) -> tuple[int, ...]:
+    """One layer of num_blocks blocks, as a layer-streamed transfer moves it: [2, n, block_size, H, D]."""
+    return (2, num_blocks, fp.block_size, fp.num_kv_heads, fp.head_dim)
 
 
 def as_blocks(flat_u8: torch.Tensor, fp: ModelFingerprint, num_blocks: int) -> torch.Tensor:

@@ -6,8 +6,10 @@ to another process (queue_ms, prefill_ms, transfer_ms).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -52,6 +54,7 @@ class PrefillReport:
     finish_reason: str | None = None
     prefill_started: float | None = None
     prefill_ended: float | None = None
+    forward_ended: float | None = None  # the prompt's last layer was computed (layer-streamed; else prefill_ended)
     transfer_started: float | None = None
     transfer_ended: float | None = None
     kv_bytes: int = 0
@@ -70,8 +73,17 @@ class PrefillReport:
 
     @property
     def transfer_ms(self) -> float:
-        """send() -> the decode worker's final acknowledgement (or the failure)."""
+        """send() -> the decode worker's final acknowledgement (or the failure). Layer-streamed, the send
+        starts before the forward, so this overlaps prefill_ms."""
         return _ms(self.transfer_started, self.transfer_ended)
+
+    @property
+    def transfer_exposed_ms(self) -> float:
+        """The part of the transfer the client waits for: the prefill step's end (last layer computed and
+        first token sampled, where prefill_ms ends) -> the decode worker's acknowledgement of the landed KV
+        (for a whole-request send, any wait for a transfer slot included). Not from forward_ended: the LM
+        head and sampling after the last layer are prefill, not transfer."""
+        return _ms(self.prefill_ended, self.transfer_ended)
 
 
 def _ms(start: float | None, end: float | None) -> float:
@@ -91,3 +103,17 @@ class PrefillStats:
     engine_requests: int       # requests the engine itself still holds
     free_blocks: int
     total_blocks: int
+
+
+def collect_stats(name: str, engine: Any, lives: Iterable[tuple[str, Any]]) -> PrefillStats:
+    """The worker's load now: prompt tokens its engine has not computed yet (tasks not on the wire), tasks
+    live and shipping, and the engine's requests and blocks. Reads only."""
+    queued = shipping = live_requests = 0
+    for request_id, live in lives:
+        live_requests += 1
+        shipping += live.handle is not None
+        seq = engine.get_sequence(request_id) if live.handle is None else None
+        if seq is not None:
+            queued += max(0, seq.num_tokens - seq.num_computed_tokens)
+    return PrefillStats(name, queued, live_requests, shipping, engine.num_live_requests,
+                        engine.num_free_blocks, engine.num_total_blocks)

@@ -20,6 +20,17 @@ class TransferSlots:
         self._waiting[peer].append(request_id)
         return False
 
+    def try_acquire(self, peer: Hashable) -> bool:
+        """Takes a slot to `peer` if one is free now; queues nothing otherwise."""
+        if self._limit is None or self._in_flight[peer] < self._limit:
+            self._in_flight[peer] += 1
+            return True
+        return False
+
+    def release_unused(self, peer: Hashable) -> None:
+        """Gives back a slot from try_acquire that carried nothing (no one waits while a slot is free)."""
+        self._in_flight[peer] -= 1
+
     def release(self, peer: Hashable) -> str | None:
         """A transfer to `peer` ended. Returns the next waiting request, which now holds the slot."""
         waiting = self._waiting.get(peer)

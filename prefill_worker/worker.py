@@ -2,10 +2,11 @@
 
 One step thread owns the engine; other threads talk to it through a command queue (submit, cancel,
 stop). Each step packs every queued prompt the token budget allows (the engine's packed, chunked prefill,
-logits only for the last prompt token), samples the first token, and hands the request's KV blocks to the
-transfer plane (kv_transfer.engine_pool.ship_prefilled), which frees them once the decode worker
-acknowledged them or the transfer failed. The engine keeps its prefix cache across requests. Every
-task's future resolves exactly once, with a PrefillReport.
+logits only for the last prompt token) and samples the first token. The KV goes to the transfer plane
+layer by layer while the step that completes the prompt runs (prefill_worker/layer_streaming.py), or
+whole after it (kv_transfer.engine_pool.ship_prefilled); the transfer frees the blocks once the decode
+worker acknowledged them or it failed. The engine keeps its prefix cache across requests. Every task's
+future resolves exactly once, with a PrefillReport.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from engine.outputs import StepDelta
 from engine.step_watch import StepHealth, StepWatch
 from kv_transfer import KVTransferError, TransferHandle, create_sender
 from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
+from kv_transfer.layer_stream import LayerStream
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.messages import PrefillReport, PrefillStats, PrefillStatus, PrefillTask
+from prefill_worker.layer_streaming import LayerStreaming
+from prefill_worker.messages import PrefillReport, PrefillStats, PrefillStatus, PrefillTask, collect_stats
 from prefill_worker.transfer_slots import TransferSlots
 
 logger = logging.getLogger("tandem.prefill_worker")
@@ -61,6 +64,7 @@ class _Live:
     future: Future
     report: PrefillReport               # filled in as the task advances
     handle: TransferHandle | None = None   # set while its KV is on the wire
+    stream: LayerStream | None = None      # set when its KV streams layer by layer under its last step
     cancelled: bool = False
     waiting_for_slot: bool = False          # prefilled, KV still in the engine, waiting for a transfer slot
 
@@ -75,6 +79,9 @@ class PrefillWorker:
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}
         self._slots = TransferSlots(config.transfer_slots_per_peer)
+        streams = config.kv_streaming == "layer" and config.transport != "ipc"
+        self._streaming = LayerStreaming(engine, self._sender, self._slots, self._live, self._watch_transfer) \
+            if streams else None
         self._stopped = threading.Event()
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
@@ -186,7 +193,7 @@ class PrefillWorker:
     def _step(self) -> None:
         started = time.time()
         try:
-            deltas = self._engine.step()
+            deltas = self._engine.step(self._streaming)
         except Exception as error:
             logger.exception("%s: engine step failed; failing every request in the engine", self.name)
             self._fail_unshipped(PrefillStatus.FAILED, f"engine step failed: {error}")
@@ -212,9 +219,13 @@ class PrefillWorker:
         first_logprobs = delta.logprobs[0] if delta.logprobs else None
         live.report = dataclasses.replace(live.report, first_token=delta.new_token_ids[0], text=delta.new_text,
                                           first_logprobs=first_logprobs, prefill_ended=now, num_cached_tokens=cached)
+        if live.stream is not None and self._streaming.complete(delta, live):
+            return  # its KV is streaming; the transfer's end reports it
         if delta.kv_block_ids is None:  # the first token ended the request; the engine freed its blocks
             live.report = dataclasses.replace(live.report, finish_reason=delta.finish_reason)
             self._resolve(delta.request_id, PrefillStatus.FINISHED)
+            if live.stream is not None:  # its aborted stream gives its slot up now
+                self._release_slot(live.task.decode_address)
             return
         if self._slots.acquire(live.task.decode_address, delta.request_id):
             self._ship(delta.request_id)
@@ -235,9 +246,11 @@ class PrefillWorker:
                 self._resolve(request_id, PrefillStatus.TRANSFER_FAILED, f"send failed: {error}")
                 request_id = self._slots.release(live.task.decode_address)
                 continue
-            handle = live.handle
-            handle.add_done_callback(lambda h, rid=request_id: self._commands.put(_TransferDone(rid, h, time.time())))
+            self._watch_transfer(request_id, live.handle)
             return
+
+    def _watch_transfer(self, request_id: str, handle: TransferHandle) -> None:
+        handle.add_done_callback(lambda h, rid=request_id: self._commands.put(_TransferDone(rid, h, time.time())))
 
     def _transfer_done(self, done: _TransferDone) -> None:
         live = self._live.get(done.request_id)
@@ -245,7 +258,10 @@ class PrefillWorker:
             return
         live.report = dataclasses.replace(live.report, transfer_ended=done.ended_at)
         self._settle_transfer(done, live)
-        next_request = self._slots.release(live.task.decode_address)
+        self._release_slot(live.task.decode_address)
+
+    def _release_slot(self, peer) -> None:
+        next_request = self._slots.release(peer)
         if next_request is not None:
             self._ship(next_request)
 
@@ -266,11 +282,16 @@ class PrefillWorker:
         live.future.set_result(dataclasses.replace(live.report, status=status, error=error))
 
     def _fail_unshipped(self, status: PrefillStatus, message: str) -> None:
-        """Ends every task the engine still holds (not those whose KV is on the wire)."""
+        """Ends every task the engine still holds (not those whose KV is on the wire; those streaming from
+        the failed step too: their streams abort and the engine frees their blocks)."""
         for request_id, live in list(self._live.items()):
-            if live.handle is None:
+            streamed = self._streaming is not None and self._streaming.unfinished(live)
+            if live.handle is None or streamed:
                 self._drop(request_id, live)
                 self._resolve(request_id, status, message)
+            if streamed:
+                live.stream.abort(message)
+                self._release_slot(live.task.decode_address)
 
     def _end_all(self, message: str) -> None:
         """Stop: tasks in the engine are aborted; transfers in flight run to their end (they free their
@@ -285,14 +306,7 @@ class PrefillWorker:
                 command.future.set_result(_failed(report, PrefillStatus.CANCELLED, message))
 
     def _snapshot(self) -> PrefillStats:
-        engine, queued = self._engine, 0
-        for request_id, live in self._live.items():
-            seq = engine.get_sequence(request_id) if live.handle is None else None
-            if seq is not None:
-                queued += max(0, seq.num_tokens - seq.num_computed_tokens)
-        shipping = sum(1 for live in self._live.values() if live.handle is not None)
-        return PrefillStats(self.name, queued, len(self._live), shipping, engine.num_live_requests,
-                            engine.num_free_blocks, engine.num_total_blocks)
+        return collect_stats(self.name, self._engine, self._live.items())
 
 
 def _failed(report: PrefillReport, status: PrefillStatus, error: str) -> PrefillReport:

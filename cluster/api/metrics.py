@@ -47,6 +47,9 @@ class ServingMetrics:
                                  buckets=LATENCY_BUCKETS_S, registry=r)
         self.transfer = Histogram("tandem_kv_transfer_time_seconds", "KV transfer prefill -> decode worker",
                                   buckets=LATENCY_BUCKETS_S, registry=r)
+        self.transfer_exposed = Histogram("tandem_kv_transfer_exposed_seconds", "KV transfer time the client waits "
+                                          "for: prompt's prefill step end -> KV landed on the decode worker",
+                                          buckets=LATENCY_BUCKETS_S, registry=r)
         self.transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved between workers", registry=r)
         self.running = Gauge("tandem_running_requests", "Requests scheduled and not finished", registry=r)
         self.waiting = Gauge("tandem_waiting_requests", "Requests admitted, not yet scheduled", registry=r)
@@ -89,6 +92,7 @@ class ServingMetrics:
             self.queue.observe(timing.queue_ms / 1e3)
             self.prefill.observe(timing.prefill_ms / 1e3)
             self.transfer.observe(timing.transfer_ms / 1e3)
+            self.transfer_exposed.observe(timing.transfer_exposed_ms / 1e3)
             self.transfer_bytes.inc(timing.kv_bytes)
 
     def observe_outcome(self, frontend: str, outcome: str) -> None:

@@ -201,7 +201,8 @@ class RequestFlow:
         """Everything but ttft_ms, which is set when the chunk is handed to the consumer."""
         report, dispatch_ms = self._report, (self._dispatched - self._request.arrival_time) * 1e3
         return Timing(queue_ms=dispatch_ms + report.queue_ms, prefill_ms=report.prefill_ms,
-                      transfer_ms=report.transfer_ms, kv_bytes=report.kv_bytes,
+                      transfer_ms=report.transfer_ms, transfer_exposed_ms=report.transfer_exposed_ms,
+                      kv_bytes=report.kv_bytes,
                       prefill_worker=self._prefill.name, decode_worker=self._decode.name)
 
     def _delivered(self, chunk: GenerationChunk) -> GenerationChunk:

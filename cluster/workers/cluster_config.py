@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from cluster.workers.placement_check import check_role_resources
 from engine.config import EngineConfig
 from kv_transfer.config import TRANSPORTS, TransferConfig
+from kv_transfer.layer_stream import check_streaming_mode
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEVICES = ("auto", "cpu", "cuda")
@@ -62,8 +63,10 @@ class ClusterConfig:
     gpus_per_worker: float = 1.0
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
+    kv_streaming: str = "layer"
 
     def __post_init__(self) -> None:
+        check_streaming_mode(self.kv_streaming)
         if self.num_prefill_workers < 0 or self.num_decode_workers < 1:
             raise ValueError("disaggregated serving needs at least one prefill and one decode worker "
                              "(colocated replicas: 0 prefill workers and at least one replica)")

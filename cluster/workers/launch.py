@@ -126,7 +126,8 @@ def worker_configs(config: ClusterConfig, transport: str, store_host: str, store
         return None if store_port is None else DistRendezvous(store_host, store_port, rank, world, namespace)
 
     prefill = [PrefillWorkerConfig(f"prefill-{i}", transport, transfer, rendezvous(i),
-                                   max_transfers_per_peer=per_peer if transport == "grpc" else None)
+                                   max_transfers_per_peer=per_peer if transport == "grpc" else None,
+                                   kv_streaming=config.kv_streaming)
                for i in range(num_prefill)]
     decode = [DecodeWorkerConfig(f"decode-{j}", transport, receiver_transfer, config.kv_host,
                                  rendezvous(num_prefill + j), tuple(range(num_prefill)),

@@ -35,9 +35,9 @@ def connect_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStor
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def pair_prefix(namespace: str, sender_rank: int, receiver_rank: int, epoch: int = 0) -> str:
-    """The store keys of one epoch of one pair's channel."""
-    return f"{namespace}/{sender_rank}->{receiver_rank}/e{epoch}"
+def pair_prefix(namespace: str, sender_rank: int, receiver_rank: int, epoch: int = 0, lane: int = 0) -> str:
+    """The store keys of one epoch of one lane (of TransferConfig.dist_lanes) of one pair's channels."""
+    return f"{namespace}/{sender_rank}->{receiver_rank}/l{lane}/e{epoch}"
 
 
 class PairChannel:

@@ -6,7 +6,10 @@
                      <---------------------- int64 accept code (OK or why not; nothing more follows)
   per run: int64 NEXT_RUN, run bytes ------> recv into staging
       or: int64 NEXT_PLANES, 2L planes ----> recv into own blocks (contiguous) or staging
-  int64 COMMIT (or ABORT at any run) ------> verify length + checksum per run, scatter into own blocks
+  (layer-streamed: per layer, as the step writes it: int64 NEXT_RUN, the layer's bytes of every block,
+   int64 checksum)
+  int64 COMMIT (or ABORT at any piece) ----> verify length + checksum per piece, scatter into own blocks
+  (layer-streamed, after COMMIT: int64 tail length, tail bytes: the first token)
                      <---------------------- int64 final status (OK / CHECKSUM_MISMATCH / CANCELLED / ...)
   frees its blocks                            delivers (manifest, own block ids) or frees its blocks
 """
@@ -28,8 +31,10 @@ from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox, ReceiveOutcome
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
+from kv_transfer.stream_tail import MAX_TAIL_BYTES
 
 COMMIT, NEXT_RUN, ABORT, NEXT_PLANES = 0, 1, 2, 3
+_U64_MASK = (1 << 64) - 1
 
 
 def send_manifest(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float) -> None:
@@ -49,32 +54,64 @@ def _post_run(channel: PairChannel, outgoing: OutgoingTransfer, index: int) -> l
     return [channel.post_send(channel.code_tensor(control))] + [channel.post_send(p) for p in outgoing.pieces(index)]
 
 
-def send_runs(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float, cancel: threading.Event) -> bool:
-    """Sends every run, each announced by its control word, gathering run i+1 (unless direct) while run i
-    is on the wire; stops with ABORT if cancel is set. True if all runs went."""
-    outgoing.gather(0)
-    for index in range(len(outgoing.runs)):
-        if cancel.is_set():
+def _stream_stop(step: Callable[[], object]) -> KVTransferError | None:
+    """Runs a step that waits for a streamed layer or tail; the error that stops the stream, if any (the
+    link itself is fine then: the caller sends ABORT)."""
+    try:
+        step()
+    except KVTransferError as exc:
+        return exc
+    return None
+
+
+def send_runs(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float,
+              cancel: threading.Event) -> KVTransferError | None:
+    """Sends every piece, each announced by its control word (and followed by its checksum when streamed),
+    gathering piece i+1 (unless direct) while piece i is on the wire; then COMMIT (+ a streamed transfer's
+    tail). Stops with ABORT if cancel is set or the stream stops (its step failed, its first token ended
+    the request). None if everything went, else why not."""
+    stop = _stream_stop(lambda: outgoing.gather(0))
+    for index in range(outgoing.num_pieces):
+        if cancel.is_set() or stop is not None:
             channel.send_code(ABORT, deadline)
-            return False
+            return stop or KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender")
         works = _post_run(channel, outgoing, index)
-        if index + 1 < len(outgoing.runs):
-            outgoing.gather(index + 1)
+        if index + 1 < outgoing.num_pieces:
+            stop = _stream_stop(lambda: outgoing.gather(index + 1))
         for work in works:
             channel.wait(work, deadline, "send")
-    commit = not cancel.is_set()
-    channel.send_code(COMMIT if commit else ABORT, deadline)
-    return commit
+        if outgoing.stream is not None:
+            channel.send_code(to_int64(outgoing.checksum(index)), deadline)
+    tail: list[bytes | None] = [None]
+    stop = stop or _stream_stop(lambda: tail.__setitem__(0, outgoing.tail()))
+    if cancel.is_set() or stop is not None:
+        channel.send_code(ABORT, deadline)
+        return stop or KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender")
+    channel.send_code(COMMIT, deadline)
+    if tail[0] is not None:
+        _send_bytes(channel, tail[0], deadline)
+    return None
+
+
+def _send_bytes(channel: PairChannel, data: bytes, deadline: float) -> None:
+    payload = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()).to(channel.device)
+    channel.send_code(payload.numel(), deadline)
+    channel.send(payload, deadline)
+
+
+def to_int64(value: int) -> int:
+    """A uint64 (a checksum) as the int64 a control word carries."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def send_transfer(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float, cancel: threading.Event) -> None:
     """The whole sender side; returns when the receiver has acked OK, raises KVTransferError otherwise."""
     rid = outgoing.manifest.request_id
     send_manifest(channel, outgoing, deadline)
-    sent_all = send_runs(channel, outgoing, deadline, cancel)
+    stopped = send_runs(channel, outgoing, deadline, cancel)
     final = TransferStatus(channel.recv_code(deadline))
-    if not sent_all:
-        raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender", rid)
+    if stopped is not None:
+        raise KVTransferError(stopped.status, stopped.message, rid)
     if final != TransferStatus.OK:
         raise KVTransferError(final, "receiver reported failure", rid)
 
@@ -115,12 +152,16 @@ def answer_manifest(channel: PairChannel, raw: bytes, pool: KVPoolView, inbox: R
 
 
 def _receive_run(channel: PairChannel, incoming: IncomingTransfer, index: int, control: int, deadline: float) -> None:
-    """Receives run `index` as announced by control (one staging piece, or its planes: straight into this
-    side's blocks when they are contiguous), then lands it."""
+    """Receives piece `index` as announced by control (one staging piece, or its planes: straight into this
+    side's blocks when they are contiguous), then lands it (a streamed layer once its checksum is in)."""
     if control == NEXT_RUN:
         channel.recv(incoming.payloads[index], deadline)
-        incoming.landed(index)
+        streamed = incoming.manifest.streamed
+        incoming.landed(index, checksum=channel.recv_code(deadline) & _U64_MASK if streamed else None)
         return
+    if incoming.manifest.streamed:
+        raise KVTransferError(TransferStatus.MALFORMED, "a streamed layer announced as planes",
+                              incoming.manifest.request_id)
     targets, in_place = incoming.plane_targets(index, channel.device)
     works = [channel.post_recv(target) for target in targets]
     for work in works:
@@ -129,9 +170,10 @@ def _receive_run(channel: PairChannel, incoming: IncomingTransfer, index: int, c
 
 
 def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: float) -> bool:
-    """Receives runs (landing each as it completes) until COMMIT (True) or ABORT (False)."""
+    """Receives pieces (landing each as it completes) until COMMIT (True; a streamed transfer's tail follows
+    it) or ABORT (False)."""
     rid = incoming.manifest.request_id
-    for index in range(len(incoming.manifest.runs)):
+    for index in range(incoming.num_pieces):
         control = channel.recv_code(deadline)
         if control == ABORT:
             return False
@@ -141,6 +183,13 @@ def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: fl
     control = channel.recv_code(deadline)
     if control not in (COMMIT, ABORT):
         raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {control}", rid)
+    if control == COMMIT and incoming.manifest.streamed:
+        length = channel.recv_code(deadline)
+        if not 0 < length <= MAX_TAIL_BYTES:
+            raise KVTransferError(TransferStatus.MALFORMED, f"tail length {length} out of range", rid)
+        raw = torch.empty(length, dtype=torch.uint8, device=channel.device)
+        channel.recv(raw, deadline)
+        incoming.set_tail(raw.cpu().numpy().tobytes())
     return control == COMMIT
 
 

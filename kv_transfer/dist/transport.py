@@ -1,9 +1,10 @@
-"""torch.distributed transports (gloo on CPU, nccl on CUDA): one thread and one PairChannel per peer.
+"""torch.distributed transports (gloo on CPU, nccl on CUDA): TransferConfig.dist_lanes PairChannels per peer,
+each with one thread at both ends.
 
-Transfers to the same peer run in submission order on that peer's thread; transfers to different
-peers run in parallel. A link that fails (peer death, timeout, protocol error) stays failed: later
-transfers on it fail fast with PEER_FAILED; recovering means building new sender/receiver objects
-under a new DistRendezvous.namespace.
+Transfers to the same peer start in submission order, up to dist_lanes at once (each lane takes the next
+queued transfer when its last one ended); transfers to different peers run in parallel. A lane whose
+channel breaks (peer death, timeout, protocol error) opens its next epoch's channel (a new process group)
+with its next transfer; the receiver's end does the same.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kv_transfer.connector import KVReceiver, KVSender
 from kv_transfer.device_sync import record_ready_event
 from kv_transfer.dist.channel import RECEIVER, SENDER, PairChannel, connect_store, pair_prefix
 from kv_transfer.dist.protocol import receive_transfer, send_transfer
+from kv_transfer.layer_stream import release_send_blocks
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceiveInbox, SendRequest, SendResult, TransferHandle
@@ -36,25 +38,25 @@ def staging_device(backend: str, pool: KVPoolView) -> torch.device:
 
 
 def _open_channel(backend: str, rdzv: DistRendezvous, sender: int, receiver: int, role: int,
-                  device: torch.device, config: TransferConfig, epoch: int) -> PairChannel:
-    """The channel of epoch `epoch` of the pair (sender, receiver), not yet connected."""
+                  device: torch.device, config: TransferConfig, epoch: int, lane: int) -> PairChannel:
+    """The channel of epoch `epoch` of lane `lane` of the pair (sender, receiver), not yet connected."""
     try:
         store = connect_store(rdzv.host, rdzv.port, config.connect_timeout_s)
     except Exception as exc:  # torch raises DistNetworkError / RuntimeError
         raise KVTransferError(TransferStatus.PEER_FAILED, f"rendezvous store {rdzv.host}:{rdzv.port} unreachable: {exc}") from None
-    prefix = pair_prefix(rdzv.namespace, sender, receiver, epoch)
+    prefix = pair_prefix(rdzv.namespace, sender, receiver, epoch, lane)
     return PairChannel(backend, store, prefix, role, device, config.connect_timeout_s, config.kv_transfer_timeout_s)
 
 
 class SenderLink:
-    """The sending end of one pair: a queue of transfers drained in order by one thread."""
+    """The sending end of one lane of one pair: takes transfers from the pair's queue (shared by its lanes)
+    one at a time, on its own thread and channel."""
 
-    def __init__(self, owner: "TorchDistSender", peer_rank: int):
-        self.owner, self.peer_rank = owner, peer_rank
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, owner: "TorchDistSender", peer_rank: int, lane: int, jobs: queue.SimpleQueue):
+        self.owner, self.peer_rank, self.lane, self.jobs = owner, peer_rank, lane, jobs
         self.channel: PairChannel | None = None
         self.epoch, self.seq = -1, 0
-        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer_rank}", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer_rank}.{lane}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
@@ -70,7 +72,8 @@ class SenderLink:
             if handle.cancel_requested.is_set() or owner.closed:
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
             outgoing = prepare_outgoing(owner.pool, request, owner.staging, ready, owner.config.max_run_bytes,
-                                        owner.config.direct_min_plane_bytes)
+                                        owner.config.direct_min_plane_bytes,
+                                        stream_timeout_s=owner.config.kv_transfer_timeout_s)
             try:
                 self._ship(outgoing, handle)
             finally:
@@ -81,7 +84,7 @@ class SenderLink:
         except Exception as exc:  # a bug or a bad request must still free the blocks and fail the handle
             log.exception("kv send %s failed", request.request_id)
             result = KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", request.request_id)
-        owner.pool.free(request.block_ids)
+        release_send_blocks(request, owner.pool.free)
         handle.settle(result)
 
     def _ship(self, outgoing, handle: TransferHandle) -> None:
@@ -99,11 +102,13 @@ class SenderLink:
         receiver moves to the same epoch when its end breaks)."""
         owner = self.owner
         if self.channel is not None:
-            log.warning("kv link to rank %d: %s; opening epoch %d", self.peer_rank, self.channel.broken, self.epoch + 1)
+            log.warning("kv link to rank %d lane %d: %s; opening epoch %d", self.peer_rank, self.lane,
+                        self.channel.broken, self.epoch + 1)
             self.channel.close()
         self.epoch, self.seq = self.epoch + 1, 0
         self.channel = _open_channel(owner.backend, owner.rendezvous, owner.rendezvous.rank, self.peer_rank,
-                                     SENDER, staging_device(owner.backend, owner.pool), owner.config, self.epoch)
+                                     SENDER, staging_device(owner.backend, owner.pool), owner.config, self.epoch,
+                                     self.lane)
 
 
 class TorchDistSender(KVSender):
@@ -114,8 +119,12 @@ class TorchDistSender(KVSender):
         self.staging = StagingPool(staging_device(backend, pool), pin_memory=pool.device.type == "cuda",
                                    max_cached_bytes=config.staging_cache_bytes)
         self.closed = False
-        self._links: dict[int, SenderLink] = {}
+        self._jobs: dict[int, queue.SimpleQueue] = {}  # per peer: the queue its lanes take transfers from
+        self._links: list[SenderLink] = []
         self._lock = threading.Lock()
+
+    def _new_link(self, peer_rank: int, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
+        return SenderLink(self, peer_rank, lane, jobs)
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
         if not 0 <= peer.rank < self.rendezvous.world_size or peer.rank == self.rendezvous.rank:
@@ -124,37 +133,39 @@ class TorchDistSender(KVSender):
         ready = record_ready_event(self.pool.device)
         with self._lock:
             if not self.closed:
-                link = self._links.get(peer.rank) or self._links.setdefault(peer.rank, SenderLink(self, peer.rank))
-                link.jobs.put((request, handle, ready))
+                if peer.rank not in self._jobs:  # the pair's lanes start with its first transfer
+                    jobs = self._jobs[peer.rank] = queue.SimpleQueue()
+                    self._links += [self._new_link(peer.rank, lane, jobs) for lane in range(self.config.dist_lanes)]
+                self._jobs[peer.rank].put((request, handle, ready))
                 return handle
-        self.pool.free(request.block_ids)
+        release_send_blocks(request, self.pool.free)
         handle.fail(TransferStatus.CANCELLED, "sender is closed")
         return handle
 
     def close(self) -> None:
         with self._lock:
             self.closed = True
-            links = list(self._links.values())
-        for link in links:
+            links = list(self._links)
+        for link in links:  # one stop marker per lane
             link.jobs.put(None)
         for link in links:
             link.thread.join(self.config.kv_transfer_timeout_s + self.config.connect_timeout_s)
 
 
 class ReceiverLink:
-    """The receiving end of one pair: sleeps on the doorbell, then serves transfers one by one."""
+    """The receiving end of one lane of one pair: sleeps on the doorbell, then serves transfers one by one."""
 
-    def __init__(self, owner: "TorchDistReceiver", peer_rank: int):
-        self.owner, self.peer_rank = owner, peer_rank
+    def __init__(self, owner: "TorchDistReceiver", peer_rank: int, lane: int = 0):
+        self.owner, self.peer_rank, self.lane = owner, peer_rank, lane
         self.channel = self._open(0)
-        self.lander = ThreadPoolExecutor(1, thread_name_prefix=f"kv-land-{peer_rank}")
-        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer_rank}", daemon=True)
+        self.lander = ThreadPoolExecutor(1, thread_name_prefix=f"kv-land-{peer_rank}.{lane}")
+        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer_rank}.{lane}", daemon=True)
         self.thread.start()
 
     def _open(self, epoch: int) -> PairChannel:
         owner, rdzv = self.owner, self.owner.rendezvous
         return _open_channel(owner.backend, rdzv, self.peer_rank, rdzv.rank, RECEIVER,
-                             staging_device(owner.backend, owner.pool), owner.config, epoch)
+                             staging_device(owner.backend, owner.pool), owner.config, epoch, self.lane)
 
     def _run(self) -> None:
         """Serves epoch after epoch: a broken channel (a failed or timed-out transfer, a peer that went
@@ -198,7 +209,7 @@ class TorchDistReceiver(KVReceiver):
                                    max_cached_bytes=config.staging_cache_bytes)
         self.stopping = threading.Event()
         self._control_store = connect_store(rendezvous.host, rendezvous.port, config.connect_timeout_s)
-        self._links = [ReceiverLink(self, peer) for peer in peers]
+        self._links = [ReceiverLink(self, peer, lane) for peer in peers for lane in range(config.dist_lanes)]
 
     @property
     def address(self) -> ReceiverAddress:

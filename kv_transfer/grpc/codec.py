@@ -73,13 +73,19 @@ def encode_checksum_chunk(checksum: int) -> bytes:
     return tandem_pb2.KVChunk(run_checksum=checksum).SerializeToString()
 
 
+def encode_tail_chunk(tail: bytes) -> bytes:
+    """Wire bytes of KVChunk(tail=...): a layer-streamed transfer's first token, after its last layer."""
+    return tandem_pb2.KVChunk(tail=tail).SerializeToString()
+
+
 @dataclass(frozen=True)
 class DecodedChunk:
-    """One KVChunk: at most one of manifest / data / run_checksum is set (none: an empty chunk)."""
+    """One KVChunk: at most one of manifest / data / run_checksum / tail is set (none: an empty chunk)."""
 
     manifest: bytes | None
     data: memoryview | None
     run_checksum: int | None = None
+    tail: bytes | None = None
 
 
 def _parse_fast_data(raw: bytes) -> memoryview | None:
@@ -110,4 +116,6 @@ def decode_chunk(raw: bytes) -> DecodedChunk:
         return DecodedChunk(chunk.manifest, None)
     if kind == "run_checksum":
         return DecodedChunk(None, None, chunk.run_checksum)
+    if kind == "tail":
+        return DecodedChunk(None, None, tail=chunk.tail)
     return DecodedChunk(None, memoryview(chunk.data) if kind == "data" else None)

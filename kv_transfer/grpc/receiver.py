@@ -174,8 +174,8 @@ class GrpcReceiver(KVReceiver):
         return IncomingTransfer.accept(manifest, self.pool, self.staging, self._lander, trailing_checksums=True)
 
     async def _stream(self, context, incoming: IncomingTransfer) -> None:
-        """Lands data chunks and trailing run checksums until the client half-closes (see
-        IncomingTransfer.write and run_checksum)."""
+        """Lands data chunks and trailing run checksums (and a layer-streamed transfer's tail) until the client
+        half-closes (see IncomingTransfer.write, run_checksum and set_tail)."""
         rid = incoming.manifest.request_id
         while (chunk := await self._next_chunk(context)) is not None:
             if self.inbox.is_cancelled(rid):
@@ -184,8 +184,11 @@ class GrpcReceiver(KVReceiver):
                 incoming.write(chunk.data)
             elif chunk.run_checksum is not None:
                 incoming.run_checksum(chunk.run_checksum)
+            elif chunk.tail is not None:
+                incoming.set_tail(chunk.tail)
             else:
-                raise KVTransferError(TransferStatus.MALFORMED, "a chunk after the first must carry data or a run checksum", rid)
+                raise KVTransferError(TransferStatus.MALFORMED, "a chunk after the first must carry data, a run "
+                                      "checksum or a tail", rid)
         if not incoming.complete:
             await asyncio.sleep(0.05)  # a lost client shows up as EOF first, as a cancelled call a moment later
             if context.done():

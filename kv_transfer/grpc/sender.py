@@ -11,11 +11,12 @@ import grpc
 from kv_transfer.config import ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVSender
 from kv_transfer.device_sync import record_ready_event
-from kv_transfer.grpc.codec import (PUSH_PATH, channel_options, chunk_parts, encode_checksum_chunk, encode_data_chunk,
-                                    encode_manifest_chunk)
 from kv_transfer.grpc.auth import secret_metadata
+from kv_transfer.grpc.codec import (PUSH_PATH, channel_options, chunk_parts, encode_checksum_chunk, encode_data_chunk,
+                                    encode_manifest_chunk, encode_tail_chunk)
 from kv_transfer.grpc.heap import keep_heap_for_messages
 from kv_transfer.grpc.loop_thread import EventLoopThread
+from kv_transfer.layer_stream import release_send_blocks
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import SendRequest, SendResult, TransferHandle
@@ -62,7 +63,7 @@ class GrpcSender(KVSender):
             if future is not None:
                 self._pending.add(future)
         if future is None:
-            self.pool.free(request.block_ids)
+            release_send_blocks(request, self.pool.free)
             handle.fail(TransferStatus.CANCELLED, "sender is closed")
         else:
             future.add_done_callback(self._forget)  # outside the lock: it may run right here
@@ -79,7 +80,8 @@ class GrpcSender(KVSender):
             if handle.cancel_requested.is_set():
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
             outgoing = await loop.run_in_executor(None, prepare_outgoing, self.pool, request, self.staging, ready,
-                                                  self.config.max_run_bytes, self.config.direct_min_plane_bytes, True)
+                                                  self.config.max_run_bytes, self.config.direct_min_plane_bytes, True,
+                                                  self.config.kv_transfer_timeout_s)
             try:  # wait_for runs the push as its own task: a cancel or the deadline stops only it
                 await asyncio.wait_for(self._push(target, outgoing, handle), self._deadline_s)
             except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
@@ -93,7 +95,7 @@ class GrpcSender(KVSender):
             result = exc
         except Exception as exc:
             result = KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", request.request_id)
-        self.pool.free(request.block_ids)
+        release_send_blocks(request, self.pool.free)
         handle.settle(result)
 
     def _stub(self, target: str):
@@ -130,6 +132,9 @@ class GrpcSender(KVSender):
                 await self._write_runs(call, outgoing, final, first_checksum)
                 await call.done_writing()
                 ack = await final
+        except KVTransferError:  # a streamed layer or tail that will not come: the receiver frees on the cancel
+            call.cancel()
+            raise
         except asyncio.CancelledError:
             if not handle.cancel_requested.is_set():
                 raise  # the deadline (wait_for) cancelled us: reported as TIMEOUT by the caller
@@ -164,25 +169,29 @@ class GrpcSender(KVSender):
 
     async def _write_runs(self, call, outgoing: OutgoingTransfer, final: asyncio.Future,
                           first_checksum: asyncio.Future) -> None:
-        """Writes every run in chunks of grpc_chunk_bytes (a chunk may span pool planes), each run followed by
-        its checksum; stops as soon as the final ack has arrived. Run i+1 is gathered (if it is not direct)
-        and checksummed on the default executor while run i streams."""
+        """Writes every piece (a run, or a streamed layer) in chunks of grpc_chunk_bytes (a chunk may span pool
+        planes), each followed by its checksum, then a streamed transfer's tail; stops as soon as the final
+        ack has arrived. Piece i+1 is gathered (if it is not direct; a streamed layer once the step wrote it)
+        and checksummed on the default executor while piece i streams."""
         gathering, summing = _gather_soon(outgoing, 0), first_checksum
         writer = _PipelinedWriter(call, final)
         try:
-            for index in range(len(outgoing.runs)):
+            for index in range(outgoing.num_pieces):
                 await gathering
-                if index + 1 < len(outgoing.runs):
+                if index + 1 < outgoing.num_pieces:
                     gathering = _gather_soon(outgoing, index + 1)
                 pieces = (memoryview(piece.numpy()) for piece in outgoing.pieces(index))
                 for parts in chunk_parts(pieces, self.config.grpc_chunk_bytes):
                     if not await writer.write(encode_data_chunk(parts)):  # encoded while the previous chunk sends
                         return
                 checksum = await summing
-                if index + 1 < len(outgoing.runs):
+                if index + 1 < outgoing.num_pieces:
                     summing = _checksum_soon(outgoing, index + 1)
                 if not await writer.write(encode_checksum_chunk(checksum)):
                     return
+            tail = await asyncio.get_running_loop().run_in_executor(None, outgoing.tail)
+            if tail is not None and not await writer.write(encode_tail_chunk(tail)):
+                return
             await writer.flush()
         finally:  # staging is released after we return: no gather may still be writing into it
             await writer.abandon()

@@ -99,6 +99,8 @@ class PeerPool:
         if diff:
             raise KVTransferError(TransferStatus.MALFORMED, f"the manifest does not describe the sender's pool: {diff}",
                                   rid)
+        if manifest.streamed:
+            raise KVTransferError(TransferStatus.MALFORMED, "ipc copies whole runs: a streamed manifest", rid)
         sender_blocks = self.kv.shape[2]
         if any(run.start_block + run.num_blocks > sender_blocks for run in manifest.runs):
             raise KVTransferError(TransferStatus.MALFORMED, f"runs beyond the sender's {sender_blocks} blocks", rid)

@@ -1,13 +1,14 @@
 """IpcSender / IpcReceiver: the dist transport's pairs, threads and epochs, with the ipc message order.
 
 Each (sender rank, receiver rank) pair is a gloo PairChannel of the cluster's TCPStore rendezvous, exactly
-as for gloo/nccl (one thread per peer on each side, transfers to one peer in order, a new epoch's process
+as for gloo/nccl (TransferConfig.dist_lanes channels per pair, one thread per lane on each side, a new epoch's process
 group after a break). Only control words, the pool handle and manifests cross it; the KV is copied by the
 receiver straight out of the sender's pool, mapped once per channel.
 """
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from typing import Sequence
 
@@ -29,9 +30,9 @@ CONTROL_BACKEND = "gloo"  # the pair channels carry CPU control tensors only
 class _IpcSenderLink(SenderLink):
     """The sending end of one pair; publishes the pool on each channel until a manifest is accepted."""
 
-    def __init__(self, owner: "IpcSender", peer_rank: int):
+    def __init__(self, owner: "IpcSender", peer_rank: int, lane: int, jobs: queue.SimpleQueue):
         self.published_on: PairChannel | None = None  # the channel whose receiver has mapped our pool
-        super().__init__(owner, peer_rank)
+        super().__init__(owner, peer_rank, lane, jobs)
 
     def _ship(self, outgoing: OutgoingTransfer, handle: TransferHandle) -> None:
         if self.channel is None or self.channel.broken is not None:
@@ -67,11 +68,12 @@ class IpcSender(TorchDistSender):
         self.staging = NO_STAGING  # nothing is gathered: the manifest is built, the pool is never staged
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
-        with self._lock:  # the base class finds this link and queues the transfer on it
-            valid = 0 <= peer.rank < self.rendezvous.world_size and peer.rank != self.rendezvous.rank
-            if valid and not self.closed and peer.rank not in self._links:
-                self._links[peer.rank] = _IpcSenderLink(self, peer.rank)
+        if request.stream is not None:  # the receiver copies whole runs once the manifest's checksums hold
+            raise ValueError("transport 'ipc' does not stream layer by layer: use kv streaming 'request'")
         return super().send(peer, request)
+
+    def _new_link(self, peer_rank: int, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
+        return _IpcSenderLink(self, peer_rank, lane, jobs)
 
 
 class _IpcReceiverLink(ReceiverLink):
@@ -107,7 +109,7 @@ class IpcReceiver(TorchDistReceiver):
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous, peers: Sequence[int]):
         super().__init__(config, pool, rendezvous, (), backend=CONTROL_BACKEND)
         self.staging = NO_STAGING
-        self._links = [_IpcReceiverLink(self, peer) for peer in peers]
+        self._links = [_IpcReceiverLink(self, peer, lane) for peer in peers for lane in range(config.dist_lanes)]
 
     @property
     def address(self) -> ReceiverAddress:

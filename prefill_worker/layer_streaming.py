@@ -1,0 +1,84 @@
+"""Layer-wise KV streaming on the prefill worker: the engine step's observer (kv_streaming="layer").
+
+Before a step's forward, every prefill-only request that the step completes and whose decode worker has a
+free transfer slot gets a layer-streamed send (kv_transfer/layer_stream.py): the transfer sends layer l as
+soon as the forward has written it, so most of the KV is on the wire while the rest of the model runs.
+After the step the worker completes each stream (`complete`): the sampled first token follows the last
+layer and the blocks pass from the engine to the transfer, or the stream is aborted when the first token
+ended the request. A request without a free slot is sent whole after the step, as with "request".
+
+Step thread only, like the worker that owns it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import StepDelta
+from engine.sequence import Sequence
+from kv_transfer import KVSender, SendRequest, TransferHandle
+from kv_transfer.engine_pool import take_prefilled
+from kv_transfer.layer_stream import LayerClock, LayerStream, StreamTail
+from prefill_worker.transfer_slots import TransferSlots
+
+
+class LayerStreaming:
+    """Starts and completes the layer-streamed sends of the worker's requests (engine.StepObserver).
+
+    lives: the worker's live tasks by request id (each with .task, .report, .handle, .stream, .cancelled);
+    on_sent(request_id, handle): the worker's hook for a started send (it watches the handle)."""
+
+    def __init__(self, engine: LLMEngine, sender: KVSender, slots: TransferSlots, lives: dict[str, Any],
+                 on_sent: Callable[[str, TransferHandle], None]) -> None:
+        self._engine, self._sender, self._slots, self._lives, self._on_sent = engine, sender, slots, lives, on_sent
+        self._clock: LayerClock | None = None
+
+    def forward_starting(self, completing: list[Sequence]) -> Callable[[int], None] | None:
+        """Starts a stream for each completing request that can have one; the clock's callback if any did."""
+        clock = LayerClock(self._engine.model_config.num_layers, self._engine.device)
+        started = [seq for seq in completing if self._start(seq, clock)]
+        self._clock = clock if started else None
+        return clock.layer_done if started else None
+
+    def forward_failed(self, error: str) -> None:
+        """Every stream of the failed step aborts (the worker then aborts their requests in the engine)."""
+        if self._clock is not None:
+            self._clock.step_failed(error)
+
+    def _start(self, seq: Sequence, clock: LayerClock) -> bool:
+        live = self._lives.get(seq.request_id)
+        if live is None or live.cancelled or not self._slots.try_acquire(live.task.decode_address):
+            return False
+        stream = LayerStream(clock)
+        request = SendRequest(seq.request_id, tuple(seq.block_table), seq.num_tokens, None, stream=stream)
+        try:
+            handle = self._sender.send(live.task.decode_address, request)
+        except Exception:  # a bad address: the request goes whole after the step (and fails there)
+            self._slots.release_unused(live.task.decode_address)
+            return False
+        live.stream, live.handle = stream, handle
+        live.report = dataclasses.replace(live.report, transfer_started=time.time())
+        self._on_sent(seq.request_id, handle)
+        return True
+
+    def complete(self, delta: StepDelta, live: Any) -> bool:
+        """After the step: hands a PREFILLED request's blocks and first token to its stream (True), or
+        aborts the stream when the first token ended the request (False: the engine freed the blocks;
+        the caller reports it FINISHED and releases its slot). A stream whose transfer already ended (it
+        failed) gets nothing: the blocks are freed here and the transfer's end reports the failure."""
+        stream: LayerStream = live.stream
+        live.report = dataclasses.replace(live.report, forward_ended=stream.clock.last_layer_at)
+        if delta.kv_block_ids is None:
+            stream.abort("the first token ended the request")
+            return False
+        request = take_prefilled(self._engine, delta.request_id, live.report.first_logprobs)
+        if not stream.finish(StreamTail(request.first_token, request.first_logprobs), request.block_ids):
+            self._engine.free_blocks(request.block_ids)
+        return True
+
+    def unfinished(self, live: Any) -> bool:
+        """Whether `live` streams from a step that never completed (its sequence is still in the engine)."""
+        return live.stream is not None and self._engine.get_sequence(live.task.request_id) is not None

@@ -1,0 +1,94 @@
+"""The prefill and decode workers (bare, no Ray) with layer-wise KV streaming over gloo and gRPC: greedy
+tokens equal transformers', the transfer starts before the prefill step ends (layer mode) or after it
+(request mode), a first token that ends the request aborts its stream, and both pools end whole."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from decode_worker import DecodeEnded, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
+from engine import LLM, SamplingParams
+from kv_transfer import DistRendezvous, TransferConfig, start_store
+from prefill_worker import PrefillStatus, PrefillTask, PrefillWorker, PrefillWorkerConfig
+from tests.cluster.test_workers import idle, wait_for
+from tests.support.engine_checks import random_prompts
+
+TRANSFER = TransferConfig(kv_transfer_timeout_s=20, connect_timeout_s=20, dist_lanes=2)
+MAX_TOKENS = 5
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+PROMPT_LENGTHS = [7, 40, 90, 23]  # 90 > the 64-token budget: chunked over two steps
+
+
+def _workers(path: str, transport: str, streaming: str, store_port: int | None):
+    engine_options = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    prefill_rdzv = decode_rdzv = None
+    if transport == "gloo":
+        prefill_rdzv = DistRendezvous("127.0.0.1", store_port, 0, 2, f"stream-{streaming}")
+        decode_rdzv = DistRendezvous("127.0.0.1", store_port, 1, 2, f"stream-{streaming}")
+    decode = DecodeWorker(LLM(path, **engine_options).engine, DecodeWorkerConfig(
+        f"decode-{streaming}", transport=transport, transfer=TRANSFER, rendezvous=decode_rdzv, peer_ranks=(0,)))
+    prefill = PrefillWorker(LLM(path, **engine_options).engine, PrefillWorkerConfig(
+        f"prefill-{streaming}", transport=transport, transfer=TRANSFER, rendezvous=prefill_rdzv,
+        kv_streaming=streaming))
+    return prefill, decode
+
+
+@pytest.fixture(scope="module", params=[("gloo", "layer"), ("grpc", "layer"), ("gloo", "request")],
+                ids=lambda p: "-".join(p))
+def workers(request, tiny_checkpoint):
+    transport, streaming = request.param
+    store = start_store("127.0.0.1", 0) if transport == "gloo" else None
+    path = str(tiny_checkpoint("llama"))
+    prefill, decode = _workers(path, transport, streaming, None if store is None else store.port)
+    yield path, streaming, prefill, decode
+    prefill.stop()
+    decode.stop()
+    assert idle(prefill) and idle(decode)
+
+
+def _generate(prefill, decode, prompts, params, prefix: str):
+    """Expect on the decode worker, prefill all at once (packed in shared steps); tokens and reports."""
+    events = {i: queue.Queue() for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        assert decode.expect(ExpectedRequest(f"{prefix}{i}", tuple(prompt), params), events[i].put).accepted
+    futures = [prefill.submit(PrefillTask(f"{prefix}{i}", tuple(p), params, decode.address))
+               for i, p in enumerate(prompts)]
+    reports = [future.result(30) for future in futures]
+    return reports, events
+
+
+def _tokens(events: queue.Queue) -> list[int]:
+    tokens, last = [], None
+    while last is None or not (isinstance(last, DecodeEnded) or last.finish_reason):
+        last = events.get(timeout=20)
+        tokens += getattr(last, "token_ids", ())
+    assert not isinstance(last, DecodeEnded), last
+    return tokens
+
+
+def test_greedy_tokens_equal_transformers_and_the_transfer_overlaps_the_step(workers, hf_greedy):
+    path, streaming, prefill, decode = workers
+    prompts = random_prompts(PROMPT_LENGTHS, 256, seed=21)
+    reports, events = _generate(prefill, decode, prompts, GREEDY, "g")
+    assert [r.status for r in reports] == [PrefillStatus.SHIPPED] * len(prompts), reports
+    assert [_tokens(events[i]) for i in range(len(prompts))] == hf_greedy(path, prompts, MAX_TOKENS)
+    for report in reports:
+        assert report.kv_bytes > 0 and report.transfer_exposed_ms >= 0
+        if streaming == "layer":  # sent from before the last step's forward ended
+            assert report.forward_ended is not None and report.transfer_started < report.forward_ended
+            assert report.transfer_exposed_ms <= report.transfer_ms
+        else:
+            assert report.forward_ended is None and report.transfer_started >= report.prefill_ended
+    wait_for(lambda: idle(prefill) and idle(decode))
+
+
+def test_a_first_token_that_ends_the_request_aborts_its_stream(workers):
+    _, _, prefill, decode = workers
+    prompts = random_prompts([12, 30], 256, seed=22)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    reports, _ = _generate(prefill, decode, prompts, one, "one")
+    assert [r.status for r in reports] == [PrefillStatus.FINISHED] * 2, reports
+    for i in range(len(prompts)):  # the coordinator cancels the expectation of a request that ended
+        decode.cancel(f"one{i}")
+    wait_for(lambda: idle(prefill) and idle(decode))
