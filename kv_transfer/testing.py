@@ -46,6 +46,11 @@ class FreeListPool:
             taken = set(block_ids)
             self._free = [b for b in self._free if b not in taken]
 
+    def next_free(self, n: int) -> list[int]:
+        """The ids the next allocate(n) would hand out (changes nothing)."""
+        with self._lock:
+            return self._free[:n]
+
     @property
     def num_free(self) -> int:
         with self._lock:

@@ -16,7 +16,6 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from engine.command_queue import take_commands
 from engine.llm_engine import LLMEngine
@@ -24,49 +23,13 @@ from engine.outputs import StepDelta
 from engine.step_watch import StepHealth, StepWatch
 from kv_transfer import KVTransferError, TransferHandle, create_sender
 from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
-from kv_transfer.layer_stream import LayerStream
+from prefill_worker.commands import Cancel, Live, Stop, Submit, TransferDone
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.layer_streaming import LayerStreaming
 from prefill_worker.messages import PrefillReport, PrefillStats, PrefillStatus, PrefillTask, collect_stats
 from prefill_worker.transfer_slots import TransferSlots
 
 logger = logging.getLogger("tandem.prefill_worker")
-
-
-@dataclass(frozen=True)
-class _Submit:
-    task: PrefillTask
-    future: Future
-    received_at: float  # time.time() when submit() was called: the queue wait starts here
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _TransferDone:
-    request_id: str
-    handle: TransferHandle
-    ended_at: float
-
-
-class _Stop:
-    pass
-
-
-@dataclass
-class _Live:
-    """Step-thread bookkeeping of one task until its report goes out."""
-
-    task: PrefillTask
-    future: Future
-    report: PrefillReport               # filled in as the task advances
-    handle: TransferHandle | None = None   # set while its KV is on the wire
-    stream: LayerStream | None = None      # set when its KV streams layer by layer under its last step
-    cancelled: bool = False
-    waiting_for_slot: bool = False          # prefilled, KV still in the engine, waiting for a transfer slot
 
 
 class PrefillWorker:
@@ -77,7 +40,7 @@ class PrefillWorker:
         self._sender = create_sender(config.transfer, engine_pool_view(engine), config.transport,
                                      config.rendezvous)
         self._commands: queue.Queue = queue.Queue()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Live] = {}
         self._slots = TransferSlots(config.transfer_slots_per_peer)
         streams = config.kv_streaming == "layer" and config.transport != "ipc"
         self._streaming = LayerStreaming(engine, self._sender, self._slots, self._live, self._watch_transfer) \
@@ -97,7 +60,7 @@ class PrefillWorker:
             future.set_result(PrefillReport(task.request_id, PrefillStatus.CANCELLED, self.name, time.time(),
                                             error="the prefill worker is stopped"))
         else:
-            self._commands.put(_Submit(task, future, time.time()))
+            self._commands.put(Submit(task, future, time.time()))
         return future
 
     def cancel(self, request_id: str) -> None:
@@ -107,7 +70,7 @@ class PrefillWorker:
         CANCELLED. (TransferHandle.cancel() is not used: a grpc.aio call cancelled before its initial
         metadata went out leaves the sender's pending write waiting forever, blocks held.) No-op once
         reported."""
-        self._commands.put(_Cancel(request_id))
+        self._commands.put(Cancel(request_id))
 
     def stats(self) -> PrefillStats:
         """The load as of the step thread's last iteration. Changes nothing."""
@@ -126,7 +89,7 @@ class PrefillWorker:
         blocks), join the thread. Blocks; idempotent."""
         if not self._stopped.is_set():
             self._stopped.set()
-            self._commands.put(_Stop())
+            self._commands.put(Stop())
         self._thread.join()
         self._sender.close()
         self._stats = self._snapshot()
@@ -149,17 +112,17 @@ class PrefillWorker:
 
     def _apply(self, commands: list) -> bool:
         for command in commands:
-            if isinstance(command, _Stop):
+            if isinstance(command, Stop):
                 return False
-            if isinstance(command, _Submit):
+            if isinstance(command, Submit):
                 self._admit(command)
-            elif isinstance(command, _Cancel):
+            elif isinstance(command, Cancel):
                 self._cancel(command.request_id)
             else:
                 self._transfer_done(command)
         return True
 
-    def _admit(self, command: _Submit) -> None:
+    def _admit(self, command: Submit) -> None:
         task, received = command.task, command.received_at
         report = PrefillReport(task.request_id, PrefillStatus.SHIPPED, self.name, received)
         if task.request_id in self._live:
@@ -171,7 +134,7 @@ class PrefillWorker:
         except ValueError as error:
             command.future.set_result(_failed(report, PrefillStatus.INVALID, str(error)))
             return
-        self._live[task.request_id] = _Live(task, command.future, report)
+        self._live[task.request_id] = Live(task, command.future, report)
 
     def _cancel(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -184,7 +147,7 @@ class PrefillWorker:
         self._drop(request_id, live)
         self._resolve(request_id, PrefillStatus.CANCELLED, "cancelled")
 
-    def _drop(self, request_id: str, live: _Live) -> None:
+    def _drop(self, request_id: str, live: Live) -> None:
         """Frees what a task not on the wire holds: queued, prefilling, or prefilled waiting for a slot."""
         if live.waiting_for_slot:
             self._slots.discard(live.task.decode_address, request_id)
@@ -250,9 +213,9 @@ class PrefillWorker:
             return
 
     def _watch_transfer(self, request_id: str, handle: TransferHandle) -> None:
-        handle.add_done_callback(lambda h, rid=request_id: self._commands.put(_TransferDone(rid, h, time.time())))
+        handle.add_done_callback(lambda h, rid=request_id: self._commands.put(TransferDone(rid, h, time.time())))
 
-    def _transfer_done(self, done: _TransferDone) -> None:
+    def _transfer_done(self, done: TransferDone) -> None:
         live = self._live.get(done.request_id)
         if live is None or live.handle is not done.handle:
             return
@@ -265,7 +228,7 @@ class PrefillWorker:
         if next_request is not None:
             self._ship(next_request)
 
-    def _settle_transfer(self, done: _TransferDone, live: _Live) -> None:
+    def _settle_transfer(self, done: TransferDone, live: Live) -> None:
         error = done.handle.exception(timeout=0)
         if error is None:
             live.report = dataclasses.replace(live.report, kv_bytes=done.handle.result(timeout=0).kv_bytes)
@@ -301,7 +264,7 @@ class PrefillWorker:
                 self._drop(request_id, live)
             self._resolve(request_id, PrefillStatus.CANCELLED, message)
         for command in take_commands(self._commands, block=False):  # submitted after the stop command
-            if isinstance(command, _Submit):
+            if isinstance(command, Submit):
                 report = PrefillReport(command.task.request_id, PrefillStatus.CANCELLED, self.name, time.time())
                 command.future.set_result(_failed(report, PrefillStatus.CANCELLED, message))
 

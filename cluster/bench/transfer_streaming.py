@@ -1,6 +1,6 @@
 """`tandem bench transfer --streaming`: how much of the KV transfer layer-wise streaming hides, measured.
 
-One prefill and one decode worker on a local Ray (separate processes, one CPU thread each unless told),
+A `tandem serve` with one prefill and one decode worker on a local Ray (one CPU thread each unless told),
 a seeded random checkpoint (cluster/bench/checkpoint.py), the same prompts sent one at a time under
 `--kv-streaming request` and then `layer`, each cluster warmed by the whole workload once with other token
 ids. Per prompt length it reports, from each request's Timing: the whole transfer (first byte -> ack),
@@ -15,16 +15,15 @@ import json
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
 from tqdm import tqdm
 
-from cluster.backend import GenerationRequest, Timing
 from cluster.bench.checkpoint import SHAPES, build_bench_checkpoint
-from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from cluster.bench.compare_server import ServerProcess
+from cluster.bench.serve_client import served_model
 
 MODES = ("request", "layer")
 
@@ -66,52 +65,50 @@ def run_streaming(args: argparse.Namespace) -> int:
 
 
 def _measure_mode(args, model: str, vocab: int, lengths: list[int], mode: str) -> list[ModeResult]:
-    from cluster.coordinator.start import start_cluster
-    from cluster.workers.cluster_config import ClusterConfig
-
-    config = ClusterConfig(model=model, transport=args.transport, kv_streaming=mode,
-                           cpu_threads_per_worker=args.cpu_threads,
-                           engine=EngineConfig(kv_cache_memory=256 << 20, max_num_batched_tokens=max(lengths)))
-    coordinator = start_cluster(config)
-    try:
-        return asyncio.run(_drive(coordinator, vocab, lengths, args.repeats, mode))
-    finally:
-        asyncio.run(coordinator.shutdown())
+    """One `tandem serve` (1 prefill + 1 decode worker on a local Ray) with --kv-streaming mode."""
+    flags = ["--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1", "--model", model,
+             "--transport", args.transport, "--kv-streaming", mode, "--cpu-threads", str(args.cpu_threads),
+             "--max-num-batched-tokens", str(max(lengths)), "--kv-cache-memory-mib", "256"]
+    with tempfile.TemporaryDirectory(prefix="tandem-stream-log-") as logs:
+        with ServerProcess(flags, Path(logs) / f"serve-{mode}.log", start_timeout_s=args.timeout_s) as server:
+            return asyncio.run(_drive(server.base_url, vocab, lengths, args.repeats, mode))
 
 
-async def _drive(backend, vocab: int, lengths: list[int], repeats: int, mode: str) -> list[ModeResult]:
+async def _drive(base_url: str, vocab: int, lengths: list[int], repeats: int, mode: str) -> list[ModeResult]:
     """Warm-up: the whole workload once with other token ids (no prefix-cache hits later); then each
     prompt alone, so nothing queues and the timing is the transfer's own."""
     warm, measured = _prompts(lengths, repeats, vocab, seed=1), _prompts(lengths, repeats, vocab, seed=2)
-    for prompt in warm:
-        await _one(backend, prompt)
-    timings: dict[int, list[Timing]] = {n: [] for n in lengths}
-    for prompt in tqdm(measured, desc=f"kv streaming {mode}", unit="req"):
-        timings[len(prompt)].append(await _one(backend, prompt))
+    async with aiohttp.ClientSession() as session:
+        model = await served_model(session, base_url)
+        for prompt in warm:
+            await _one(session, base_url, model, prompt)
+        timings: dict[int, list[dict]] = {n: [] for n in lengths}
+        for prompt in tqdm(measured, desc=f"kv streaming {mode}", unit="req"):
+            timings[len(prompt)].append(await _one(session, base_url, model, prompt))
     return [_summary(mode, n, ts) for n, ts in timings.items()]
 
 
-def _prompts(lengths: list[int], repeats: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+def _prompts(lengths: list[int], repeats: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [tuple(rng.randrange(3, vocab) for _ in range(n)) for n in lengths for _ in range(repeats)]
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths for _ in range(repeats)]
 
 
-async def _one(backend, prompt: tuple[int, ...]) -> Timing:
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    request = GenerationRequest(f"stream-{time.monotonic_ns()}", prompt, params, time.perf_counter())
-    timing = None
-    async for chunk in backend.generate(request):
-        timing = chunk.timing or timing
-    if timing is None or timing.kv_bytes == 0:
-        raise RuntimeError(f"a request came back without a KV transfer in its timing: {timing}")
+async def _one(session, base_url: str, model: str, prompt: list[int]) -> dict:
+    """One completion of two greedy tokens; its tandem_timing."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    async with session.post(f"{base_url}/v1/completions", json=body) as response:
+        answer = await response.json()
+    timing = answer.get("tandem_timing") if response.status == 200 else None
+    if not timing or not timing.get("kv_bytes"):
+        raise RuntimeError(f"a request came back without a KV transfer: HTTP {response.status} {answer}")
     return timing
 
 
-def _summary(mode: str, prompt_tokens: int, timings: list[Timing]) -> ModeResult:
+def _summary(mode: str, prompt_tokens: int, timings: list[dict]) -> ModeResult:
     def median(field: str) -> float:
-        return statistics.median(getattr(t, field) for t in timings)
+        return statistics.median(t[field] for t in timings)
     return ModeResult(mode, prompt_tokens, median("transfer_ms"), median("transfer_exposed_ms"),
-                      median("prefill_ms"), median("ttft_ms"), timings[0].kv_bytes)
+                      median("prefill_ms"), median("ttft_ms"), timings[0]["kv_bytes"])
 
 
 def _print_table(results: list[ModeResult], args: argparse.Namespace) -> None:

@@ -90,18 +90,23 @@ def test_streamed_layers_land_bit_identical_with_the_tail(rig):
     rig.assert_whole()  # the transfer freed the sender's blocks once they were handed over
 
 
-def test_layers_travel_before_the_first_token_is_known(rig):
-    """Every layer is written and the transfer waits only for the tail: the receiver has all the bytes."""
+def test_layers_land_before_the_first_token_is_known(rig):
+    """Every layer is written, the first token is not: the layers are already in the receiver's blocks,
+    and the transfer waits only for the tail."""
+    landing = rig.dst.next_free(len(SENDER_BLOCKS))
     clock, stream, handle = rig.start("early", seed=8)
     _compute_layers(clock, range(FP.num_layers), pause_s=0)
-    time.sleep(0.5)  # the layers cross while the step would be sampling
-    assert not handle.done() and rig.receiver.wait(0) is None
-    started = time.monotonic()
+    expected = blocks_bytes(rig.src.kv, SENDER_BLOCKS)
+    deadline = time.monotonic() + 20
+    while blocks_bytes(rig.dst.kv, landing) != expected:
+        assert time.monotonic() < deadline, "the layers did not land before the tail"
+        time.sleep(0.01)
+    assert not handle.done() and rig.receiver.wait(0) is None  # nothing is delivered without the tail
     assert stream.finish(StreamTail(3), SENDER_BLOCKS)
     handle.result(20)
     received = rig.outcome()
     assert isinstance(received, ReceivedKV) and received.manifest.first_token == 3
-    assert time.monotonic() - started < 5
+    assert list(received.block_ids) == landing
     rig.dst.free(received.block_ids)
     rig.assert_whole()
 
