@@ -61,12 +61,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template (adding the assistant header),
-        then generate for all of them in one batch."""
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template (vLLM's options: the assistant header
+        unless add_generation_prompt is false; continue_final_message leaves the last message open; tools
+        and chat_template_kwargs go to the template), then generate for all of them in one batch."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                               tools=tools, chat_template_kwargs=chat_template_kwargs)
+                 for c in conversations]
         # The template writes any BOS itself, so the text is encoded without adding special tokens.
         token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outputs = self.generate(prompt_token_ids=token_lists, sampling_params=sampling_params,

@@ -51,7 +51,8 @@ BAD_CHATS = [
     ({"messages": []}, 400, "invalid_value"),
     ({"messages": [{"content": "no role"}]}, 400, "invalid_value"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),  # the template refuses
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "invalid_value"),  # a tool without its function
+    ({"messages": CHAT, "tool_choice": "required"}, 400, "unsupported_parameter"),
 ]
 
 
