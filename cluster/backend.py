@@ -53,15 +53,18 @@ class Timing:
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    """New tokens and stable text since the previous chunk; the last one has finish_reason
-    ("stop" or "length") and timing set. logprobs: one engine.logprobs.TokenLogprobs per token of
-    token_ids when the request asked for logprobs (SamplingParams.logprobs), else None."""
+    """New tokens and stable text since the previous chunk of one sample; a sample's last chunk has
+    finish_reason ("stop" or "length") and timing set. logprobs: one engine.logprobs.TokenLogprobs per token
+    of token_ids when the request asked for logprobs (SamplingParams.logprobs), else None. index: which of
+    the request's SamplingParams.n samples (0..n-1) the chunk belongs to; the stream ends after each sample's
+    last chunk."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
     timing: Timing | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,8 @@ class LLMEngine:
                   num_resumed_tokens: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: this engine samples one sequence per request")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self._seqs:

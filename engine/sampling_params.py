@@ -8,12 +8,14 @@ MAX_TOP_K = 2 ** 31 - 1  # larger values mean "no cut" anyway; this keeps them i
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: below this, dividing logits by it overflows to inf / NaN
 MAX_LOGPROBS = 20        # top alternatives a request may ask for per token (vLLM's and OpenAI's 20)
 MAX_LOGIT_BIAS = 100.0   # |bias| bound, as OpenAI's logit_bias
+MAX_N = 128              # samples of one prompt per request
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings; validated on construction (ValueError naming the field).
 
+    n: independent samples of the prompt (vLLM's n; sample j of a seeded request uses seed + j).
     temperature below 1e-5 (0 included) means greedy; top_k -1 means no top-k cut; top_p 1.0 means no
     nucleus cut; min_p 0 means no min-p cut (else tokens below min_p x the top token's probability are
     cut). A seeded request draws the token at position p from (seed, p) alone, so it gets the
@@ -32,6 +34,7 @@ class SamplingParams:
     logits).
     """
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,6 +52,9 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")

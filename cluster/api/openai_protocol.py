@@ -19,6 +19,7 @@ from cluster.api.request_validation import InvalidField, build_sampling_params, 
 from engine.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_BATCHED_PROMPTS = 1024           # prompts of one /v1/completions request (each its own backend request)
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                             "stop_token_ids", "stream", "stream_options", "ignore_eos", "return_token_ids",
                             "user", "metadata", *PROCESSOR_FIELDS})
@@ -45,14 +46,23 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A valid completion or chat request, ready for the backend."""
+    """A valid completion or chat request, ready for the backend: one or more prompts (a completion's
+    batch; a chat has one), each sampled params.n times."""
 
     model: str
-    prompt_token_ids: tuple[int, ...]
+    prompts: tuple[tuple[int, ...], ...]
     params: SamplingParams
     stream: bool
     include_usage: bool
     return_token_ids: bool
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.params.n
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(prompt) for prompt in self.prompts)
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -67,25 +77,39 @@ def parse_json_body(raw: bytes) -> dict:
 
 
 def parse_completion_request(body: dict, served: ServedModel) -> ParsedRequest:
-    """POST /v1/completions: `prompt` is one string or one list of token ids."""
+    """POST /v1/completions: `prompt` is a string, a list of token ids, or a batch: a list of strings or a
+    list of token-id lists (at most MAX_BATCHED_PROMPTS)."""
     _check_fields(body, COMPLETION_FIELDS)
     model = requested_model(body, served)
-    prompt = body.get("prompt")
-    try:
-        if isinstance(prompt, str):
-            ids = encode_prompt(prompt, served.tokenizer, served.max_model_len)
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = check_prompt_token_ids(prompt, served.tokenizer, served.max_model_len)
-        elif isinstance(prompt, list):
-            raise bad_request("prompt must be one string or one list of token ids; batched prompts are "
-                              "not supported, send one request per prompt", code="unsupported_value",
-                              param="prompt")
-        else:
-            raise bad_request("prompt is required: a string or a list of token ids", param="prompt")
-    except ValueError as error:
-        raise bad_request(str(error), param="prompt") from error
+    prompts = completion_prompts(body.get("prompt"), served)
     max_tokens = int_field(body, "max_tokens")
-    return _parsed(body, model, ids, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+    return _parsed(body, model, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
+
+
+def completion_prompts(prompt, served: ServedModel) -> tuple[tuple[int, ...], ...]:
+    """The token ids of each prompt of a completion's `prompt`; 400 naming `prompt` (or `prompt[i]`)."""
+    if isinstance(prompt, str) or is_list_of(prompt, int) and prompt:
+        batch, fields = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                   or all(is_list_of(p, int) for p in prompt)):
+        batch, fields = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
+    elif prompt is None or prompt == []:
+        raise bad_request("prompt is required: a string, a list of token ids, or a list of either", param="prompt")
+    else:
+        raise bad_request("prompt must be a string, a list of token ids, a list of strings or a list of token-id "
+                          "lists", param="prompt")
+    if len(batch) > MAX_BATCHED_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCHED_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
+    prompts = []
+    for one, name in zip(batch, fields):
+        try:
+            if isinstance(one, str):
+                prompts.append(encode_prompt(one, served.tokenizer, served.max_model_len, field=name))
+            else:
+                prompts.append(check_prompt_token_ids(one, served.tokenizer, served.max_model_len))
+        except ValueError as error:
+            raise bad_request(f"{name}: {error}", param=name) from error
+    return tuple(prompts)
 
 
 def parse_chat_request(body: dict, served: ServedModel) -> ParsedRequest:
@@ -104,17 +128,18 @@ def parse_chat_request(body: dict, served: ServedModel) -> ParsedRequest:
         max_tokens = int_field(body, "max_tokens")
     if max_tokens is None:
         max_tokens = max(1, served.max_model_len - len(ids))
-    return _parsed(body, model, ids, max_tokens, chat=True)
+    return _parsed(body, model, (ids,), max_tokens, chat=True)
 
 
-def _parsed(body: dict, model: str, ids: tuple[int, ...], max_tokens: int, chat: bool = False) -> ParsedRequest:
+def _parsed(body: dict, model: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int,
+            chat: bool = False) -> ParsedRequest:
     stream = bool_field(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise bad_request("stream_options must be an object with at most 'include_usage'",
                           param="stream_options")
     include_usage = bool_field(options or {}, "include_usage")
-    return ParsedRequest(model, ids, _sampling_params(body, max_tokens, chat), stream, include_usage,
+    return ParsedRequest(model, prompts, _sampling_params(body, max_tokens, chat), stream, include_usage,
                          bool_field(body, "return_token_ids"))
 
 

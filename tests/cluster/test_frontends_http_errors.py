@@ -32,7 +32,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logprobs": 21}, 400, "invalid_value"),
     ({"prompt": "x", "frequency_penalty": 2.5}, 400, "invalid_value"),
     ({"prompt": "x", "mystery_knob": 1}, 400, "unknown_parameter"),
-    ({"prompt": ["a", "b"]}, 400, "unsupported_value"),
+    ({"prompt": ["a", 3]}, 400, "invalid_value"),
     ({"prompt": {"text": "x"}}, 400, "invalid_value"),
     ({"max_tokens": 3}, 400, "invalid_value"),
     ({"prompt": []}, 400, "invalid_value"),
