@@ -120,9 +120,8 @@ class LLMEngine:
     def _track(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
         prompt = seq.token_ids[:seq.num_prompt_tokens]
-        self._texts[seq.request_id] = OutputText.create(self.tokenizer, prompt, seq.params.stop,
-                                                        resumed_token_ids=seq.output_token_ids,
-                                                        min_tokens=seq.params.min_tokens)
+        self._texts[seq.request_id] = OutputText.create(self.tokenizer, prompt, seq.params,
+                                                        resumed_token_ids=seq.output_token_ids)
 
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams,
                   num_resumed_tokens: int = 0) -> None:
@@ -177,7 +176,12 @@ class LLMEngine:
         seq.token_ids.append(token)
         text = self._texts[seq.request_id]
         may_stop = seq.num_output_tokens > seq.params.min_tokens  # min_tokens: no stop of any kind before
-        reason = self._finish_reason(seq, token, text.append([token], check_stop=may_stop), may_stop)
+        stop_token = may_stop and self._is_stop_token(seq.params, token)
+        # a stop token (EOS, stop_token_ids) that ends the request is not detokenized unless the request
+        # keeps stop strings in its output (vLLM's rule)
+        hit = False if stop_token and not seq.params.include_stop_str_in_output else \
+            text.append([token], check_stop=may_stop)
+        reason = self._finish_reason(seq, hit or stop_token, may_stop)
         new_logprobs = (logprobs,) if logprobs is not None else None
         if reason is not None:
             return self._finish(seq, reason, (token,), new_logprobs)
@@ -188,13 +192,13 @@ class LLMEngine:
                              logprobs=new_logprobs)
         return StepDelta(seq.request_id, (token,), text.take_delta(final=False), logprobs=new_logprobs)
 
-    def _finish_reason(self, seq: Sequence, token: int, stop_string_hit: bool, may_stop: bool) -> str | None:
-        params = seq.params
-        if may_stop and (stop_string_hit or token in params.stop_token_ids):
+    def _is_stop_token(self, params: SamplingParams, token: int) -> bool:
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
+
+    def _finish_reason(self, seq: Sequence, stopped: bool, may_stop: bool) -> str | None:
+        if may_stop and stopped:
             return "stop"
-        if may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

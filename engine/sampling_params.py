@@ -32,6 +32,12 @@ class SamplingParams:
     in the output so far. `logprobs` (None = off, 0..20): report the sampled token's logprob and the
     `logprobs` most likely alternatives' for every generated token (engine/sampler.py says of which
     logits).
+
+    Text (vLLM's options and defaults): `include_stop_str_in_output` keeps a stop string in the text (and,
+    for a stop token or EOS that ends the request, that token's text; otherwise it is not detokenized);
+    `skip_special_tokens` leaves special tokens out of the text; `spaces_between_special_tokens` (see
+    Tokenizer.decode) joins kept special tokens to the text around them with the tokenizer's own decode
+    (True) or with no separator (False).
     """
 
     n: int = 1
@@ -50,6 +56,9 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] | None = None
     logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -72,6 +81,10 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < 2 ** 63:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
         self._check_processors()

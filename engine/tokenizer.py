@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -37,9 +38,12 @@ class Tokenizer(ABC):
         """Token ids of `text`; with `add_special_tokens` the tokenizer's own BOS (if any) is included."""
 
     @abstractmethod
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids >= vocab_size are skipped (as `tokenizers` does); negative ids raise ValueError.
-        Invalid UTF-8 byte sequences become U+FFFD."""
+        Invalid UTF-8 byte sequences become U+FFFD. spaces_between_special_tokens False (vLLM's option): the
+        added tokens kept in the text are joined to the text around them with no separator, each run of
+        other tokens decoded on its own; True: the tokenizer's own decode."""
 
     @abstractmethod
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
@@ -143,8 +147,28 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(validate_token_ids(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        ids = validate_token_ids(ids)
+        if spaces_between_special_tokens or not self._added_tokens.keys() & set(ids):
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        pieces, run = [], []
+        for token_id in ids:
+            added = self._added_tokens.get(token_id)
+            if added is None:
+                run.append(token_id)
+                continue
+            pieces.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
+            run = []
+            if not (skip_special_tokens and added.special):
+                pieces.append(added.content)
+        pieces.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
+        return "".join(pieces)
+
+    @cached_property
+    def _added_tokens(self) -> dict[int, Any]:
+        """Added token id -> its tokenizers.AddedToken (content, special)."""
+        return dict(self._backend.get_added_tokens_decoder())
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             continue_final_message: bool = False, tools: list | None = None,
@@ -188,7 +212,9 @@ class ByteTokenizer(Tokenizer):
         byte_ids = list(text.encode("utf-8"))
         return [self.BOS_ID, *byte_ids] if add_special_tokens else byte_ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Bytes and special tokens are joined with no separator either way."""
         pieces = bytearray()
         for token_id in validate_token_ids(ids):
             if token_id < 256:

@@ -14,7 +14,7 @@ from cluster.api.json_body import load_json_object
 from cluster.api.openai_chat import TEMPLATE_FIELDS, render_chat_prompt
 from cluster.api.openai_fields import (OpenAIError, bad_request, bool_field, check_fields, int_field, is_list_of,
                                        number_field)
-from cluster.api.openai_sampling import PROCESSOR_FIELDS, sampling_extras
+from cluster.api.openai_sampling import EXTRA_FIELDS, sampling_extras
 from cluster.api.request_validation import InvalidField, build_sampling_params, check_prompt_token_ids, encode_prompt
 from engine.sampling_params import SamplingParams
 
@@ -22,7 +22,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BATCHED_PROMPTS = 1024           # prompts of one /v1/completions request (each its own backend request)
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                             "stop_token_ids", "stream", "stream_options", "ignore_eos", "return_token_ids",
-                            "user", "metadata", *PROCESSOR_FIELDS})
+                            "user", "metadata", *EXTRA_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON_FIELDS | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # Fields that would change the result; only their no-op value (or null) is accepted.
@@ -82,7 +82,7 @@ def parse_completion_request(body: dict, served: ServedModel) -> ParsedRequest:
     _check_fields(body, COMPLETION_FIELDS)
     model = requested_model(body, served)
     prompts = completion_prompts(body.get("prompt"), served)
-    max_tokens = int_field(body, "max_tokens")
+    max_tokens = _max_tokens(body, ("max_tokens",), prompts, served)
     return _parsed(body, model, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
 
 
@@ -123,12 +123,26 @@ def parse_chat_request(body: dict, served: ServedModel) -> ParsedRequest:
                             field="messages")
     except ValueError as error:
         raise bad_request(str(error), param=getattr(error, "field", "messages")) from error
-    max_tokens = int_field(body, "max_completion_tokens")
-    if max_tokens is None:
-        max_tokens = int_field(body, "max_tokens")
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), (ids,), served)
     if max_tokens is None:
         max_tokens = max(1, served.max_model_len - len(ids))
     return _parsed(body, model, (ids,), max_tokens, chat=True)
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], prompts, served: ServedModel) -> int | None:
+    """The first of the fields `names` given; 400 naming it when a prompt and that many tokens do not fit
+    the model's context (vLLM's check; when none is given, generation stops at the context instead)."""
+    for name in names:
+        value = int_field(body, name)
+        if value is None:
+            continue
+        longest = max(len(prompt) for prompt in prompts)
+        if value > 0 and longest + value > served.max_model_len:
+            raise bad_request(f"This model's maximum context length is {served.max_model_len} tokens. However, "
+                              f"you requested {longest + value} tokens ({longest} in the prompt, {value} in the "
+                              f"completion: {name}). Please reduce the length of the prompt or {name}.", param=name)
+        return value
+    return None
 
 
 def _parsed(body: dict, model: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int,
