@@ -87,7 +87,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
                     deltas[delta.request_id].append(delta)
-                    if delta.finished:
+                    if delta.finished and self.engine.get_sequence(delta.request_id) is None:
                         bar.update(1)
         except BaseException:
             for request_id in ids:
@@ -125,15 +125,20 @@ class LLM:
     @staticmethod
     def _output(request_id: str, prompt: str | None, prompt_ids: list[int],
                 deltas: list[StepDelta], tokenizer) -> RequestOutput:
-        token_ids = [t for d in deltas for t in d.new_token_ids]
-        text = "".join(d.new_text for d in deltas)
-        last = deltas[-1]
-        logprobs = None
-        if deltas[0].logprobs is not None:
-            logprobs = [_logprob_dict(lp, tokenizer) for d in deltas for lp in d.logprobs]
-        completion = CompletionOutput(0, text, token_ids, last.finish_reason, logprobs)
-        metrics = last.metrics or RequestMetrics(0.0, None, 0.0)
-        return RequestOutput(request_id, prompt, prompt_ids, [completion], metrics)
+        """One CompletionOutput per sample (SamplingParams.n), by index; the metrics of the last to end."""
+        completions = [_completion(index, [d for d in deltas if d.index == index], tokenizer)
+                       for index in sorted({d.index for d in deltas})]
+        metrics = deltas[-1].metrics or RequestMetrics(0.0, None, 0.0)
+        return RequestOutput(request_id, prompt, prompt_ids, completions, metrics)
+
+
+def _completion(index: int, deltas: list[StepDelta], tokenizer) -> CompletionOutput:
+    token_ids = [t for d in deltas for t in d.new_token_ids]
+    logprobs = None
+    if deltas[0].logprobs is not None:
+        logprobs = [_logprob_dict(lp, tokenizer) for d in deltas for lp in d.logprobs]
+    return CompletionOutput(index, "".join(d.new_text for d in deltas), token_ids, deltas[-1].finish_reason,
+                            logprobs)
 
 
 def _logprob_dict(lp: TokenLogprobs, tokenizer) -> dict[int, Logprob]:

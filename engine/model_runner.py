@@ -73,9 +73,10 @@ class ModelRunner:
             seq, start, n = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
             input_ids += seq.token_ids[start:start + n]
             row += n
-            if chunk.samples:
-                sample_rows.append(row - 1)
-                sampled.append(seq)
+            if chunk.samples:  # the sequence's next token; a prefill of n samples gives each its first
+                for sample in (seq, *seq.forks):
+                    sample_rows.append(row - 1)
+                    sampled.append(sample)
         computed, new = [c.seq.num_computed_tokens for c in ordered], [c.num_new_tokens for c in ordered]
         width = table_width([c + n for c, n in zip(computed, new)], self.block_size)
         tables = self.block_tables.tables([c.seq for c in ordered], width)  # [N, width] int32

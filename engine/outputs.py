@@ -67,7 +67,8 @@ class StepDelta:
     new_token_ids/new_text: tokens and stable text since the last delta. finish_reason is set on the
     last delta. For a prefill-only request the last delta also carries kv_block_ids: the blocks that
     hold the prompt's KV, kept allocated until LLMEngine.release_prefilled(request_id). logprobs: one
-    TokenLogprobs per new token when the request asked for logprobs, else None.
+    TokenLogprobs per new token when the request asked for logprobs, else None. index: which of the
+    request's n samples the delta belongs to (each sample has its own last delta).
     """
 
     request_id: str
@@ -77,6 +78,7 @@ class StepDelta:
     kv_block_ids: tuple[int, ...] | None = None
     metrics: RequestMetrics | None = None   # set on the last delta
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    index: int = 0
 
     @property
     def finished(self) -> bool:

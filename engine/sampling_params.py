@@ -1,6 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops (mirrors vLLM's)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -103,6 +104,12 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample `index` of n: n = 1, and seed + index (mod 2**63) for a seeded request, as vLLM
+        derives its children's seeds; unseeded samples draw from the engine's generator, each its own draw."""
+        seed = None if self.seed is None else (self.seed + index) % 2 ** 63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -2,7 +2,7 @@
 
 Everything a client gets wrong becomes an OpenAIError (HTTP status + OpenAI's error body) before any
 backend sees the request. Fields are checked strictly: wrong types are rejected, fields that would
-change the result but are not implemented (n > 1, best_of, echo, ...) are accepted only at their
+change the result but are not implemented (best_of, echo, suffix, ...) are accepted only at their
 no-op value, and unknown fields are rejected, as OpenAI does. The logits processors and logprobs fields
 are parsed in openai_sampling.py, the chat messages and template options in openai_chat.py.
 """
@@ -26,7 +26,7 @@ _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON_FIELDS | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # Fields that would change the result; only their no-op value (or null) is accepted.
-NO_OP_VALUES = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "response_format": ({"type": "text"},)}
+NO_OP_VALUES = {"best_of": (1,), "echo": (False,), "suffix": ("",), "response_format": ({"type": "text"},)}
 
 
 @dataclass(frozen=True)

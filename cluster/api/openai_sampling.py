@@ -1,8 +1,8 @@
-"""The OpenAI request fields of the logits processors and logprobs, parsed into build_sampling_params'
-keyword arguments (request_validation.py checks their values).
+"""The OpenAI request fields of n, the logits processors, logprobs and the text options, parsed into
+build_sampling_params' keyword arguments (request_validation.py checks their values).
 
-Both endpoints: presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty, min_p,
-min_tokens (vLLM's extensions), logit_bias ({"token id": bias in [-100, 100]}, JSON keys are strings).
+Both endpoints: n (samples per prompt, 1..128), presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]),
+repetition_penalty, min_p, min_tokens (vLLM's extensions), logit_bias ({"token id": bias in [-100, 100]}, JSON keys are strings).
 Logprobs: completions take `logprobs` (0..20: the sampled token plus that many alternatives); chat takes
 `logprobs: true` and `top_logprobs` (0..20; only with logprobs true, 0 or null otherwise). Anything
 malformed is an InvalidField naming the field (HTTP 400 with it as `param`). vLLM's text options:
@@ -16,13 +16,14 @@ from cluster.api.request_validation import TEXT_ARGS, InvalidField
 from engine.sampling_params import MAX_LOGPROBS
 
 NUMBER_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
-EXTRA_FIELDS = (*NUMBER_FIELDS, "min_tokens", "logit_bias", *TEXT_ARGS)
+EXTRA_FIELDS = (*NUMBER_FIELDS, "min_tokens", "logit_bias", "n", *TEXT_ARGS)
 
 
 def sampling_extras(body: dict, chat: bool) -> dict:
     """build_sampling_params keyword arguments of the processors and logprobs fields of `body`."""
     extras = {name: _number(body, name) for name in NUMBER_FIELDS}
     extras["min_tokens"] = _integer(body, "min_tokens")
+    extras["n"] = _integer(body, "n")
     extras["logit_bias"] = _logit_bias(body.get("logit_bias"))
     extras["logprobs"] = _chat_logprobs(body) if chat else _integer(body, "logprobs")
     extras.update({name: _boolean(body, name) for name in TEXT_ARGS})

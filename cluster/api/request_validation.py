@@ -18,7 +18,7 @@ SEED_RANGE = (-(2 ** 63), 2 ** 63)  # what a torch.Generator takes and gRPC's in
 MAX_TOP_K = 2 ** 31 - 1              # the sampler builds an int64 tensor of top_k values
 MAX_LOGIT_BIAS_ENTRIES = 1024        # each biased token costs the sampler a little every step
 PROCESSOR_ARGS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                  "logit_bias", "logprobs")
+                  "logit_bias", "logprobs", "n")
 TEXT_ARGS = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 STANDARD_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -101,7 +101,7 @@ def build_sampling_params(*, max_tokens: int | None = None, temperature: float |
                           stop_token_ids: Sequence[int] | None = None,
                           ignore_eos: bool = False, **processors) -> SamplingParams:
     """SamplingParams from wire values; None takes SamplingParams' default. `processors`: the
-    PROCESSOR_ARGS (logits processors and logprobs) and TEXT_ARGS, SamplingParams' names. Rejects NaN and
+    PROCESSOR_ARGS (logits processors, logprobs, n) and TEXT_ARGS, SamplingParams' names. Rejects NaN and
     infinities, seeds outside int64, more than MAX_STOP_STRINGS or overlong stop strings, more than
     MAX_STOP_TOKEN_IDS stop token ids and more than MAX_LOGIT_BIAS_ENTRIES logit_bias entries, on top
     of SamplingParams' own checks; a bad value is an InvalidField naming its field."""

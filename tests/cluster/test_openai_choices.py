@@ -90,3 +90,35 @@ def test_each_prompt_is_a_request_of_its_own_all_in_flight_at_once(served):
     three, bad = asyncio.run(scenario())
     assert len(three.choices) == 3 and three.usage.completion_tokens == 6
     assert bad.status_code == 400 and bad.body["param"] == "prompt[1]"
+
+
+def test_n_samples_of_each_prompt_are_choices_prompt_major(served, reference):
+    """n=3 seeded samples of a batch of two prompts: choice i * 3 + j is sample j of prompt i, the offline
+    engine's (seed + j); the prompts' tokens are counted once each. Chat, streamed: each choice is announced,
+    and its deltas make its whole answer."""
+    params = SamplingParams(n=3, max_tokens=6, temperature=0.9, seed=5, ignore_eos=True)
+    want = [offline(reference, p, params) for p in TOKEN_PROMPTS[:2]]
+    chat = [{"role": "user", "content": "Hello there, friend"}]
+    request = dict(model=MODEL, n=3, max_tokens=6, temperature=0.9, seed=5, extra_body={"ignore_eos": True})
+
+    async def scenario():
+        async with http_server(served) as url, openai_client(url) as client:
+            batch = await client.completions.create(prompt=TOKEN_PROMPTS[:2], **request)
+            whole = await client.chat.completions.create(messages=chat, **request)
+            stream = await client.chat.completions.create(messages=chat, stream=True, **request)
+            events = [event async for event in stream]
+        return batch, whole, events
+
+    batch, whole, events = asyncio.run(scenario())
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [sample.text for outputs in want for sample in outputs]
+    assert batch.usage.prompt_tokens == len(TOKEN_PROMPTS[0]) + len(TOKEN_PROMPTS[1])
+    assert batch.usage.completion_tokens == 36
+    assert len({c.text for c in batch.choices[:3]}) > 1  # samples differ
+    announced = [e.choices[0].index for e in events if e.choices[0].delta.role == "assistant"]
+    streamed = defaultdict(str)
+    for event in events:
+        streamed[event.choices[0].index] += event.choices[0].delta.content or ""
+    assert announced == [0, 1, 2]
+    assert dict(streamed) == {c.index: c.message.content for c in whole.choices}
+    assert [c.finish_reason for c in whole.choices] == ["length"] * 3 and whole.usage.completion_tokens == 18
