@@ -2,7 +2,8 @@
 build_sampling_params' keyword arguments (request_validation.py checks their values).
 
 Both endpoints: n (samples per prompt, 1..128), presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]),
-repetition_penalty, min_p, min_tokens (vLLM's extensions), logit_bias ({"token id": bias in [-100, 100]}, JSON keys are strings).
+repetition_penalty, min_p, min_tokens (vLLM's extensions), logit_bias ({"token id": bias in [-100, 100]},
+JSON keys are strings).
 Logprobs: completions take `logprobs` (0..20: the sampled token plus that many alternatives); chat takes
 `logprobs: true` and `top_logprobs` (0..20; only with logprobs true, 0 or null otherwise). Anything
 malformed is an InvalidField naming the field (HTTP 400 with it as `param`). vLLM's text options:
