@@ -129,7 +129,9 @@ class LLM:
         completions = [_completion(index, [d for d in deltas if d.index == index], tokenizer)
                        for index in sorted({d.index for d in deltas})]
         metrics = deltas[-1].metrics or RequestMetrics(0.0, None, 0.0)
-        return RequestOutput(request_id, prompt, prompt_ids, completions, metrics)
+        given = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        prompt_logprobs = None if given is None else [lp and _logprob_dict(lp, tokenizer) for lp in given]
+        return RequestOutput(request_id, prompt, prompt_ids, completions, metrics, prompt_logprobs=prompt_logprobs)
 
 
 def _completion(index: int, deltas: list[StepDelta], tokenizer) -> CompletionOutput:

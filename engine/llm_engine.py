@@ -154,7 +154,10 @@ class LLMEngine:
         if not chunks:
             return []
         started = time.perf_counter()
-        seqs, sampled = self.runner.execute(chunks)
+        result = self.runner.execute(chunks)
+        seqs, sampled = result.seqs, result.sampled
+        for seq, entry in result.prompt_logprobs:
+            seq.prompt_logprobs.append(entry)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self.scheduler.register_full_blocks(chunk.seq)
@@ -179,7 +182,8 @@ class LLMEngine:
         first.forks = []
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepDelta:
-        if seq.first_token_time is None:
+        first = seq.first_token_time is None
+        if first:
             seq.first_token_time = time.perf_counter()
         seq.token_ids.append(token)
         text = self._texts[seq]
@@ -190,16 +194,15 @@ class LLMEngine:
         hit = False if stop_token and not seq.params.include_stop_str_in_output else \
             text.append([token], check_stop=may_stop)
         reason = self._finish_reason(seq, hit or stop_token, may_stop)
-        new_logprobs = (logprobs,) if logprobs is not None else None
+        extras = {"logprobs": (logprobs,) if logprobs is not None else None, "index": seq.index,
+                  "prompt_logprobs": tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs else None}
         if reason is not None:
-            return self._finish(seq, reason, (token,), new_logprobs)
+            return self._finish(seq, reason, (token,), extras)
         if seq.prefill_only:
             self.scheduler.finish(seq, SequenceStatus.PREFILLED, keep_blocks=True)
             return StepDelta(seq.request_id, (token,), text.take_delta(final=True),
-                             kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq),
-                             logprobs=new_logprobs)
-        return StepDelta(seq.request_id, (token,), text.take_delta(final=False), logprobs=new_logprobs,
-                         index=seq.index)
+                             kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq), **extras)
+        return StepDelta(seq.request_id, (token,), text.take_delta(final=False), **extras)
 
     def _is_stop_token(self, params: SamplingParams, token: int) -> bool:
         return token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
@@ -211,14 +214,14 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...],
-                logprobs: tuple[TokenLogprobs, ...] | None = None) -> StepDelta:
+    def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...], extras: dict) -> StepDelta:
+        """The sample's last delta; extras: its StepDelta fields logprobs, index, prompt_logprobs."""
         seq.finish_reason = reason
         self.scheduler.finish(seq, SequenceStatus.FINISHED)
         text = self._forget(seq)
         text.finish()
         return StepDelta(seq.request_id, new_tokens, text.take_delta(final=True), finish_reason=reason,
-                         metrics=RequestMetrics.of(seq), logprobs=logprobs, index=seq.index)
+                         metrics=RequestMetrics.of(seq), **extras)
 
     # ---- ending requests -------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:

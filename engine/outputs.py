@@ -58,6 +58,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = True
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # vLLM's: SamplingParams.prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class StepDelta:
     last delta. For a prefill-only request the last delta also carries kv_block_ids: the blocks that
     hold the prompt's KV, kept allocated until LLMEngine.release_prefilled(request_id). logprobs: one
     TokenLogprobs per new token when the request asked for logprobs, else None. index: which of the
-    request's n samples the delta belongs to (each sample has its own last delta).
+    request's n samples the delta belongs to (each sample has its own last delta). prompt_logprobs: on each
+    sample's first delta when the request asked for them, one per prompt token (the first None).
     """
 
     request_id: str
@@ -79,6 +81,7 @@ class StepDelta:
     metrics: RequestMetrics | None = None   # set on the last delta
     logprobs: tuple[TokenLogprobs, ...] | None = None
     index: int = 0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -32,7 +32,8 @@ class SamplingParams:
     `presence_penalty` (in [-2, 2]) subtract penalty x count and penalty x (count > 0) of each token
     in the output so far. `logprobs` (None = off, 0..20): report the sampled token's logprob and the
     `logprobs` most likely alternatives' for every generated token (engine/sampler.py says of which
-    logits).
+    logits). `prompt_logprobs` (None = off, 0..20): the same for every prompt token but the first, from the
+    model's raw logits (engine/prompt_logprobs.py); such a request does not use the prefix cache.
 
     Text (vLLM's options and defaults): `include_stop_str_in_output` keeps a stop string in the text (and,
     for a stop token or EOS that ends the request, that token's text; otherwise it is not detokenized);
@@ -57,6 +58,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -100,10 +102,12 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         object.__setattr__(self, "logit_bias", _normalize_bias(self.logit_bias))
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None), got {value}")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The params of sample `index` of n: n = 1, and seed + index (mod 2**63) for a seeded request, as vLLM

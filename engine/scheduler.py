@@ -111,8 +111,11 @@ class Scheduler:
         return min(num_new, threshold) if threshold and num_new > 1 else num_new
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
-        # Leave at least the last token to compute: its hidden state gives the next token's logits.
+        # Leave at least the last token to compute: its hidden state gives the next token's logits. A
+        # request still owed prompt logprobs computes every prompt position: no cache.
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            max_blocks = 0
         block_ids, hashes = self.allocator.lookup_prefix(seq.token_ids, max_blocks)
         seq.block_table = block_ids
         seq.block_hashes = hashes

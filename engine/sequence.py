@@ -47,6 +47,8 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
+        # params.prompt_logprobs: one entry per prompt token, the first None, filled as the prefill runs
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

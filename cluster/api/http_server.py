@@ -120,7 +120,7 @@ class OpenAIFrontEnd:
             call = parse(parse_json_body(body), self._served)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids,
-                           call.params.logprobs, self._served.tokenizer)
+                           call.params.logprobs, self._served.tokenizer, call.echo)
         return await respond(request, self._backend, call, shape, generation_requests(call, request_id, arrival))
 
     async def health(self, request: web.Request) -> web.Response:

@@ -8,25 +8,27 @@ are parsed in openai_sampling.py, the chat messages and template options in open
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cluster.api.json_body import load_json_object
 from cluster.api.openai_chat import TEMPLATE_FIELDS, render_chat_prompt
 from cluster.api.openai_fields import (OpenAIError, bad_request, bool_field, check_fields, int_field, is_list_of,
                                        number_field)
+from cluster.api.openai_prompts import completion_prompts
 from cluster.api.openai_sampling import EXTRA_FIELDS, sampling_extras
-from cluster.api.request_validation import InvalidField, build_sampling_params, check_prompt_token_ids, encode_prompt
+from cluster.api.request_validation import InvalidField, build_sampling_params, encode_prompt
 from engine.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_BATCHED_PROMPTS = 1024           # prompts of one /v1/completions request (each its own backend request)
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                             "stop_token_ids", "stream", "stream_options", "ignore_eos", "return_token_ids",
                             "user", "metadata", *EXTRA_FIELDS})
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # Fields that would change the result; only their no-op value (or null) is accepted.
 NO_OP_VALUES = {"best_of": (1,), "echo": (False,), "suffix": ("",), "response_format": ({"type": "text"},)}
+COMPLETION_NO_OPS = {name: values for name, values in NO_OP_VALUES.items() if name != "echo"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    echo: tuple[tuple[str, tuple[int, ...]], ...] | None = None  # completions: each prompt's (text, ids)
 
     @property
     def num_choices(self) -> int:
@@ -78,38 +81,21 @@ def parse_json_body(raw: bytes) -> dict:
 
 def parse_completion_request(body: dict, served: ServedModel) -> ParsedRequest:
     """POST /v1/completions: `prompt` is a string, a list of token ids, or a batch: a list of strings or a
-    list of token-id lists (at most MAX_BATCHED_PROMPTS)."""
-    _check_fields(body, COMPLETION_FIELDS)
+    list of token-id lists (openai_prompts.py). `echo`: each choice starts with its prompt (with `logprobs`,
+    the prompt tokens' logprobs too: SamplingParams.prompt_logprobs)."""
+    check_fields(body, COMPLETION_FIELDS, COMPLETION_NO_OPS)
     model = requested_model(body, served)
-    prompts = completion_prompts(body.get("prompt"), served)
+    prompts, texts = completion_prompts(body.get("prompt"), served)
     max_tokens = _max_tokens(body, ("max_tokens",), prompts, served)
-    return _parsed(body, model, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
-
-
-def completion_prompts(prompt, served: ServedModel) -> tuple[tuple[int, ...], ...]:
-    """The token ids of each prompt of a completion's `prompt`; 400 naming `prompt` (or `prompt[i]`)."""
-    if isinstance(prompt, str) or is_list_of(prompt, int) and prompt:
-        batch, fields = [prompt], ["prompt"]
-    elif isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
-                                                   or all(is_list_of(p, int) for p in prompt)):
-        batch, fields = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
-    elif prompt is None or prompt == []:
-        raise bad_request("prompt is required: a string, a list of token ids, or a list of either", param="prompt")
-    else:
-        raise bad_request("prompt must be a string, a list of token ids, a list of strings or a list of token-id "
-                          "lists", param="prompt")
-    if len(batch) > MAX_BATCHED_PROMPTS:
-        raise bad_request(f"at most {MAX_BATCHED_PROMPTS} prompts per request, got {len(batch)}", param="prompt")
-    prompts = []
-    for one, name in zip(batch, fields):
-        try:
-            if isinstance(one, str):
-                prompts.append(encode_prompt(one, served.tokenizer, served.max_model_len, field=name))
-            else:
-                prompts.append(check_prompt_token_ids(one, served.tokenizer, served.max_model_len))
-        except ValueError as error:
-            raise bad_request(f"{name}: {error}", param=name) from error
-    return tuple(prompts)
+    echo = bool_field(body, "echo")
+    call = _parsed(body, model, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+                   echo=echo)
+    if not echo:
+        return call
+    skip = call.params.skip_special_tokens
+    echoed = tuple((served.tokenizer.decode(ids, skip_special_tokens=skip) if text is None else text, ids)
+                   for text, ids in zip(texts, prompts))
+    return dataclasses.replace(call, echo=echoed)
 
 
 def parse_chat_request(body: dict, served: ServedModel) -> ParsedRequest:
@@ -146,18 +132,18 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompts, served: ServedModel
 
 
 def _parsed(body: dict, model: str, prompts: tuple[tuple[int, ...], ...], max_tokens: int,
-            chat: bool = False) -> ParsedRequest:
+            chat: bool = False, echo: bool = False) -> ParsedRequest:
     stream = bool_field(body, "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise bad_request("stream_options must be an object with at most 'include_usage'",
                           param="stream_options")
     include_usage = bool_field(options or {}, "include_usage")
-    return ParsedRequest(model, prompts, _sampling_params(body, max_tokens, chat), stream, include_usage,
+    return ParsedRequest(model, prompts, _sampling_params(body, max_tokens, chat, echo), stream, include_usage,
                          bool_field(body, "return_token_ids"))
 
 
-def _sampling_params(body: dict, max_tokens: int, chat: bool) -> SamplingParams:
+def _sampling_params(body: dict, max_tokens: int, chat: bool, echo: bool) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not is_list_of(stop, str):
         raise bad_request("stop must be a string or a list of strings", code="invalid_type", param="stop")
@@ -170,7 +156,7 @@ def _sampling_params(body: dict, max_tokens: int, chat: bool) -> SamplingParams:
             max_tokens=max_tokens, temperature=number_field(body, "temperature"),
             top_p=number_field(body, "top_p"), top_k=int_field(body, "top_k"), seed=int_field(body, "seed"),
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=bool_field(body, "ignore_eos"),
-            **sampling_extras(body, chat))
+            **sampling_extras(body, chat, echo))
     except ValueError as error:  # InvalidField names its field
         raise bad_request(str(error), param=getattr(error, "field", None)) from error
 

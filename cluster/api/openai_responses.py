@@ -5,7 +5,8 @@ JSON objects OpenAI's clients expect, plus Tandem's `tandem_timing`. A request h
 samples (choice = prompt * n + sample, as OpenAI numbers them): whole, `choices` lists them by index;
 streamed, each event carries one choice's delta, and a choice's last event its finish_reason and the
 `tandem_timing` of that sample. With logprobs asked, each choice's `logprobs` is OpenAI's object for its
-tokens (openai_logprobs.py).
+tokens (openai_logprobs.py). Completions with `echo`: a choice's text starts with its prompt's text (in its
+first streamed chunk), and its logprobs object with the prompt tokens' (the first one's None).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from cluster.api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from cluster.api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, echoed_prompt_logprobs
 from cluster.backend import GenerationChunk, Timing
 from engine.logprobs import TokenLogprobs
 
@@ -38,8 +39,11 @@ class ChoiceResult:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     timing: Timing | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.text.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs or ())
@@ -54,13 +58,15 @@ class ResponseShape(ABC):
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, created: int, return_token_ids: bool,
-                 logprobs: int | None = None, tokenizer=None) -> None:
+                 logprobs: int | None = None, tokenizer=None,
+                 echo: tuple[tuple[str, tuple[int, ...]], ...] | None = None) -> None:
         """logprobs: the request's SamplingParams.logprobs (None: no logprobs object); tokenizer decodes
-        the tokens of the logprobs objects."""
+        the tokens of the logprobs objects; echo (completions): each prompt's (text, token ids) to echo."""
         self.request_id, self.model, self.created = request_id, model, created
         self.return_token_ids = return_token_ids
         self._texts = TokenTexts(tokenizer) if logprobs is not None else None
         self._text_offsets: dict[int, int] = {}  # completions: where a choice's next token's text starts
+        self._echo, self._echoed = echo, set()
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
@@ -71,9 +77,11 @@ class ResponseShape(ABC):
         the prompts' tokens, each prompt once), `timing` as tandem_timing."""
         shaped = []
         for result in sorted(choices, key=lambda c: c.index):
-            choice = self._full_choice(result.index, "".join(result.text), result.finish_reason)
-            if self._texts is not None:
-                choice["logprobs"] = self._logprobs(result.index, result.logprobs)
+            text, logprobs = self._content(result.index, result.prompt, "".join(result.text), result.logprobs,
+                                           result.prompt_logprobs)
+            choice = self._full_choice(result.index, text, result.finish_reason)
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
             if self.return_token_ids:
                 choice["token_ids"] = list(result.token_ids)
             shaped.append(choice)
@@ -86,12 +94,13 @@ class ResponseShape(ABC):
         """Objects sent before the first chunk's (chat announces the assistant role of each choice)."""
         return []
 
-    def stream_chunk(self, index: int, chunk: GenerationChunk, include_usage: bool) -> dict:
-        """The streamed object of one backend chunk of choice `index`; a choice's last carries its
-        finish_reason and tandem_timing."""
-        choice = self._delta_choice(index, chunk.text, chunk.finish_reason)
-        if self._texts is not None:
-            choice["logprobs"] = self._logprobs(index, chunk.logprobs or ())
+    def stream_chunk(self, index: int, chunk: GenerationChunk, include_usage: bool, prompt: int = 0) -> dict:
+        """The streamed object of one backend chunk of choice `index` (of prompt `prompt`); a choice's last
+        carries its finish_reason and tandem_timing."""
+        text, logprobs = self._content(index, prompt, chunk.text, chunk.logprobs or (), chunk.prompt_logprobs)
+        choice = self._delta_choice(index, text, chunk.finish_reason)
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
         if self.return_token_ids:
             choice["token_ids"] = list(chunk.token_ids)
         response = self._envelope(self.chunk_object_name, [choice])
@@ -106,6 +115,22 @@ class ResponseShape(ABC):
         response = self._envelope(self.chunk_object_name, [])
         response["usage"] = usage(prompt_tokens, completion_tokens)
         return response
+
+    def _content(self, index: int, prompt: int, text: str, logprobs, prompt_logprobs) -> tuple[str, dict | None]:
+        """Choice `index`'s text and logprobs object (None when not asked) of these tokens, with its prompt's
+        echoed the first time the choice speaks when the request echoes."""
+        shaped = self._logprobs(index, logprobs) if self._texts is not None else None
+        if self._echo is None or index in self._echoed:
+            return text, shaped
+        self._echoed.add(index)
+        prompt_text, prompt_ids = self._echo[prompt]
+        if shaped is None:
+            return prompt_text + text, None
+        head = echoed_prompt_logprobs(prompt_ids, prompt_logprobs or (), self._texts)
+        end = head["text_offset"][-1] + len(head["tokens"][-1])
+        shaped["text_offset"] = [offset + end for offset in shaped["text_offset"]]
+        self._text_offsets[index] = self._text_offsets.get(index, 0) + end
+        return prompt_text + text, {key: head[key] + shaped[key] for key in head}
 
     @abstractmethod
     def _logprobs(self, index: int, logprobs) -> dict:

@@ -20,13 +20,16 @@ NUMBER_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", 
 EXTRA_FIELDS = (*NUMBER_FIELDS, "min_tokens", "logit_bias", "n", *TEXT_ARGS)
 
 
-def sampling_extras(body: dict, chat: bool) -> dict:
-    """build_sampling_params keyword arguments of the processors and logprobs fields of `body`."""
+def sampling_extras(body: dict, chat: bool, echo: bool = False) -> dict:
+    """build_sampling_params keyword arguments of the processors and logprobs fields of `body`; a completion
+    that echoes its prompt with logprobs asks for as many prompt logprobs."""
     extras = {name: _number(body, name) for name in NUMBER_FIELDS}
     extras["min_tokens"] = _integer(body, "min_tokens")
     extras["n"] = _integer(body, "n")
     extras["logit_bias"] = _logit_bias(body.get("logit_bias"))
     extras["logprobs"] = _chat_logprobs(body) if chat else _integer(body, "logprobs")
+    if echo:
+        extras["prompt_logprobs"] = extras["logprobs"]
     extras.update({name: _boolean(body, name) for name in TEXT_ARGS})
     return extras
 

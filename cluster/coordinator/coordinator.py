@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
+from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest,
+                             InvalidField)
 from cluster.coordinator.decode_events import DecodeEventPump
 from cluster.coordinator.health_monitor import HealthMonitor, health_details
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
@@ -97,6 +98,8 @@ class Coordinator:
         times as there are workers; WorkerLost once no worker of the needed role is left."""
         if self._closed:
             raise BackendUnavailable("the coordinator is shut down")
+        if request.params.prompt_logprobs is not None:  # they stay on the prefill side: not carried back yet
+            raise InvalidField("echo", "prompt logprobs (echo with logprobs) are served colocated only, not here")
         self._watch_health()
         progress = StreamProgress(request)
         while True:

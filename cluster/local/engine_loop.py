@@ -186,7 +186,7 @@ class EngineLoop:
                 del self._live[delta.request_id]
             timing = self._timing(live, now)
         return live.sink, GenerationChunk(delta.new_token_ids, delta.new_text, delta.finish_reason, timing,
-                                          delta.logprobs, delta.index)
+                                          delta.logprobs, delta.index, delta.prompt_logprobs)
 
     def _timing(self, live: _LiveRequest, now: float) -> Timing:
         scheduled = live.scheduled_at if live.scheduled_at is not None else live.arrival_time

@@ -29,7 +29,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "n": 0}, 400, "invalid_value"),
     ({"prompt": "x", "n": 129}, 400, "invalid_value"),
     ({"prompt": "x", "best_of": 3}, 400, "unsupported_parameter"),
-    ({"prompt": "x", "echo": True}, 400, "unsupported_parameter"),
+    ({"prompt": "x", "echo": "yes"}, 400, "invalid_type"),
     ({"prompt": "x", "logprobs": 21}, 400, "invalid_value"),
     ({"prompt": "x", "frequency_penalty": 2.5}, 400, "invalid_value"),
     ({"prompt": "x", "mystery_knob": 1}, 400, "unknown_parameter"),
@@ -54,6 +54,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),  # the template refuses
     ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "invalid_value"),  # a tool without its function
     ({"messages": CHAT, "tool_choice": "required"}, 400, "unsupported_parameter"),
+    ({"messages": CHAT, "echo": True}, 400, "unsupported_parameter"),  # echo is for completions
 ]
 
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 
+import openai
 import pytest
 import torch
 
@@ -136,3 +137,43 @@ def _chat_text(events: list[dict]) -> dict[int, str]:
         for choice in event["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
     return texts
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_echo_returns_the_prompt_and_colocated_its_logprobs(mode, checkpoint, colocated, cluster):
+    """echo: each choice starts with its prompt's text (a text prompt as sent, token ids decoded), whole and
+    in the first streamed chunk of each choice. With logprobs, colocated: the prompt tokens' logprobs (the
+    first None) are transformers' log-softmax; disaggregated answers 400 naming echo (not carried back yet)."""
+    model = load_hf_model(checkpoint)
+    tokenizer = colocated.tokenizer
+    text = "The quick brown fox"
+    request = dict(model=cluster.model_name, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+
+    async def scenario():
+        async with served(mode, colocated, cluster) as client:
+            whole = await client.completions.create(prompt=[text, tokenizer.decode(PROMPTS[1])], echo=True, **request)
+            ids = await client.completions.create(prompt=PROMPTS[1], echo=True, n=2, **request)
+            stream = await client.completions.create(prompt=text, echo=True, stream=True, **request)
+            first_chunk = [event async for event in stream][0]
+            if mode == "disaggregated":
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.completions.create(prompt=text, echo=True, logprobs=2, **request)
+                return whole, ids, first_chunk, refused.value
+            return whole, ids, first_chunk, await client.completions.create(
+                prompt=PROMPTS, echo=True, logprobs=2, **request)
+
+    whole, ids, first_chunk, with_logprobs = asyncio.run(scenario())
+    assert whole.choices[0].text.startswith(text) and len(whole.choices[0].text) > len(text)
+    assert [c.text.startswith(tokenizer.decode(PROMPTS[1])) for c in whole.choices[1:] + ids.choices] == [True] * 3
+    assert first_chunk.choices[0].text.startswith(text)
+    if mode == "disaggregated":
+        assert with_logprobs.status_code == 400 and with_logprobs.body["param"] == "echo"
+        return
+    for prompt, choice in zip(PROMPTS, with_logprobs.choices):
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(prompt) + 4 and logprobs.token_logprobs[0] is None
+        assert logprobs.top_logprobs[0] is None and logprobs.text_offset[0] == 0
+        expected = hf_logprobs(model, prompt[:1], prompt[1:])  # each prompt token given the ones before it
+        for row, token, value in zip(expected, prompt[1:], logprobs.token_logprobs[1:len(prompt)]):
+            assert abs(value - row[token].item()) < ATOL
+        assert logprobs.tokens[:len(prompt)] == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
