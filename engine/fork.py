@@ -31,5 +31,4 @@ def fork_sequence(parent: Sequence, child: Sequence, allocator: BlockAllocator, 
     child.num_cached_tokens = parent.num_cached_tokens
     child.block_hashes = list(parent.block_hashes)
     child.num_hashed_blocks = parent.num_hashed_blocks
-    child.prompt_logprobs = parent.prompt_logprobs
     return True

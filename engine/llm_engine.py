@@ -173,6 +173,7 @@ class LLMEngine:
         with no block free for a copy, wait to recompute it)."""
         unforked = []
         for sample in first.forks:
+            sample.prompt_logprobs = first.prompt_logprobs  # complete: computed once, for all samples
             if fork_sequence(first, sample, self.kv_cache.allocator, self.kv_cache):
                 self.scheduler.add_running(sample)
             else:

@@ -93,10 +93,11 @@ def test_a_sample_without_a_block_for_its_copy_waits_and_recomputes(ckpt):
     partial block, wait without blocks, and recompute after sample 0 (through the prefix cache)."""
     tight = LLM(str(ckpt), block_size=BLOCK, num_kv_blocks=3)
     prompt = random_prompts([2 * BLOCK + 4], VOCAB, seed=7)[0]
-    params = SamplingParams(n=3, max_tokens=4, temperature=0.8, seed=21, ignore_eos=True)
+    params = SamplingParams(n=3, max_tokens=4, temperature=0.8, seed=21, ignore_eos=True, prompt_logprobs=1)
     tight.engine.add_request("t", prompt, params)
     first = tight.engine.step()
     assert sorted(d.index for d in first) == [0, 1, 2]
+    assert all(len(d.prompt_logprobs) == len(prompt) for d in first)  # computed once, every sample gets them
     assert [(s.index, s.block_table) for s in tight.engine.scheduler.waiting] == [(1, []), (2, [])]
     tokens = {0: [], 1: [], 2: []}
     for delta in first:
