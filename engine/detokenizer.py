@@ -32,8 +32,8 @@ class IncrementalDetokenizer:
 
     Guarantee: after `flush()`, the concatenation of everything `step` and `flush` returned (== `.text`)
     equals `tokenizer.decode(token_ids, skip_special_tokens, spaces_between_special_tokens)` for byte-level
-    BPE tokenizers and `ByteTokenizer`. (SentencePiece byte-fallback decoders turn a whole run of byte tokens into U+FFFDs when
-    any of it is invalid, so for them equality holds when the byte tokens form valid UTF-8.)
+    BPE tokenizers and `ByteTokenizer`. (SentencePiece byte-fallback decoders turn a whole run of byte tokens
+    into U+FFFDs when any of it is invalid, so for them equality holds when the byte tokens form valid UTF-8.)
     Before `flush`, `.text` lags the full decode by at most the held-back tail.
 
     `prompt_token_ids` is accepted for vLLM-shaped call sites but does not influence the text: the text is

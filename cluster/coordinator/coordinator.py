@@ -22,15 +22,14 @@ from dataclasses import dataclass
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.backend import (BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest,
-                             InvalidField)
+from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.coordinator.decode_events import DecodeEventPump
 from cluster.coordinator.health_monitor import HealthMonitor, health_details
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
 from cluster.coordinator.routing import Router
-from cluster.coordinator.samples import sample_chunks
+from cluster.coordinator.samples import request_chunks
 from cluster.workers.actors import WorkerInfo
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.placement import ClusterResources, release_cluster, stop_actors
@@ -84,7 +83,7 @@ class Coordinator:
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """See Backend.generate (and _generate_one). n > 1: each sample a request of its own (samples.py)."""
-        return sample_chunks(self._generate_one, request) if request.params.n > 1 else self._generate_one(request)
+        return request_chunks(self._generate_one, request)
 
     async def _generate_one(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """One sample. BackendUnavailable when no prefill or decode worker is alive,
@@ -98,8 +97,6 @@ class Coordinator:
         times as there are workers; WorkerLost once no worker of the needed role is left."""
         if self._closed:
             raise BackendUnavailable("the coordinator is shut down")
-        if request.params.prompt_logprobs is not None:  # they stay on the prefill side: not carried back yet
-            raise InvalidField("echo", "prompt logprobs (echo with logprobs) are served colocated only, not here")
         self._watch_health()
         progress = StreamProgress(request)
         while True:
