@@ -23,6 +23,15 @@ class BackendUnavailable(Exception):
     """The backend cannot serve at all (no live workers): gRPC UNAVAILABLE, HTTP 503."""
 
 
+class InvalidField(ValueError):
+    """Bad input in one named field (`field`, e.g. "messages[0].role"): HTTP 400 with it as the error's
+    `param`, gRPC INVALID_ARGUMENT; the message names it too."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated request: token ids already encoded, sampling params already checked."""
@@ -57,15 +66,20 @@ class Timing:
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    """New tokens and stable text since the previous chunk; the last one has finish_reason
-    ("stop" or "length") and timing set. logprobs: one engine.logprobs.TokenLogprobs per token of
-    token_ids when the request asked for logprobs (SamplingParams.logprobs), else None."""
+    """New tokens and stable text since the previous chunk of one sample; a sample's last chunk has
+    finish_reason ("stop" or "length") and timing set. logprobs: one engine.logprobs.TokenLogprobs per token
+    of token_ids when the request asked for logprobs (SamplingParams.logprobs), else None. index: which of
+    the request's SamplingParams.n samples (0..n-1) the chunk belongs to; the stream ends after each sample's
+    last chunk. prompt_logprobs: with SamplingParams.prompt_logprobs, on each sample's first chunk, one per
+    prompt token (the first None; engine/prompt_logprobs.py)."""
 
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
     timing: Timing | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    index: int = 0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,15 @@ class BlockAllocator:
                 if count == 1:
                     self._free[block_id] = None
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each of these blocks, all in use (a forked sequence shares them)."""
+        with self._lock:
+            for block_id in block_ids:
+                if self._ref_counts[block_id] <= 0:
+                    raise RuntimeError(f"block {block_id} is free: it cannot be shared")
+            for block_id in block_ids:
+                self._ref_counts[block_id] += 1
+
     def lookup_prefix(self, token_ids: Sequence[int], max_blocks: int) -> tuple[list[int], list[BlockHash]]:
         """Longest run of cached full blocks that prefixes token_ids, at most max_blocks of them.
 

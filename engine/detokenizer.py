@@ -31,9 +31,9 @@ class IncrementalDetokenizer:
     the window spans the tokens since the previous emission; it only grows while no text can be emitted.
 
     Guarantee: after `flush()`, the concatenation of everything `step` and `flush` returned (== `.text`)
-    equals `tokenizer.decode(token_ids, skip_special_tokens)` for byte-level BPE tokenizers and
-    `ByteTokenizer`. (SentencePiece byte-fallback decoders turn a whole run of byte tokens into U+FFFDs when
-    any of it is invalid, so for them equality holds when the byte tokens form valid UTF-8.)
+    equals `tokenizer.decode(token_ids, skip_special_tokens, spaces_between_special_tokens)` for byte-level
+    BPE tokenizers and `ByteTokenizer`. (SentencePiece byte-fallback decoders turn a whole run of byte tokens
+    into U+FFFDs when any of it is invalid, so for them equality holds when the byte tokens form valid UTF-8.)
     Before `flush`, `.text` lags the full decode by at most the held-back tail.
 
     `prompt_token_ids` is accepted for vLLM-shaped call sites but does not influence the text: the text is
@@ -42,10 +42,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), *,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.prompt_token_ids = tuple(validate_token_ids(prompt_token_ids))
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.flushed = False
@@ -94,4 +95,5 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)

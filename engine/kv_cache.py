@@ -51,6 +51,14 @@ class KVCache:
         return planes[0], planes[1]
 
 
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        """Copy the K/V of block sources[i] into block targets[i], every layer (queued on the pool's device)."""
+        device = self.kv.device
+        source = torch.tensor(sources, dtype=torch.long, device=device)  # [B]
+        target = torch.tensor(targets, dtype=torch.long, device=device)  # [B]
+        self.kv.index_copy_(2, target, self.kv.index_select(2, source))  # [L, 2, B, block, H, D] moved
+
+
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
     """How many whole blocks fit budget_bytes; ValueError if not even one. Which budget the pool
     gets (explicit, CPU default, or measured on the GPU) is decided in engine/memory_plan.py."""

@@ -61,12 +61,16 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template (adding the assistant header),
-        then generate for all of them in one batch."""
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template (vLLM's options: the assistant header
+        unless add_generation_prompt is false; continue_final_message leaves the last message open; tools
+        and chat_template_kwargs go to the template), then generate for all of them in one batch."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt, continue_final_message=continue_final_message,
+                                               tools=tools, chat_template_kwargs=chat_template_kwargs)
+                 for c in conversations]
         # The template writes any BOS itself, so the text is encoded without adding special tokens.
         token_lists = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outputs = self.generate(prompt_token_ids=token_lists, sampling_params=sampling_params,
@@ -83,7 +87,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 for delta in self.engine.step():
                     deltas[delta.request_id].append(delta)
-                    if delta.finished:
+                    if delta.finished and self.engine.get_sequence(delta.request_id) is None:
                         bar.update(1)
         except BaseException:
             for request_id in ids:
@@ -121,15 +125,22 @@ class LLM:
     @staticmethod
     def _output(request_id: str, prompt: str | None, prompt_ids: list[int],
                 deltas: list[StepDelta], tokenizer) -> RequestOutput:
-        token_ids = [t for d in deltas for t in d.new_token_ids]
-        text = "".join(d.new_text for d in deltas)
-        last = deltas[-1]
-        logprobs = None
-        if deltas[0].logprobs is not None:
-            logprobs = [_logprob_dict(lp, tokenizer) for d in deltas for lp in d.logprobs]
-        completion = CompletionOutput(0, text, token_ids, last.finish_reason, logprobs)
-        metrics = last.metrics or RequestMetrics(0.0, None, 0.0)
-        return RequestOutput(request_id, prompt, prompt_ids, [completion], metrics)
+        """One CompletionOutput per sample (SamplingParams.n), by index; the metrics of the last to end."""
+        completions = [_completion(index, [d for d in deltas if d.index == index], tokenizer)
+                       for index in sorted({d.index for d in deltas})]
+        metrics = deltas[-1].metrics or RequestMetrics(0.0, None, 0.0)
+        given = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+        prompt_logprobs = None if given is None else [lp and _logprob_dict(lp, tokenizer) for lp in given]
+        return RequestOutput(request_id, prompt, prompt_ids, completions, metrics, prompt_logprobs=prompt_logprobs)
+
+
+def _completion(index: int, deltas: list[StepDelta], tokenizer) -> CompletionOutput:
+    token_ids = [t for d in deltas for t in d.new_token_ids]
+    logprobs = None
+    if deltas[0].logprobs is not None:
+        logprobs = [_logprob_dict(lp, tokenizer) for d in deltas for lp in d.logprobs]
+    return CompletionOutput(index, "".join(d.new_text for d in deltas), token_ids, deltas[-1].finish_reason,
+                            logprobs)
 
 
 def _logprob_dict(lp: TokenLogprobs, tokenizer) -> dict[int, Logprob]:

@@ -19,12 +19,14 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_graphs import decode_graphs_for
+from engine.fork import fork_sequence
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.logprobs import TokenLogprobs
 from engine.memory_plan import plan_memory
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import OutputText, RequestMetrics, StepDelta
+from engine.request_checks import check_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -66,8 +68,8 @@ class LLMEngine:
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device)
         self.stats = EngineStats()
-        self._seqs: dict[str, Sequence] = {}
-        self._texts: dict[str, OutputText] = {}
+        self._requests: dict[str, list[Sequence]] = {}  # the live sequences (samples) of each request
+        self._texts: dict[Sequence, OutputText] = {}
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -78,12 +80,22 @@ class LLMEngine:
         num_resumed_tokens > 0 resumes a request that another engine started: the last that many of
         prompt_token_ids are tokens it already generated. They count towards max_tokens and stop
         checks, and the text deltas continue exactly where that engine's would have: the same tokens
-        (greedy, or seeded: draws depend on (seed, position)), and none of the resumed text again."""
+        (greedy, or seeded: draws depend on (seed, position)), and none of the resumed text again.
+
+        params.n > 1 (full requests only, at most max_num_seqs): n samples of the prompt, each with
+        params.for_sample(j); the prompt is prefilled once and its KV shared (engine/fork.py); each sample's
+        deltas carry its `index`, and the request ends when every sample has."""
         self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
-        seq = Sequence(request_id, list(prompt_token_ids), params, prefill_only=prefill_only,
-                       arrival_time=arrival_time, num_resumed_tokens=num_resumed_tokens)
-        self._track(seq)
-        self.scheduler.add_waiting(seq)
+        if params.n > 1 and (prefill_only or num_resumed_tokens or params.n > self.config.max_num_seqs):
+            raise ValueError(f"n={params.n} needs a full request (not prefill-only, not resumed) and at most "
+                             f"max_num_seqs={self.config.max_num_seqs} samples")
+        samples = [Sequence(request_id, list(prompt_token_ids), params.for_sample(j), prefill_only=prefill_only,
+                            arrival_time=arrival_time, num_resumed_tokens=num_resumed_tokens, index=j)
+                   for j in range(params.n)]
+        for seq in samples:
+            self._track(seq)
+        samples[0].forks = samples[1:]
+        self.scheduler.add_waiting(samples[0])
 
     def reserve_blocks(self, num_blocks: int) -> list[int] | None:
         """Allocate blocks for incoming KV (decode side of a transfer); None when the pool is short.
@@ -109,6 +121,8 @@ class LLMEngine:
         required when params.logprobs is set.
         """
         self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: a prefilled request is one sample (its KV came for one)")
         if isinstance(first_token, bool) or not isinstance(first_token, int) \
                 or not 0 <= first_token < self.model_config.vocab_size:
             raise ValueError(f"first token {first_token!r} is outside the vocabulary "
@@ -131,38 +145,17 @@ class LLMEngine:
         return self._append_token(seq, first_token, logprobs)
 
     def _track(self, seq: Sequence) -> None:
-        self._seqs[seq.request_id] = seq
+        self._requests.setdefault(seq.request_id, []).append(seq)
         prompt = seq.token_ids[:seq.num_prompt_tokens]
-        self._texts[seq.request_id] = OutputText.create(self.tokenizer, prompt, seq.params.stop,
-                                                        resumed_token_ids=seq.output_token_ids,
-                                                        min_tokens=seq.params.min_tokens)
+        self._texts[seq] = OutputText.create(self.tokenizer, prompt, seq.params,
+                                             resumed_token_ids=seq.output_token_ids)
 
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams,
                   num_resumed_tokens: int = 0) -> None:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
-        if request_id in self._seqs:
+        if isinstance(request_id, str) and request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt token ids must be a list of ints, got {type(prompt).__name__}")
-        if len(prompt) == 0:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(prompt) > self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens, more than the model's context of "
-                             f"{self.max_model_len}")
-        if isinstance(num_resumed_tokens, bool) or not isinstance(num_resumed_tokens, int) \
-                or not 0 <= num_resumed_tokens < min(len(prompt), params.max_tokens):
-            raise ValueError(f"num_resumed_tokens must be in [0, {min(len(prompt), params.max_tokens)}) "
-                             f"(fewer than the known tokens and than max_tokens), got {num_resumed_tokens!r}")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        biased = [t for t, _ in params.logit_bias if t >= vocab]
-        if biased:
-            raise ValueError(f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab})")
+        check_request(request_id, prompt, params, num_resumed_tokens, self.max_model_len,
+                      self.model_config.vocab_size)
 
     # ---- the step loop ---------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -184,101 +177,135 @@ class LLMEngine:
             completing = [c.seq for c in chunks if c.samples and c.seq.prefill_only]
             on_layer = observer.forward_starting(completing) if completing else None
         try:
-            seqs, sampled = self.runner.execute(chunks, on_layer)
+            result = self.runner.execute(chunks, on_layer)
         except BaseException as error:
             if on_layer is not None:
                 observer.forward_failed(f"{type(error).__name__}: {error}")
             raise
+        seqs, sampled = result.seqs, result.sampled
+        for seq, entry in result.prompt_logprobs:
+            seq.prompt_logprobs.append(entry)
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
             self.scheduler.register_full_blocks(chunk.seq)
+        for seq in seqs:
+            if seq.forks:  # a prefill of n samples just ended: the others take their share of its KV
+                self._fork_samples(seq)
         self.stats.record_step(chunks, time.perf_counter() - started)
         return [self._append_token(seq, token, logprobs)
                 for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
 
+    def _fork_samples(self, first: Sequence) -> None:
+        """The other samples of `first`'s request share its just-prefilled prompt and start running (or,
+        with no block free for a copy, wait to recompute it)."""
+        unforked = []
+        for sample in first.forks:
+            sample.prompt_logprobs = first.prompt_logprobs  # complete: computed once, for all samples
+            if fork_sequence(first, sample, self.kv_cache.allocator, self.kv_cache):
+                self.scheduler.add_running(sample)
+            else:
+                unforked.append(sample)
+        for sample in reversed(unforked):  # at the head of the queue, in sample order
+            self.scheduler.requeue(sample)
+        first.forks = []
+
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepDelta:
-        if seq.first_token_time is None:
+        first = seq.first_token_time is None
+        if first:
             seq.first_token_time = time.perf_counter()
         seq.token_ids.append(token)
-        text = self._texts[seq.request_id]
+        text = self._texts[seq]
         may_stop = seq.num_output_tokens > seq.params.min_tokens  # min_tokens: no stop of any kind before
-        reason = self._finish_reason(seq, token, text.append([token], check_stop=may_stop), may_stop)
-        new_logprobs = (logprobs,) if logprobs is not None else None
+        stop_token = may_stop and self._is_stop_token(seq.params, token)
+        # a stop token (EOS, stop_token_ids) that ends the request is not detokenized unless the request
+        # keeps stop strings in its output (vLLM's rule)
+        hit = False if stop_token and not seq.params.include_stop_str_in_output else \
+            text.append([token], check_stop=may_stop)
+        reason = self._finish_reason(seq, hit or stop_token, may_stop)
+        extras = {"logprobs": (logprobs,) if logprobs is not None else None, "index": seq.index,
+                  "prompt_logprobs": tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs else None}
         if reason is not None:
-            return self._finish(seq, reason, (token,), new_logprobs)
+            return self._finish(seq, reason, (token,), extras)
         if seq.prefill_only:
             self.scheduler.finish(seq, SequenceStatus.PREFILLED, keep_blocks=True)
             return StepDelta(seq.request_id, (token,), text.take_delta(final=True),
-                             kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq),
-                             logprobs=new_logprobs)
-        return StepDelta(seq.request_id, (token,), text.take_delta(final=False), logprobs=new_logprobs)
+                             kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq), **extras)
+        return StepDelta(seq.request_id, (token,), text.take_delta(final=False), **extras)
 
-    def _finish_reason(self, seq: Sequence, token: int, stop_string_hit: bool, may_stop: bool) -> str | None:
-        params = seq.params
-        if may_stop and (stop_string_hit or token in params.stop_token_ids):
+    def _is_stop_token(self, params: SamplingParams, token: int) -> bool:
+        return token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
+
+    def _finish_reason(self, seq: Sequence, stopped: bool, may_stop: bool) -> str | None:
+        if may_stop and stopped:
             return "stop"
-        if may_stop and not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...],
-                logprobs: tuple[TokenLogprobs, ...] | None = None) -> StepDelta:
+    def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...], extras: dict) -> StepDelta:
+        """The sample's last delta; extras: its StepDelta fields logprobs, index, prompt_logprobs."""
         seq.finish_reason = reason
         self.scheduler.finish(seq, SequenceStatus.FINISHED)
-        text = self._forget(seq.request_id)
+        text = self._forget(seq)
         text.finish()
         return StepDelta(seq.request_id, new_tokens, text.take_delta(final=True), finish_reason=reason,
-                         metrics=RequestMetrics.of(seq), logprobs=logprobs)
+                         metrics=RequestMetrics.of(seq), **extras)
 
     # ---- ending requests -------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        """Drop a live request wherever it is and free its blocks; False if it is unknown or done."""
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        """Drop a live request (every sample) wherever it is and free its blocks; False if it is unknown or
+        done."""
+        samples = self._requests.get(request_id)
+        if samples is None:
             return False
-        if seq.status == SequenceStatus.PREFILLED:
-            return self.release_prefilled(request_id)
-        seq.finish_reason = "abort"
-        self.scheduler.finish(seq, SequenceStatus.FINISHED)
-        self._forget(request_id)
+        for seq in list(samples):
+            if seq.status == SequenceStatus.PREFILLED:
+                self.release_prefilled(request_id)
+                continue
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq, SequenceStatus.FINISHED)
+            self._forget(seq)
         return True
 
     def release_prefilled(self, request_id: str) -> bool:
         """Free the KV blocks a prefill-only request kept for its transfer; False if there are none."""
-        seq = self._seqs.get(request_id)
+        seq = self.get_sequence(request_id)
         if seq is None or seq.status != SequenceStatus.PREFILLED:
             return False
         self.kv_cache.allocator.free(seq.block_table)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
-        self._forget(request_id)
+        self._forget(seq)
         return True
 
     def take_prefilled_blocks(self, request_id: str) -> list[int]:
         """Hand a prefill-only result's blocks to the caller (a KV transfer), which must free them
         with free_blocks() once the receiver acknowledged. The request leaves the engine."""
-        seq = self._seqs.get(request_id)
+        seq = self.get_sequence(request_id)
         if seq is None or seq.status != SequenceStatus.PREFILLED:
             raise ValueError(f"request {request_id!r} has no prefilled KV blocks to hand over")
         block_ids, seq.block_table = seq.block_table, []
         seq.status = SequenceStatus.FINISHED
-        self._forget(request_id)
+        self._forget(seq)
         return block_ids
 
-    def _forget(self, request_id: str) -> OutputText:
-        """A request that ended leaves the engine; its id becomes reusable."""
-        self._seqs.pop(request_id)
-        return self._texts.pop(request_id)
+    def _forget(self, seq: Sequence) -> OutputText:
+        """A sample that ended leaves the engine; with the request's last, its id becomes reusable."""
+        samples = self._requests[seq.request_id]
+        samples.remove(seq)
+        if not samples:
+            del self._requests[seq.request_id]
+        return self._texts.pop(seq)
 
     def get_sequence(self, request_id: str) -> Sequence | None:
-        """The live (waiting, running or prefilled) request with this id, if any."""
-        return self._seqs.get(request_id)
+        """The live (waiting, running or prefilled) request with this id, if any (of several samples, the
+        first still live)."""
+        samples = self._requests.get(request_id)
+        return samples[0] if samples else None
 
     @property
     def num_live_requests(self) -> int:
-        return len(self._seqs)
+        return len(self._requests)
 
     @property
     def num_free_blocks(self) -> int:

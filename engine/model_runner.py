@@ -16,10 +16,22 @@ from engine.attention.block_tables import BlockTableMirrors
 from engine.attention.metadata import table_width
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
+from engine.logprobs import TokenLogprobs
 from engine.model import CausalLM
+from engine.prompt_logprobs import PromptRows, compute_prompt_logprobs, prompt_rows
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one forward gave: the sampled sequences with their picks, and prompt logprobs (sequence, entry)
+    in prompt order."""
+
+    seqs: tuple[Sequence, ...]
+    sampled: SamplerOutput
+    prompt_logprobs: list[tuple[Sequence, TokenLogprobs]]
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,7 @@ class ModelInput:
     meta: AttentionMetadata
     sample_rows: torch.Tensor     # [S] batch rows whose next token is sampled
     sampled_seqs: tuple[Sequence, ...]
+    prompt_rows: PromptRows       # rows whose logits give prompt logprobs (requests that ask)
 
 
 class ModelRunner:
@@ -45,19 +58,22 @@ class ModelRunner:
         self.block_tables = BlockTableMirrors()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None,
-                ) -> tuple[tuple[Sequence, ...], SamplerOutput]:
+    def execute(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None) -> StepResult:
         """Run one forward over all chunks (writes their K/V into the pool); returns the sampled
-        sequences and, for each, one new token (and its logprobs if asked). Does not change the
-        sequences themselves. on_layer: called after each layer of an eager forward (CausalLM.forward)."""
+        sequences and, for each, one new token (and its logprobs if asked), and the prompt logprobs the
+        chunks gave. Does not change the sequences themselves. on_layer: called for each layer of an eager
+        forward once its K/V are stored (CausalLM.forward)."""
         batch = self.prepare(chunks)
         hidden = self._forward(batch, on_layer)  # [T, hidden]
+        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.prompt_rows) \
+            if batch.prompt_rows.rows else []
         if not batch.sampled_seqs:
-            return (), SamplerOutput([], [])
+            return StepResult((), SamplerOutput([], []), prompt_logprobs)
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [S, vocab]
         seqs = batch.sampled_seqs
-        return seqs, self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs],
-                                         [(s.token_ids, s.num_prompt_tokens) for s in seqs])
+        sampled = self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs],
+                                      [(s.token_ids, s.num_prompt_tokens) for s in seqs])
+        return StepResult(seqs, sampled, prompt_logprobs)
 
     def _forward(self, batch: ModelInput, on_layer: Callable[[int], None] | None) -> torch.Tensor:
         """The model forward, replayed from a captured graph when the step is decode rows only (no layer
@@ -72,20 +88,22 @@ class ModelRunner:
         """The step's flat batch: ids, positions, each token's pool slot and the attention metadata.
         Python work is per sequence (and per prompt token for the ids); slots are computed on the device."""
         ordered = sorted(chunks, key=lambda c: c.num_new_tokens > 1)  # stable: single tokens first
-        input_ids, sample_rows, sampled, row = [], [], [], 0
+        input_ids, sample_rows, sampled, row, prompt = [], [], [], 0, PromptRows([], [], [])
         for chunk in ordered:
             seq, start, n = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
             input_ids += seq.token_ids[start:start + n]
+            prompt_rows(seq, start, n, row, prompt)
             row += n
-            if chunk.samples:
-                sample_rows.append(row - 1)
-                sampled.append(seq)
+            if chunk.samples:  # the sequence's next token; a prefill of n samples gives each its first
+                for sample in (seq, *seq.forks):
+                    sample_rows.append(row - 1)
+                    sampled.append(sample)
         computed, new = [c.seq.num_computed_tokens for c in ordered], [c.num_new_tokens for c in ordered]
         width = table_width([c + n for c, n in zip(computed, new)], self.block_size)
         tables = self.block_tables.tables([c.seq for c in ordered], width)  # [N, width] int32
         step = build_step_tensors(self.attention, computed, new, tables, self.block_size, self.device)
         return ModelInput(self._tensor(input_ids), step.positions, step.meta, self._tensor(sample_rows),
-                          tuple(sampled))
+                          tuple(sampled), prompt)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

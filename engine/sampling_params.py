@@ -1,6 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops (mirrors vLLM's)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -8,12 +9,14 @@ MAX_TOP_K = 2 ** 31 - 1  # larger values mean "no cut" anyway; this keeps them i
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: below this, dividing logits by it overflows to inf / NaN
 MAX_LOGPROBS = 20        # top alternatives a request may ask for per token (vLLM's and OpenAI's 20)
 MAX_LOGIT_BIAS = 100.0   # |bias| bound, as OpenAI's logit_bias
+MAX_N = 128              # samples of one prompt per request
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings; validated on construction (ValueError naming the field).
 
+    n: independent samples of the prompt (vLLM's n; sample j of a seeded request uses seed + j).
     temperature below 1e-5 (0 included) means greedy; top_k -1 means no top-k cut; top_p 1.0 means no
     nucleus cut; min_p 0 means no min-p cut (else tokens below min_p x the top token's probability are
     cut). A seeded request draws the token at position p from (seed, p) alone, so it gets the
@@ -29,9 +32,17 @@ class SamplingParams:
     `presence_penalty` (in [-2, 2]) subtract penalty x count and penalty x (count > 0) of each token
     in the output so far. `logprobs` (None = off, 0..20): report the sampled token's logprob and the
     `logprobs` most likely alternatives' for every generated token (engine/sampler.py says of which
-    logits).
+    logits). `prompt_logprobs` (None = off, 0..20): the same for every prompt token but the first, from the
+    model's raw logits (engine/prompt_logprobs.py); such a request does not use the prefix cache.
+
+    Text (vLLM's options and defaults): `include_stop_str_in_output` keeps a stop string in the text (and,
+    for a stop token or EOS that ends the request, that token's text; otherwise it is not detokenized);
+    `skip_special_tokens` leaves special tokens out of the text; `spaces_between_special_tokens` (see
+    Tokenizer.decode) joins kept special tokens to the text around them with the tokenizer's own decode
+    (True) or with no separator (False).
     """
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -47,8 +58,15 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
@@ -66,6 +84,10 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < 2 ** 63:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
         self._check_processors()
@@ -80,10 +102,18 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         object.__setattr__(self, "logit_bias", _normalize_bias(self.logit_bias))
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (or None), got {value}")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The params of sample `index` of n: n = 1, and seed + index (mod 2**63) for a seeded request, as vLLM
+        derives its children's seeds; unseeded samples draw from the engine's generator, each its own draw."""
+        seed = None if self.seed is None else (self.seed + index) % 2 ** 63
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -53,6 +53,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Put a sequence that holds no block at the head of the queue (a sample that could not fork)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
@@ -80,8 +85,10 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
         chunks = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:  # its samples run too
+                break
             self._attach_cached_prefix(seq)
             num_new = self._chunk_size(seq, budget)
             whole = num_new == seq.num_uncomputed_tokens
@@ -104,8 +111,11 @@ class Scheduler:
         return min(num_new, threshold) if threshold and num_new > 1 else num_new
 
     def _attach_cached_prefix(self, seq: Sequence) -> None:
-        # Leave at least the last token to compute: its hidden state gives the next token's logits.
+        # Leave at least the last token to compute: its hidden state gives the next token's logits. A
+        # request still owed prompt logprobs computes every prompt position: no cache.
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+            max_blocks = 0
         block_ids, hashes = self.allocator.lookup_prefix(seq.token_ids, max_blocks)
         seq.block_table = block_ids
         seq.block_hashes = hashes

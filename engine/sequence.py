@@ -21,12 +21,18 @@ class Sequence:
     K/V are in the sequence's blocks; the rest are computed by the next scheduled steps. A resumed
     request (one that continues elsewhere after its worker died) arrives with its already generated
     tokens at the end of `known_token_ids`; num_resumed_tokens says how many, so they count as output.
+
+    A request with n > 1 samples is n sequences with the same request_id, `index` 0..n-1. Sample 0 is
+    scheduled and prefills the prompt; the others wait in its `forks` until its prefill samples, then each
+    takes its own first token from the same logits and a block table that shares the prompt's full blocks.
     """
 
     def __init__(self, request_id: str, known_token_ids: list[int], params: SamplingParams,
                  *, prefill_only: bool = False, arrival_time: float | None = None,
-                 num_resumed_tokens: int = 0) -> None:
+                 num_resumed_tokens: int = 0, index: int = 0) -> None:
         self.request_id = request_id
+        self.index = index
+        self.forks: list[Sequence] = []  # samples 1..n-1 waiting for this one's prefill (sample 0's only)
         self.token_ids: list[int] = list(known_token_ids)
         self.num_prompt_tokens = len(known_token_ids) - num_resumed_tokens
         self.params = params
@@ -41,6 +47,8 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
+        # params.prompt_logprobs: one entry per prompt token, the first None, filled as the prefill runs
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -63,5 +71,5 @@ class Sequence:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.PREFILLED)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+        return (f"Sequence({self.request_id!r}[{self.index}], {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,23 +1,20 @@
 """Tokenizers for the engine: a Hugging Face `tokenizer.json` through the `tokenizers` library, and the
 byte-level tokenizer of the embedded default model. Chat templates are rendered with sandboxed jinja2
-the way transformers renders them. This module never imports transformers.
+the way transformers renders them (engine/chat_template.py). This module never imports transformers.
 """
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from engine.chat_template import check_template_variables, compile_chat_template, named_chat_templates, render_chat
 from engine.detokenizer import IncrementalDetokenizer, validate_token_ids
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template",
@@ -41,13 +38,22 @@ class Tokenizer(ABC):
         """Token ids of `text`; with `add_special_tokens` the tokenizer's own BOS (if any) is included."""
 
     @abstractmethod
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids >= vocab_size are skipped (as `tokenizers` does); negative ids raise ValueError.
-        Invalid UTF-8 byte sequences become U+FFFD."""
+        Invalid UTF-8 byte sequences become U+FFFD. spaces_between_special_tokens False (vLLM's option): the
+        added tokens kept in the text are joined to the text around them with no separator, each run of
+        other tokens decoded on its own; True: the tokenizer's own decode."""
 
     @abstractmethod
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat. Raises ValueError on malformed messages or when the template rejects them."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, tools: list | None = None,
+                            documents: list | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+                            ) -> str:
+        """The prompt text for a chat. continue_final_message: the final message is left open for the model to
+        continue (no end of turn; excludes add_generation_prompt). tools, documents and chat_template_kwargs
+        (extra template variables) are the template's to render or ignore. Raises ValueError on malformed
+        messages or when the template rejects them."""
 
 
 def validate_messages(messages: list[dict]) -> list[dict]:
@@ -60,29 +66,6 @@ def validate_messages(messages: list[dict]) -> list[dict]:
             raise ValueError(f"message {index} must be a dict with a string 'role', got {message!r}")
         cleaned.append({key: value for key, value in message.items() if value is not None})
     return cleaned
-
-
-def _raise_template_error(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a Hugging Face chat template in the environment transformers uses (sandboxed, trim/lstrip blocks,
-    loop controls, `raise_exception`, `strftime_now`, non-escaping `tojson`). ValueError on a syntax error."""
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_template_error
-    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return environment.from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as error:
-        raise ValueError(f"chat template has a syntax error at line {error.lineno}: {error.message}") from error
 
 
 def _read_json(path: Path) -> dict:
@@ -101,19 +84,6 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _select_chat_template(value: Any) -> str | None:
-    """The default template from a string, a list of {"name", "template"} dicts, or a name -> template dict."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        value = {entry["name"]: entry["template"] for entry in value}
-    if isinstance(value, dict):
-        if "default" not in value:
-            raise ValueError(f"chat_template has named templates {sorted(value)} but none named 'default'")
-        return value["default"]
-    raise ValueError(f"chat_template must be a string or a list of named templates, got {type(value).__name__}")
-
-
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
         return []
@@ -127,10 +97,13 @@ class HFTokenizer(Tokenizer):
     `AutoTokenizer` for `tokenizer_class: PreTrainedTokenizerFast`; decode applies no space clean-up."""
 
     def __init__(self, backend: _BackendTokenizer, *, special_tokens: dict[str, str],
-                 eos_token_ids: Sequence[int], chat_template: str | None):
+                 eos_token_ids: Sequence[int], chat_template: str | Mapping[str, str] | None):
+        """chat_template: one template, or {name: template} with a "default" (and a "tool_use" one, which
+        transformers picks when tools are given)."""
         self._backend = backend
         self._special_tokens = dict(special_tokens)
-        self._chat_template_source = chat_template
+        self._chat_templates = named_chat_templates(chat_template)
+        self._compiled: dict[str, Any] = {}
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         bos_token = special_tokens.get("bos_token")
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
@@ -157,7 +130,7 @@ class HFTokenizer(Tokenizer):
         if template_file.is_file():
             chat_template = template_file.read_text(encoding="utf-8")
         else:
-            chat_template = _select_chat_template(config.get("chat_template"))
+            chat_template = config.get("chat_template")
         eos_ids = _as_id_list(backend.token_to_id(special_tokens["eos_token"])
                               if "eos_token" in special_tokens else None)
         for config_name in ("generation_config.json", "config.json"):
@@ -167,34 +140,56 @@ class HFTokenizer(Tokenizer):
     @property
     def chat_template(self) -> str | None:
         """The jinja source of the default chat template, or None when the checkpoint has none."""
-        return self._chat_template_source
+        return self._chat_templates.get("default")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(validate_token_ids(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        ids = validate_token_ids(ids)
+        if spaces_between_special_tokens or not self._added_tokens.keys() & set(ids):
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        pieces, run = [], []
+        for token_id in ids:
+            added = self._added_tokens.get(token_id)
+            if added is None:
+                run.append(token_id)
+                continue
+            pieces.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
+            run = []
+            if not (skip_special_tokens and added.special):
+                pieces.append(added.content)
+        pieces.append(self._backend.decode(run, skip_special_tokens=skip_special_tokens))
+        return "".join(pieces)
 
     @cached_property
-    def _compiled_chat_template(self) -> jinja2.Template:
-        if self._chat_template_source is None:
-            raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
-        return compile_chat_template(self._chat_template_source)
+    def _added_tokens(self) -> dict[int, Any]:
+        """Added token id -> its tokenizers.AddedToken (content, special)."""
+        return dict(self._backend.get_added_tokens_decoder())
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render like transformers' `apply_chat_template(messages, tokenize=False)`: variables `messages`,
-        `add_generation_prompt`, `tools`/`documents` (None) and the special token strings. A template's
-        `raise_exception(...)` surfaces as ValueError."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, tools: list | None = None,
+                            documents: list | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+                            ) -> str:
+        """Render like transformers' `apply_chat_template(messages, tokenize=False, ...)` (engine/chat_template.py):
+        the "tool_use" template when tools are given and the checkpoint has one, else the default; variables
+        `messages`, `add_generation_prompt`, `tools`, `documents`, the special token strings and
+        chat_template_kwargs (which may override those strings). A template's `raise_exception(...)` surfaces
+        as ValueError."""
         cleaned = validate_messages(messages)
-        try:
-            return self._compiled_chat_template.render(
-                messages=cleaned, tools=None, documents=None,
-                add_generation_prompt=add_generation_prompt, **self._special_tokens,
-            )
-        except jinja2.exceptions.TemplateError as error:
-            raise ValueError(f"chat template rejected the messages: {error}") from error
+        name = "tool_use" if tools is not None and "tool_use" in self._chat_templates else "default"
+        source = self._chat_templates.get(name)
+        if source is None:
+            raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
+        if name not in self._compiled:
+            self._compiled[name] = compile_chat_template(source)
+        variables = {**self._special_tokens, **check_template_variables(chat_template_kwargs)}
+        return render_chat(self._compiled[name], source, cleaned, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, tools=tools, documents=documents,
+                           variables=variables)
 
 
 class ByteTokenizer(Tokenizer):
@@ -217,7 +212,9 @@ class ByteTokenizer(Tokenizer):
         byte_ids = list(text.encode("utf-8"))
         return [self.BOS_ID, *byte_ids] if add_special_tokens else byte_ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Bytes and special tokens are joined with no separator either way."""
         pieces = bytearray()
         for token_id in validate_token_ids(ids):
             if token_id < 256:
@@ -226,14 +223,24 @@ class ByteTokenizer(Tokenizer):
                 pieces += self.SPECIAL_TOKENS[token_id].encode("ascii")
         return pieces.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """`<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n` when `add_generation_prompt`."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, tools: list | None = None,
+                            documents: list | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
+                            ) -> str:
+        """`<|role|>\\ncontent\\n` per message, then `<|assistant|>\\n` when `add_generation_prompt`; with
+        continue_final_message the final message ends right after its content. Only roles and contents are
+        rendered (tool calls, tools, documents and template variables are not)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        check_template_variables(chat_template_kwargs)
         lines = []
         for index, message in enumerate(validate_messages(messages)):
             content = message.get("content", "")
             if not isinstance(content, str):
                 raise ValueError(f"message {index} content must be a string, got {type(content).__name__}")
             lines.append(f"<|{message['role']}|>\n{content}\n")
+        if continue_final_message:
+            lines[-1] = lines[-1][:-1]
         if add_generation_prompt:
             lines.append("<|assistant|>\n")
         return "".join(lines)

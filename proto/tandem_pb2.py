@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/tandem.proto\x12\ttandem.v1\"\x98\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).tandem.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\xad\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x06timing\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Timing\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"g\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xc6\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x12\n\nmigrations\x18\x08 \x01(\r\x12\x1b\n\x13transfer_exposed_ms\x18\t \x01(\x01\"\x0f\n\rHealthRequest\"`\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\"`\n\x07KVChunk\x12\x12\n\x08manifest\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x16\n\x0crun_checksum\x18\x03 \x01(\x06H\x00\x12\x0e\n\x04tail\x18\x04 \x01(\x0cH\x00\x42\t\n\x07payload\"v\n\x05KVAck\x12#\n\x06status\x18\x01 \x01(\x0e\x32\x13.tandem.v1.KVStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\r\n\x05\x66inal\x18\x05 \x01(\x08*\xa0\x02\n\x08KVStatus\x12\t\n\x05KV_OK\x10\x00\x12\x1b\n\x17KV_REJECTED_FINGERPRINT\x10\x01\x12\x19\n\x15KV_REJECTED_NO_BLOCKS\x10\x02\x12\x10\n\x0cKV_MALFORMED\x10\x03\x12\x10\n\x0cKV_CANCELLED\x10\x04\x12\x18\n\x14KV_CHECKSUM_MISMATCH\x10\x05\x12\x16\n\x12KV_LENGTH_MISMATCH\x10\x06\x12\x0e\n\nKV_TIMEOUT\x10\x07\x12\x12\n\x0eKV_PEER_FAILED\x10\x08\x12\x18\n\x14KV_ABORTED_BY_SENDER\x10\t\x12\x0f\n\x0bKV_INTERNAL\x10\n\x12\x14\n\x10KV_REJECTED_BUSY\x10\x0b\x12\x16\n\x12KV_UNAUTHENTICATED\x10\x0c\x32\x8e\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse2>\n\nKVTransfer\x12\x30\n\x04Push\x12\x12.tandem.v1.KVChunk\x1a\x10.tandem.v1.KVAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/tandem.proto\x12\ttandem.v1\"\xe8\x06\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).tandem.v1.GenerateRequest.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0c\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x14 \x01(\x08H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xad\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12!\n\x06timing\x18\x04 \x01(\x0b\x32\x11.tandem.v1.Timing\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\"g\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07top_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xc6\x01\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x05 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x12\n\nmigrations\x18\x08 \x01(\r\x12\x1b\n\x13transfer_exposed_ms\x18\t \x01(\x01\"\x0f\n\rHealthRequest\"`\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\"`\n\x07KVChunk\x12\x12\n\x08manifest\x18\x01 \x01(\x0cH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x16\n\x0crun_checksum\x18\x03 \x01(\x06H\x00\x12\x0e\n\x04tail\x18\x04 \x01(\x0cH\x00\x42\t\n\x07payload\"v\n\x05KVAck\x12#\n\x06status\x18\x01 \x01(\x0e\x32\x13.tandem.v1.KVStatus\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\r\n\x05\x66inal\x18\x05 \x01(\x08*\xa0\x02\n\x08KVStatus\x12\t\n\x05KV_OK\x10\x00\x12\x1b\n\x17KV_REJECTED_FINGERPRINT\x10\x01\x12\x19\n\x15KV_REJECTED_NO_BLOCKS\x10\x02\x12\x10\n\x0cKV_MALFORMED\x10\x03\x12\x10\n\x0cKV_CANCELLED\x10\x04\x12\x18\n\x14KV_CHECKSUM_MISMATCH\x10\x05\x12\x16\n\x12KV_LENGTH_MISMATCH\x10\x06\x12\x0e\n\nKV_TIMEOUT\x10\x07\x12\x12\n\x0eKV_PEER_FAILED\x10\x08\x12\x18\n\x14KV_ABORTED_BY_SENDER\x10\t\x12\x0f\n\x0bKV_INTERNAL\x10\n\x12\x14\n\x10KV_REJECTED_BUSY\x10\x0b\x12\x16\n\x12KV_UNAUTHENTICATED\x10\x0c\x32\x8e\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12=\n\x06Health\x12\x18.tandem.v1.HealthRequest\x1a\x19.tandem.v1.HealthResponse2>\n\nKVTransfer\x12\x30\n\x04Push\x12\x12.tandem.v1.KVChunk\x1a\x10.tandem.v1.KVAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_KVSTATUS']._serialized_start=1516
-  _globals['_KVSTATUS']._serialized_end=1804
+  _globals['_KVSTATUS']._serialized_start=1724
+  _globals['_KVSTATUS']._serialized_end=2012
   _globals['_GENERATEREQUEST']._serialized_start=34
-  _globals['_GENERATEREQUEST']._serialized_end=698
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=486
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=534
-  _globals['_GENERATERESPONSE']._serialized_start=701
-  _globals['_GENERATERESPONSE']._serialized_end=874
-  _globals['_TOKENLOGPROBS']._serialized_start=876
-  _globals['_TOKENLOGPROBS']._serialized_end=979
-  _globals['_TIMING']._serialized_start=982
-  _globals['_TIMING']._serialized_end=1180
-  _globals['_HEALTHREQUEST']._serialized_start=1182
-  _globals['_HEALTHREQUEST']._serialized_end=1197
-  _globals['_HEALTHRESPONSE']._serialized_start=1199
-  _globals['_HEALTHRESPONSE']._serialized_end=1295
-  _globals['_KVCHUNK']._serialized_start=1297
-  _globals['_KVCHUNK']._serialized_end=1393
-  _globals['_KVACK']._serialized_start=1395
-  _globals['_KVACK']._serialized_end=1513
-  _globals['_TANDEM']._serialized_start=1807
-  _globals['_TANDEM']._serialized_end=1949
-  _globals['_KVTRANSFER']._serialized_start=1951
-  _globals['_KVTRANSFER']._serialized_end=2013
+  _globals['_GENERATEREQUEST']._serialized_end=906
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=605
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=653
+  _globals['_GENERATERESPONSE']._serialized_start=909
+  _globals['_GENERATERESPONSE']._serialized_end=1082
+  _globals['_TOKENLOGPROBS']._serialized_start=1084
+  _globals['_TOKENLOGPROBS']._serialized_end=1187
+  _globals['_TIMING']._serialized_start=1190
+  _globals['_TIMING']._serialized_end=1388
+  _globals['_HEALTHREQUEST']._serialized_start=1390
+  _globals['_HEALTHREQUEST']._serialized_end=1405
+  _globals['_HEALTHRESPONSE']._serialized_start=1407
+  _globals['_HEALTHRESPONSE']._serialized_end=1503
+  _globals['_KVCHUNK']._serialized_start=1505
+  _globals['_KVCHUNK']._serialized_end=1601
+  _globals['_KVACK']._serialized_start=1603
+  _globals['_KVACK']._serialized_end=1721
+  _globals['_TANDEM']._serialized_start=2015
+  _globals['_TANDEM']._serialized_end=2157
+  _globals['_KVTRANSFER']._serialized_start=2159
+  _globals['_KVTRANSFER']._serialized_end=2221
 # @@protoc_insertion_point(module_scope)

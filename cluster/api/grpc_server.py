@@ -23,8 +23,8 @@ from cluster.api.grpc_wire import UndecodableRequest, add_tandem_service
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import ServingMetrics
-from cluster.api.request_validation import (OFF_LOOP_INPUT_CHARS, build_sampling_params, check_prompt_token_ids,
-                                            encode_prompt)
+from cluster.api.request_validation import (OFF_LOOP_INPUT_CHARS, TEXT_ARGS, build_sampling_params,
+                                            check_prompt_token_ids, encode_prompt)
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from proto import tandem_pb2, tandem_pb2_grpc
 
@@ -114,7 +114,7 @@ def _sampling_params(request: tandem_pb2.GenerateRequest):
         return getattr(request, name) if request.HasField(name) else None
 
     processors = {name: optional(name) for name in ("min_p", "presence_penalty", "frequency_penalty",
-                                                    "repetition_penalty", "min_tokens", "logprobs")}
+                                                    "repetition_penalty", "min_tokens", "logprobs", *TEXT_ARGS)}
     return build_sampling_params(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
                                  top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
                                  stop=list(request.stop) or None, ignore_eos=request.ignore_eos,

@@ -10,25 +10,24 @@ the request is aborted and its blocks freed.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from contextlib import aclosing
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from cluster.api.api_key import ApiKeyCheck
-from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
-from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel, parse_chat_request,
-                                         parse_completion_request, parse_json_body)
+from cluster.api.openai_fields import OpenAIError
+from cluster.api.openai_generation import backend_error, generation_requests, respond
+from cluster.api.openai_protocol import (ParsedRequest, ServedModel, parse_chat_request, parse_completion_request,
+                                         parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
 from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
 from cluster.api.utility_routes import UtilityRoutes
-from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
+from cluster.backend import Backend
 
 logger = logging.getLogger("tandem.cluster.http")
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
@@ -59,18 +58,6 @@ class HttpServerConfig:
         if not isinstance(names, tuple) or not all(isinstance(n, str) and n.strip() for n in names) \
                 or len(set(names)) != len(names):
             raise ValueError(f"served_model_names must be a tuple of distinct non-empty names, got {names!r}")
-
-
-def backend_error(error: Exception) -> OpenAIError:
-    """The HTTP answer to an exception raised by a backend."""
-    if isinstance(error, BackendOverloaded):
-        return OpenAIError(429, str(error), type="rate_limit_error", code="overloaded")
-    if isinstance(error, BackendUnavailable):
-        return OpenAIError(503, str(error), type="service_unavailable", code="backend_unavailable")
-    if isinstance(error, ValueError):  # InvalidField names its field
-        return OpenAIError(400, str(error), code="invalid_value", param=getattr(error, "field", None))
-    return OpenAIError(500, report_internal_error(logger, error, None), type="internal_error",
-                       code="internal_error")
 
 
 def error_response(error: OpenAIError) -> web.Response:
@@ -133,19 +120,8 @@ class OpenAIFrontEnd:
             call = parse(parse_json_body(body), self._served)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids,
-                           call.params.logprobs, self._served.tokenizer)
-        generation = GenerationRequest(request_id, call.prompt_token_ids, call.params, arrival)
-        async with aclosing(self._backend.generate(generation)) as chunks:
-            try:
-                first = await anext(chunks)
-            except StopAsyncIteration:
-                raise OpenAIError(500, "the backend ended the request without output",
-                                  type="internal_error", code="internal_error") from None
-            except Exception as error:
-                raise backend_error(error) from error
-            if call.stream:
-                return await _stream(request, call, shape, first, chunks)
-            return web.json_response(await _whole(call, shape, first, chunks))
+                           call.params.logprobs, self._served.tokenizer, call.echo)
+        return await respond(request, self._backend, call, shape, generation_requests(call, request_id, arrival))
 
     async def health(self, request: web.Request) -> web.Response:
         health = await self._backend.health()
@@ -169,59 +145,6 @@ class OpenAIFrontEnd:
     async def metrics(self, request: web.Request) -> web.Response:
         body = self._metrics.render(await self._backend.health())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-
-async def _whole(call: ParsedRequest, shape: ResponseShape, first: GenerationChunk, chunks) -> dict:
-    text, token_ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs or ()), first
-    try:
-        async for chunk in chunks:
-            text.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs or ())
-            last = chunk
-    except Exception as error:
-        raise backend_error(error) from error
-    return shape.full("".join(text), token_ids, last.finish_reason, last.timing, len(call.prompt_token_ids),
-                      logprobs)
-
-
-async def _stream(request: web.Request, call: ParsedRequest, shape: ResponseShape, first: GenerationChunk,
-                  chunks) -> web.StreamResponse:
-    """SSE: `data: {json}` per object, `data: [DONE]` last."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-    await response.prepare(request)
-    try:
-        await _stream_events(response, call, shape, first, chunks)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-    except ConnectionResetError:  # the client left; closing the stream aborts the request
-        pass
-    return response
-
-
-async def _stream_events(response: web.StreamResponse, call: ParsedRequest, shape: ResponseShape,
-                         first: GenerationChunk, chunks) -> None:
-    """The events of the whole request. An error after the headers went out is sent as a
-    `data: {"error": ...}` event."""
-    try:
-        for opening in shape.stream_opening():
-            await _send_event(response, opening)
-        completion_tokens, chunk = 0, first
-        while chunk is not None:
-            completion_tokens += len(chunk.token_ids)
-            await _send_event(response, shape.stream_chunk(chunk, call.include_usage))
-            chunk = await anext(chunks, None)
-        if call.include_usage:
-            await _send_event(response, shape.stream_usage(len(call.prompt_token_ids), completion_tokens))
-    except ConnectionResetError:
-        raise
-    except Exception as error:
-        await _send_event(response, backend_error(error).body())
-
-
-async def _send_event(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n")
 
 
 async def start_http_server(backend: Backend, config: HttpServerConfig = HttpServerConfig(),

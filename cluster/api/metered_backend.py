@@ -32,6 +32,7 @@ class MeteredBackend:
         """The backend's chunks, unchanged; the request is counted once whatever way it ends."""
         outcome = "cancelled"
         previous: float | None = None
+        samples_left = request.params.n  # the request finishes with its last sample
         try:
             async with aclosing(self._backend.generate(request)) as chunks:
                 async for chunk in chunks:
@@ -42,8 +43,10 @@ class MeteredBackend:
                     self._metrics.observe_chunk(len(chunk.token_ids), None if previous is None else now - previous)
                     previous = now
                     if chunk.finish_reason is not None:
-                        outcome = chunk.finish_reason
-                        self._metrics.observe_finished(chunk.timing, now - request.arrival_time)
+                        samples_left -= 1
+                        if not samples_left:
+                            outcome = chunk.finish_reason
+                            self._metrics.observe_finished(chunk.timing, now - request.arrival_time)
                     yield chunk
         except Exception as error:
             outcome = _outcome_of(error)

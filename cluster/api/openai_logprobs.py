@@ -62,3 +62,14 @@ def chat_logprobs(logprobs: Sequence[TokenLogprobs], texts: TokenTexts) -> dict:
 def _chat_entry(token_id: int, value: float, texts: TokenTexts) -> dict:
     token = texts(token_id)
     return {"token": token, "logprob": reported(value), "bytes": list(token.encode("utf-8"))}
+
+
+def echoed_prompt_logprobs(prompt_ids: Sequence[int], prompt_logprobs: Sequence[TokenLogprobs | None],
+                           texts: TokenTexts) -> dict:
+    """The completions object of an echoed prompt (`echo` with `logprobs`): each prompt token decoded alone
+    and, from the second on, its logprob and top alternatives given the tokens before it (the engine's
+    prompt_logprobs); the first token's are None, as OpenAI reports them. Offsets start at 0."""
+    first = texts(prompt_ids[0])
+    rest = completion_logprobs([lp for lp in prompt_logprobs[1:] if lp is not None], texts, len(first))
+    return {"tokens": [first, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}

@@ -1,29 +1,36 @@
-"""The OpenAI request fields of the logits processors and logprobs, parsed into build_sampling_params'
-keyword arguments (request_validation.py checks their values).
+"""The OpenAI request fields of n, the logits processors, logprobs and the text options, parsed into
+build_sampling_params' keyword arguments (request_validation.py checks their values).
 
-Both endpoints: presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]), repetition_penalty, min_p,
-min_tokens (vLLM's extensions), logit_bias ({"token id": bias in [-100, 100]}, JSON keys are strings).
+Both endpoints: n (samples per prompt, 1..128), presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]),
+repetition_penalty, min_p, min_tokens (vLLM's extensions), logit_bias ({"token id": bias in [-100, 100]},
+JSON keys are strings).
 Logprobs: completions take `logprobs` (0..20: the sampled token plus that many alternatives); chat takes
 `logprobs: true` and `top_logprobs` (0..20; only with logprobs true, 0 or null otherwise). Anything
-malformed is an InvalidField naming the field (HTTP 400 with it as `param`).
+malformed is an InvalidField naming the field (HTTP 400 with it as `param`). vLLM's text options:
+include_stop_str_in_output, skip_special_tokens, spaces_between_special_tokens (booleans).
 """
 from __future__ import annotations
 
 import json
 
-from cluster.api.request_validation import InvalidField
+from cluster.api.request_validation import TEXT_ARGS, InvalidField
 from engine.sampling_params import MAX_LOGPROBS
 
 NUMBER_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
-PROCESSOR_FIELDS = (*NUMBER_FIELDS, "min_tokens", "logit_bias")
+EXTRA_FIELDS = (*NUMBER_FIELDS, "min_tokens", "logit_bias", "n", *TEXT_ARGS)
 
 
-def sampling_extras(body: dict, chat: bool) -> dict:
-    """build_sampling_params keyword arguments of the processors and logprobs fields of `body`."""
+def sampling_extras(body: dict, chat: bool, echo: bool = False) -> dict:
+    """build_sampling_params keyword arguments of the processors and logprobs fields of `body`; a completion
+    that echoes its prompt with logprobs asks for as many prompt logprobs."""
     extras = {name: _number(body, name) for name in NUMBER_FIELDS}
     extras["min_tokens"] = _integer(body, "min_tokens")
+    extras["n"] = _integer(body, "n")
     extras["logit_bias"] = _logit_bias(body.get("logit_bias"))
     extras["logprobs"] = _chat_logprobs(body) if chat else _integer(body, "logprobs")
+    if echo:
+        extras["prompt_logprobs"] = extras["logprobs"]
+    extras.update({name: _boolean(body, name) for name in TEXT_ARGS})
     return extras
 
 
@@ -70,4 +77,11 @@ def _integer(body: dict, name: str) -> int | None:
     value = body.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise InvalidField(name, f"{name} must be an integer, got {json.dumps(value)}")
+    return value
+
+
+def _boolean(body: dict, name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidField(name, f"{name} must be a boolean, got {json.dumps(value)}")
     return value

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from cluster.backend import InvalidField
 from engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 16
@@ -18,17 +19,10 @@ SEED_RANGE = (-(2 ** 63), 2 ** 63)  # what a torch.Generator takes and gRPC's in
 MAX_TOP_K = 2 ** 31 - 1              # the sampler builds an int64 tensor of top_k values
 MAX_LOGIT_BIAS_ENTRIES = 1024        # each biased token costs the sampler a little every step
 PROCESSOR_ARGS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                  "logit_bias", "logprobs")
+                  "logit_bias", "logprobs", "prompt_logprobs", "n")
+TEXT_ARGS = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 STANDARD_CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
-
-
-class InvalidField(ValueError):
-    """Bad input in one named field (`field`, e.g. "messages[0].role"): HTTP 400 with it as the error's
-    `param`, gRPC INVALID_ARGUMENT; the message names it too."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
+__all__ = ["InvalidField"]  # defined with the Backend contract, which raises it too
 
 
 def check_text(text: str, field: str) -> None:
@@ -100,11 +94,11 @@ def build_sampling_params(*, max_tokens: int | None = None, temperature: float |
                           stop_token_ids: Sequence[int] | None = None,
                           ignore_eos: bool = False, **processors) -> SamplingParams:
     """SamplingParams from wire values; None takes SamplingParams' default. `processors`: the
-    PROCESSOR_ARGS (logits processors and logprobs, SamplingParams' names). Rejects NaN and
+    PROCESSOR_ARGS (logits processors, logprobs, n) and TEXT_ARGS, SamplingParams' names. Rejects NaN and
     infinities, seeds outside int64, more than MAX_STOP_STRINGS or overlong stop strings, more than
     MAX_STOP_TOKEN_IDS stop token ids and more than MAX_LOGIT_BIAS_ENTRIES logit_bias entries, on top
     of SamplingParams' own checks; a bad value is an InvalidField naming its field."""
-    unknown = set(processors) - set(PROCESSOR_ARGS)
+    unknown = set(processors) - set(PROCESSOR_ARGS) - set(TEXT_ARGS)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
     values = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,

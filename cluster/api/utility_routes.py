@@ -2,9 +2,10 @@
 
     GET  /v1/models            {"object": "list", "data": [model card per served name]}
     GET  /v1/models/{id}       one model card; 404 model_not_found for a name not served
-    POST /tokenize             {"model"?, "prompt": str | "messages": [...], "add_special_tokens"?,
-                                "add_generation_prompt"? (messages)} -> {"count", "max_model_len", "tokens",
-                                "token_strs": null}
+    POST /tokenize             {"model"?, "prompt": str | "messages": [...], "add_special_tokens"?, and with
+                                messages the chat template options of openai_chat.py (add_generation_prompt,
+                                continue_final_message, tools, documents, chat_template_kwargs)}
+                                -> {"count", "max_model_len", "tokens", "token_strs": null}
     POST /detokenize           {"model"?, "tokens": [int, ...]} -> {"prompt": str}
     GET  /version              {"version": "..."}
 
@@ -20,12 +21,13 @@ from importlib import metadata
 
 from aiohttp import web
 
-from cluster.api.openai_protocol import (OpenAIError, ServedModel, bad_request, bool_field, chat_messages,
-                                         parse_json_body, requested_model)
-from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS, check_chat_roles, tokenize_text
+from cluster.api.openai_chat import TEMPLATE_FIELDS, render_chat_prompt
+from cluster.api.openai_fields import OpenAIError, bad_request, bool_field
+from cluster.api.openai_protocol import ServedModel, parse_json_body, requested_model
+from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS, tokenize_text
 
-TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                             "return_token_strs"})
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
+                             *TEMPLATE_FIELDS})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -82,7 +84,7 @@ class UtilityRoutes:
         tokenizer = self._served.tokenizer
         try:
             if "prompt" in body:
-                add_special = body.get("add_special_tokens") is None or bool_field(body, "add_special_tokens")
+                add_special = bool_field(body, "add_special_tokens", default=True)
                 ids = tokenize_text(body["prompt"], tokenizer, add_special, "prompt")
             else:
                 ids = self._chat_ids(body)
@@ -92,12 +94,9 @@ class UtilityRoutes:
                 "token_strs": None}
 
     def _chat_ids(self, body: dict) -> list[int]:
-        """The messages rendered with the chat template (generation prompt unless add_generation_prompt is
-        false) and encoded without special tokens unless add_special_tokens (the template writes them)."""
-        messages = chat_messages(body["messages"])
-        check_chat_roles(messages, self._served.tokenizer)
-        generation_prompt = body.get("add_generation_prompt") is None or bool_field(body, "add_generation_prompt")
-        text = self._served.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        """The messages rendered with the chat template as a chat request is (openai_chat.py) and encoded
+        without special tokens unless add_special_tokens (the template writes them)."""
+        text = render_chat_prompt(body, self._served.tokenizer)
         return tokenize_text(text, self._served.tokenizer, bool_field(body, "add_special_tokens"), "messages")
 
     def _detokenize(self, raw: bytes) -> dict:

@@ -29,6 +29,7 @@ from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
 from cluster.coordinator.routing import Router
+from cluster.coordinator.samples import request_chunks
 from cluster.workers.actors import WorkerInfo
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.placement import ClusterResources, release_cluster, stop_actors
@@ -80,8 +81,12 @@ class Coordinator:
     def is_alive(self, name: str) -> bool:
         return self._router.is_alive(name)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """See Backend.generate. BackendUnavailable when no prefill or decode worker is alive,
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """See Backend.generate (and _generate_one). n > 1: each sample a request of its own (samples.py)."""
+        return request_chunks(self._generate_one, request)
+
+    async def _generate_one(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """One sample. BackendUnavailable when no prefill or decode worker is alive,
         BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
         mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed.
 

@@ -73,6 +73,7 @@ class LocalEngineBackend:
         chunks: asyncio.Queue = asyncio.Queue()
         self._engine_loop.submit(engine_id, request, ChunkSink(asyncio.get_running_loop(), chunks))
         ended = False
+        samples_left = request.params.n  # the engine samples them all (one prefill, shared KV)
         first_delivered: float | None = None
         try:
             while not ended:
@@ -83,7 +84,8 @@ class LocalEngineBackend:
                 if first_delivered is None and item.token_ids:
                     first_delivered = time.perf_counter()
                 if item.finish_reason is not None:
-                    ended = True
+                    samples_left -= 1
+                    ended = not samples_left
                     item = _with_delivery_ttft(item, request.arrival_time, first_delivered)
                 yield item
         finally:

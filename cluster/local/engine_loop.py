@@ -68,6 +68,7 @@ class _LiveRequest:
 
     sink: ChunkSink
     arrival_time: float
+    samples_left: int = 1  # SamplingParams.n: the request ends with its last sample
     scheduled_at: float | None = None
     first_token_at: float | None = None
 
@@ -140,7 +141,7 @@ class EngineLoop:
         except Exception as error:  # ValueError for bad input; nothing was admitted either way
             command.sink.put(error)
             return
-        self._live[command.engine_id] = _LiveRequest(command.sink, request.arrival_time)
+        self._live[command.engine_id] = _LiveRequest(command.sink, request.arrival_time, request.params.n)
         self._unscheduled.add(command.engine_id)
 
     def _abort(self, engine_id: str) -> None:
@@ -172,7 +173,7 @@ class EngineLoop:
                 self._unscheduled.discard(engine_id)
 
     def _chunk_of(self, delta: StepDelta, now: float) -> tuple[ChunkSink, GenerationChunk] | None:
-        """The chunk of `delta` and where it goes; a finished request leaves the live set."""
+        """The chunk of `delta` and where it goes; a request whose last sample finished leaves the live set."""
         live = self._live.get(delta.request_id)
         if live is None:
             return None
@@ -180,10 +181,12 @@ class EngineLoop:
             live.first_token_at = now
         timing = None
         if delta.finish_reason is not None:
-            del self._live[delta.request_id]
+            live.samples_left -= 1
+            if not live.samples_left:
+                del self._live[delta.request_id]
             timing = self._timing(live, now)
         return live.sink, GenerationChunk(delta.new_token_ids, delta.new_text, delta.finish_reason, timing,
-                                          delta.logprobs)
+                                          delta.logprobs, delta.index, delta.prompt_logprobs)
 
     def _timing(self, live: _LiveRequest, now: float) -> Timing:
         scheduled = live.scheduled_at if live.scheduled_at is not None else live.arrival_time

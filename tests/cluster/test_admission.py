@@ -49,7 +49,7 @@ def test_one_bound_counts_the_requests_of_both_front_ends(served):
 
 
 async def _hold_over_http_refuse_over_grpc(session, stub, bound: AdmissionBound, engine) -> tuple:
-    holder = await session.post("/v1/completions", json=completion_body("Hold", 5000, stream=True))
+    holder = await session.post("/v1/completions", json=completion_body("Hold", engine.max_model_len - 50, stream=True))
     assert (await holder.content.readline()).startswith(b"data: ")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         async for _ in stub.Generate(tandem_pb2.GenerateRequest(prompt="one too many", max_tokens=2)):

@@ -50,6 +50,12 @@ BAD_HTTP = [
      "messages[0].role"),
     ("/v1/chat/completions", json.dumps({"messages": [*CHAT, {"role": "", "content": "hi"}]}).encode(), 400,
      "messages[2].role"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens"),  # past the context
+    ("/v1/completions", b'{"prompt": ["x", "y"], "max_tokens": 100000}', 400, "max_tokens"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000}',
+     400, "max_completion_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "skip_special_tokens": "no"}', 400, "skip_special_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "include_stop_str_in_output": 1}', 400, "include_stop_str_in_output"),
     ("/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
     ("/tokenize", deep(100_000).replace(b'"stop"', b'"messages"'), 400, None),
     ("/tokenize", b'{"prompt": "x", "messages": []}', 400, "prompt"),

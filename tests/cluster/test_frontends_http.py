@@ -113,7 +113,7 @@ def test_concurrent_requests_all_complete_correctly(served, reference):
 def test_client_disconnect_mid_stream_frees_every_block(served):
     async def scenario():
         async with http_client(served) as session:
-            body = completion_body("Rain in the morning " * 8, 5000, stream=True)
+            body = completion_body("Rain in the morning " * 8, served.max_model_len - 100, stream=True)
             response = await session.post("/v1/completions", json=body)
             for _ in range(3):
                 assert (await response.content.readline()).startswith(b"data: ")

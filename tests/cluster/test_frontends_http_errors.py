@@ -26,13 +26,14 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "x", "temperature": NaN}', 400, "invalid_json"),
     ({"prompt": "x", "max_tokens": "ten"}, 400, "invalid_type"),
     ({"prompt": "x", "stream": "yes"}, 400, "invalid_type"),
-    ({"prompt": "x", "n": 2}, 400, "unsupported_parameter"),
+    ({"prompt": "x", "n": 0}, 400, "invalid_value"),
+    ({"prompt": "x", "n": 129}, 400, "invalid_value"),
     ({"prompt": "x", "best_of": 3}, 400, "unsupported_parameter"),
-    ({"prompt": "x", "echo": True}, 400, "unsupported_parameter"),
+    ({"prompt": "x", "echo": "yes"}, 400, "invalid_type"),
     ({"prompt": "x", "logprobs": 21}, 400, "invalid_value"),
     ({"prompt": "x", "frequency_penalty": 2.5}, 400, "invalid_value"),
     ({"prompt": "x", "mystery_knob": 1}, 400, "unknown_parameter"),
-    ({"prompt": ["a", "b"]}, 400, "unsupported_value"),
+    ({"prompt": ["a", 3]}, 400, "invalid_value"),
     ({"prompt": {"text": "x"}}, 400, "invalid_value"),
     ({"max_tokens": 3}, 400, "invalid_value"),
     ({"prompt": []}, 400, "invalid_value"),
@@ -51,7 +52,9 @@ BAD_CHATS = [
     ({"messages": []}, 400, "invalid_value"),
     ({"messages": [{"content": "no role"}]}, 400, "invalid_value"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),  # the template refuses
-    ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "invalid_value"),  # a tool without its function
+    ({"messages": CHAT, "tool_choice": "required"}, 400, "unsupported_parameter"),
+    ({"messages": CHAT, "echo": True}, 400, "unsupported_parameter"),  # echo is for completions
 ]
 
 
@@ -98,7 +101,8 @@ def test_api_key_is_required_when_set(served):
 def test_overload_is_429(served):
     async def scenario():
         async with http_client(served, max_pending_requests=1) as session:
-            holder = await session.post("/v1/completions", json=completion_body("Hold", 5000, stream=True))
+            body = completion_body("Hold", served.max_model_len - 50, stream=True)
+            holder = await session.post("/v1/completions", json=body)
             assert (await holder.content.readline()).startswith(b"data: ")
             assert_openai_error(*await post(session, "/v1/completions", completion_body("More", 2)), 429, "overloaded")
             holder.close()
@@ -143,7 +147,8 @@ def test_backend_gone_means_503(served):
             runner, port = await start_http_server(backend, HttpServerConfig())
             try:
                 async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
-                    streaming = await session.post("/v1/completions", json=completion_body("Long", 5000, stream=True))
+                    body = completion_body("Long", served.max_model_len - 50, stream=True)
+                    streaming = await session.post("/v1/completions", json=body)
                     await streaming.content.readline()
                     await wait_until_busy(served)
                     await backend.shutdown()

@@ -12,7 +12,7 @@ import pytest
 
 from cluster.api.http_server import HttpServerConfig
 from engine import LLM
-from tests.support.http_rig import API_KEY, CHAT, KV_BYTES, MODEL, http_client, http_server, post
+from tests.support.http_rig import API_KEY, CHAT, KV_BYTES, MODEL, http_client, http_server, openai_client, post
 
 NAMES = (MODEL, "tiny", "org/llama-alias")
 
@@ -22,13 +22,9 @@ def served(tiny_checkpoint):
     return LLM(model=str(tiny_checkpoint("llama")), kv_cache_memory=KV_BYTES).engine
 
 
-def sdk(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)
-
-
 def test_every_served_name_is_listed_retrieved_and_accepted_as_model(served):
     async def scenario():
-        async with http_server(served, served_model_names=NAMES) as url, sdk(url) as client:
+        async with http_server(served, served_model_names=NAMES) as url, openai_client(url) as client:
             listed = [model async for model in client.models.list()]
             retrieved = [await client.models.retrieve(name) for name in NAMES]
             with pytest.raises(openai.NotFoundError):

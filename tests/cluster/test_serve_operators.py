@@ -43,7 +43,7 @@ async def scenario(proc: subprocess.Popen, grpc_port: int, http_port: int) -> tu
         outcomes = await asyncio.gather(*(complete(client, NAMES[1]) for _ in range(4)))
         assert await complete(client, NAMES[0]) == 200  # the bound let go of every request
         await asyncio.to_thread(wait_until_pools_whole, base_url)
-        stream = await client.completions.create(model=NAMES[0], prompt="hold on", max_tokens=4000, stream=True,
+        stream = await client.completions.create(model=NAMES[0], prompt="hold on", max_tokens=2000, stream=True,
                                                  extra_body={"ignore_eos": True})
         await anext(aiter(stream))
         proc.send_signal(signal.SIGTERM)  # drains for up to 20 s: the stream holds it open meanwhile

@@ -91,6 +91,35 @@ def test_chat_template_matches_transformers(hf_pair, arch):
             assert ours.apply_chat_template(messages, add_generation_prompt=add_prompt) == expected
 
 
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("arch", TOKENIZER_ARCHS)
+def test_chat_template_options_match_transformers(hf_pair, arch):
+    """tools (qwen2's checkpoint then uses its "tool_use" template, as transformers picks it),
+    continue_final_message, and template variables that override the special tokens."""
+    _, ours, theirs = hf_pair[arch]
+    cases = [(CHATS[1], dict(tools=TOOLS, add_generation_prompt=True)),
+             (CHATS[1][:3], dict(continue_final_message=True, add_generation_prompt=False)),
+             (CHATS[0], dict(add_generation_prompt=True, chat_template_kwargs={"eos_token": "<END>"}))]
+    for messages, options in cases:
+        variables = options.pop("chat_template_kwargs", {})
+        expected = theirs.apply_chat_template(messages, tokenize=False, **options, **variables)
+        assert ours.apply_chat_template(messages, **options, chat_template_kwargs=variables) == expected
+    tool_use = ours.apply_chat_template(CHATS[1], tools=TOOLS)
+    assert (tool_use.startswith("[system] Be brief.")) == (arch == "qwen2")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        ours.apply_chat_template(CHATS[1], continue_final_message=True)
+    with pytest.raises(ValueError, match="'messages'"):
+        ours.apply_chat_template(CHATS[1], chat_template_kwargs={"messages": []})
+
+
+def test_byte_tokenizer_continues_the_final_message():
+    rendered = ByteTokenizer().apply_chat_template(CHATS[1][:3], add_generation_prompt=False,
+                                                   continue_final_message=True)
+    assert rendered.endswith("<|assistant|>\n4")
+
+
 def test_chat_template_errors_are_value_errors(hf_pair):
     _, ours, _ = hf_pair["llama"]
     with pytest.raises(ValueError, match="Unknown role: tool"):

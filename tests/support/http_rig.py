@@ -5,6 +5,7 @@ import contextlib
 import json
 
 import aiohttp
+import openai
 
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from tests.support.frontend_rig import local_backend, wait_until_idle
@@ -58,3 +59,8 @@ async def stream_events(session, path: str, body) -> list:
 def completion_body(prompt, max_tokens: int, **extra) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, **extra}
+
+
+def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
+    """The official SDK's async client on a front end of http_server (no retries: every answer counts)."""
+    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)

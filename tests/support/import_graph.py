@@ -5,8 +5,9 @@ Rules (docs/architecture.md, "The map"):
   in its pool glue (kv_transfer/engine_pool.py); prefill_worker and decode_worker import engine and
   kv_transfer (never each other); cluster imports all of those; nothing in the product imports deploy/ or
   tests/ (they are not in any allowed set);
-- inside cluster/, between its rooms: api and local know only the Backend contract (cluster/backend.py);
-  coordinator drives workers; drivers may use every room; bench and workers stand alone; selftest uses bench
+- inside cluster/, between its rooms: api and local know only the Backend contract (cluster/backend.py),
+  api and coordinator also the stream merger (cluster/merged_streams.py); coordinator drives workers;
+  drivers may use every room; bench and workers stand alone; selftest uses bench
   (its checkpoints and limits) and nothing else, and only the entry points import it; the entry points
   (cli.py, serve.py with serve_flags.py, client.py) may import anything in cluster/, and no room imports them;
 - no Ray in engine, kv_transfer or the plain workers, and no gRPC in engine (Ray only places the workers).
@@ -36,10 +37,11 @@ ALLOWED_FOR_MODULE: dict[str, frozenset[str]] = {"kv_transfer.engine_pool": froz
 CLUSTER_ENTRY_POINTS = frozenset({"cluster", "cluster.cli", "cluster.serve", "cluster.serve_flags", "cluster.client"})
 ALLOWED_CLUSTER_ROOMS: dict[str, frozenset[str]] = {
     "cluster.backend": frozenset(),
-    "cluster.api": frozenset({"cluster.backend"}),
+    "cluster.merged_streams": frozenset(),
+    "cluster.api": frozenset({"cluster.backend", "cluster.merged_streams"}),
     "cluster.local": frozenset({"cluster.backend"}),
     "cluster.workers": frozenset(),
-    "cluster.coordinator": frozenset({"cluster.backend", "cluster.workers"}),
+    "cluster.coordinator": frozenset({"cluster.backend", "cluster.merged_streams", "cluster.workers"}),
     "cluster.bench": frozenset(),
     "cluster.selftest": frozenset({"cluster.bench"}),
     "cluster.drivers": frozenset({"cluster.backend", "cluster.api", "cluster.coordinator", "cluster.local",

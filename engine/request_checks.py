@@ -1,0 +1,32 @@
+"""The checks of a request the engine admits: its id, prompt, resumed tokens and sampling params against the
+model (context length, vocabulary). Each failure is a ValueError saying what is wrong; nothing is admitted."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.sampling_params import SamplingParams
+
+
+def check_request(request_id: str, prompt: Sequence[int], params: SamplingParams, num_resumed_tokens: int,
+                  max_model_len: int, vocab_size: int) -> None:
+    """ValueError unless the request can be admitted by an engine with this context and vocabulary."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"prompt token ids must be a list of ints, got {type(prompt).__name__}")
+    if len(prompt) == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    if len(prompt) > max_model_len:
+        raise ValueError(f"prompt has {len(prompt)} tokens, more than the model's context of {max_model_len}")
+    if isinstance(num_resumed_tokens, bool) or not isinstance(num_resumed_tokens, int) \
+            or not 0 <= num_resumed_tokens < min(len(prompt), params.max_tokens):
+        raise ValueError(f"num_resumed_tokens must be in [0, {min(len(prompt), params.max_tokens)}) "
+                         f"(fewer than the known tokens and than max_tokens), got {num_resumed_tokens!r}")
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+    biased = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if biased:
+        raise ValueError(f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab_size})")
