@@ -4,6 +4,8 @@ Encoded with msgpack as a map with string keys. decode_manifest validates every 
 consistency of runs, blocks and byte lengths, and raises ManifestError with a precise reason. A receiver
 passes its ManifestLimits (its pool's layout and size): then everything whose size the sender chose is
 checked against the pool before it is built or walked, so a crafted manifest costs O(pool blocks) at most.
+With prefix_blocks = k > 0 the receiver already holds the prompt's first k blocks (it matched them in its
+prefix cache and pinned them): block_ids and runs cover only the prompt's blocks after them, at least one.
 """
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ class Manifest:
     runs: tuple[RunInfo, ...]
     checksum_algo: str = CHECKSUM_ALGO
     first_logprobs: FirstTokenLogprobs | None = None  # when the request asked for logprobs
+    prefix_blocks: int = 0  # leading prompt blocks the receiver already holds: block_ids cover the rest
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -143,9 +146,13 @@ def _validate(m: Manifest) -> None:
     _check_int(m.first_token, "first_token")
     if m.checksum_algo != CHECKSUM_ALGO:
         raise ManifestError(f"unknown checksum_algo {m.checksum_algo!r}")
-    expected_blocks = -(-m.num_tokens // m.fingerprint.block_size)
+    prompt_blocks = -(-m.num_tokens // m.fingerprint.block_size)
+    _check_int(m.prefix_blocks, "prefix_blocks", limit=prompt_blocks)  # at least the last block travels
+    expected_blocks = prompt_blocks - m.prefix_blocks
     if len(m.block_ids) != expected_blocks:
-        raise ManifestError(f"{m.num_tokens} tokens need {expected_blocks} blocks, manifest lists {len(m.block_ids)}")
+        held = f" ({m.prefix_blocks} held by the receiver)" if m.prefix_blocks else ""
+        raise ManifestError(f"{m.num_tokens} tokens need {expected_blocks} blocks{held}, "
+                            f"manifest lists {len(m.block_ids)}")
     for i, block in enumerate(m.block_ids):
         _check_int(block, f"block_ids[{i}]")
     if len(set(m.block_ids)) != len(m.block_ids):
@@ -177,7 +184,7 @@ def _validate_runs(m: Manifest) -> None:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    """msgpack bytes of a (valid) manifest; first_logprobs only when set."""
+    """msgpack bytes of a (valid) manifest; first_logprobs and prefix_blocks only when set."""
     top = {
         "version": MANIFEST_VERSION,
         "request_id": m.request_id,
@@ -190,11 +197,13 @@ def encode_manifest(m: Manifest) -> bytes:
     }
     if m.first_logprobs is not None:
         top["first_logprobs"] = m.first_logprobs.encode()
+    if m.prefix_blocks:
+        top["prefix_blocks"] = m.prefix_blocks
     return msgpack.packb(top)
 
 
 _TOP_KEYS = {"version", "request_id", "fingerprint", "num_tokens", "block_ids", "first_token", "checksum_algo", "runs"}
-_OPTIONAL_TOP_KEYS = {"first_logprobs"}
+_OPTIONAL_TOP_KEYS = {"first_logprobs", "prefix_blocks"}
 _FP_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"}
 
 
@@ -270,6 +279,7 @@ def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manife
             runs=tuple(_decode_run(i, r) for i, r in enumerate(top["runs"])),
             checksum_algo=top["checksum_algo"],
             first_logprobs=None if "first_logprobs" not in top else FirstTokenLogprobs.decode(top["first_logprobs"]),
+            prefix_blocks=top.get("prefix_blocks", 0),
         )
     except LogprobsError as exc:
         raise ManifestError(str(exc)) from None

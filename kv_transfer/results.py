@@ -16,13 +16,16 @@ from kv_transfer.token_logprobs import FirstTokenLogprobs
 @dataclass(frozen=True)
 class SendRequest:
     """One request's KV to ship: its sender-side blocks, the number of valid tokens, the first token
-    (and its logprobs when the request asked for them: they travel in the manifest)."""
+    (and its logprobs when the request asked for them: they travel in the manifest). prefix_blocks: the
+    leading prompt blocks the receiver already holds, which do not travel: block_ids are the prompt's
+    blocks after them (num_tokens still counts the whole prompt)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     num_tokens: int
     first_token: int
     first_logprobs: FirstTokenLogprobs | None = None
+    prefix_blocks: int = 0
 
 
 @dataclass(frozen=True)
