@@ -39,7 +39,11 @@ class Timing:
 
     ttft_ms runs from arrival at the front end to the first token handed back to it, KV transfer
     included. In colocated serving transfer_ms and kv_bytes are 0. migrations: how often the request moved
-    to other workers after a worker under it failed (the workers named are the last ones)."""
+    to other workers after a worker under it failed (the workers named are the last ones).
+    prefill_location: where the prompt was prefilled, "remote" (a prefill worker; its KV moved) or "local"
+    (its decode worker or replica: the disaggregation policy's decision), "" for the in-process engine.
+    decode_cached_tokens: leading prompt tokens whose KV the decode worker already held in its prefix cache
+    (remote: they did not travel, kv_bytes counts only the rest)."""
 
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
@@ -49,6 +53,8 @@ class Timing:
     prefill_worker: str = ""
     decode_worker: str = ""
     migrations: int = 0
+    prefill_location: str = ""
+    decode_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
