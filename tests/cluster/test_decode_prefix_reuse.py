@@ -105,6 +105,20 @@ def test_pins_are_released_on_cancel_and_on_a_transfer_that_does_not_match_them(
     assert admission.cached_blocks == 4 and report.status is PrefillStatus.SHIPPED
     assert isinstance(last, DecodeEnded) and last.status is DecodeStatus.INVALID and "skips the first 2" in last.message
     wait_for(lambda: idle(prefill) and idle(decode))
+    # a transfer that fails: 3 blocks come where 1 is reserved, and the rest of the pool was taken meanwhile
+    # (as growing decodes would take it): REJECTED_NO_BLOCKS, the request ends NO_ROOM, its pins go back
+    admission = decode.expect(ExpectedRequest("no-room", tuple(prompt), greedy(4)), events.put)
+    assert admission.accepted and admission.cached_blocks == 4
+    others = engine.reserve_blocks(engine.num_free_blocks)
+    try:
+        task = PrefillTask("no-room", tuple(prompt), greedy(4), decode.address, decode_cached_blocks=2)
+        assert prefill.submit(task).result(30).status is PrefillStatus.TRANSFER_FAILED
+        ended = events.get(timeout=10)
+        assert isinstance(ended, DecodeEnded) and ended.status is DecodeStatus.NO_ROOM, ended
+    finally:
+        engine.free_blocks(others)
+    decode.cancel("nobody")  # a command wakes the idle step thread, which refreshes stats()
+    wait_for(lambda: idle(prefill) and idle(decode))
 
 
 def test_a_prefill_task_claiming_more_cached_blocks_than_the_prompt_has_is_invalid(prefill, decode):
