@@ -1,6 +1,7 @@
-"""Chats through the coordinator on a real local Ray (1 prefill + 2 decode workers), KV over gloo and over
-gRPC, with decoder-side prefix reuse, KV-aware routing and the `uncached` disaggregation policy
-(local_prefill_tokens 24). Two conversations of three turns run concurrently; each turn's prompt is the
+"""Chats through the coordinator on a real local Ray (1 prefill + 2 decode workers), KV over gloo, with
+decoder-side prefix reuse, KV-aware routing and the `uncached` disaggregation policy (local_prefill_tokens
+24); the same reuse over gRPC, worker to worker, is in test_decode_prefix_reuse.py (the coordinator's part
+does not depend on the transport, and one cluster start is most of this test's time). Two conversations of three turns run concurrently; each turn's prompt is the
 conversation so far (prompts and the answers actually streamed) plus a new user message:
 - turn 1 ships the whole prompt; turn 2 goes to the decode worker that holds turn 1's blocks and ships only
   what it lacks (the bytes counted exactly, Timing.decode_cached_tokens says how many tokens it held);
@@ -25,9 +26,9 @@ OUTPUT = 8
 FIRST, SECOND, THIRD = 150, 30, 5   # the first prompt and the two user messages after it
 
 
-@pytest.fixture(scope="module", params=["gloo", "grpc"])
-def chat_cluster(request):
-    config = dataclasses.replace(cluster_config(1, 2, request.param), local_prefill_tokens=LOCAL_BELOW)
+@pytest.fixture(scope="module")
+def chat_cluster():
+    config = dataclasses.replace(cluster_config(1, 2, "gloo"), local_prefill_tokens=LOCAL_BELOW)
     assert config.disagg_policy == "uncached" and config.decode_prefix_reuse
     with running_cluster(config) as coordinator:
         yield coordinator
