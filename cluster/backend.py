@@ -51,7 +51,11 @@ class Timing:
     streaming it overlaps prefill_ms, and transfer_exposed_ms is the part the client waits for (the
     prefill step end -> KV landed on the decode worker): ttft ~ queue + prefill + exposed transfer +
     delivery. In colocated serving the transfer fields and kv_bytes are 0. migrations: how often the
-    request moved to other workers after a worker under it failed (the workers named are the last ones)."""
+    request moved to other workers after a worker under it failed (the workers named are the last ones).
+    prefill_location: where the prompt was prefilled, "remote" (a prefill worker; its KV moved) or "local"
+    (its decode worker or replica: the disaggregation policy's decision), "" for the in-process engine.
+    decode_cached_tokens: leading prompt tokens whose KV the decode worker already held in its prefix cache
+    (remote: they did not travel, kv_bytes counts only the rest)."""
 
     queue_ms: float = 0.0
     prefill_ms: float = 0.0
@@ -62,6 +66,8 @@ class Timing:
     prefill_worker: str = ""
     decode_worker: str = ""
     migrations: int = 0
+    prefill_location: str = ""
+    decode_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

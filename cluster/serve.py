@@ -34,7 +34,7 @@ from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, engine_config_from_args,
                                  served_names_from_args)
 from cluster.workers.bounded import abandoned_calls
-from cluster.workers.cluster_config import PLACEMENT_STRATEGIES, ClusterConfig
+from cluster.workers.cluster_config import DISAGG_POLICIES, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.placement_check import role_resources
 from engine.config import EngineConfig
 from kv_transfer.layer_stream import STREAMING_MODES
@@ -70,6 +70,8 @@ class ServeConfig:
     replicas: int = 0  # colocated: 0 = one engine in this process, N = N replica actors on Ray
     served_model_names: tuple[str, ...] = ()  # empty: the model path (or "tandem-default")
     kv_streaming: str = "layer"  # disaggregated: KV sent layer by layer under the prefill, or whole after it
+    disagg_policy: str = "uncached"
+    decode_prefix_reuse: bool = True
 
     @property
     def model_name(self) -> str:
@@ -110,8 +112,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="disaggregated: send each prompt's KV layer by layer while its last prefill step "
                              "runs (layer, default), or whole once the step is done (request); ipc sends whole")
     parser.add_argument("--local-prefill-tokens", type=int, default=0,
-                        help="conditional disaggregation: prompts shorter than this are prefilled on their "
-                             "decode worker, skipping the prefill worker and the KV transfer (0: off)")
+                        help="conditional disaggregation's threshold: prompts with fewer tokens than this (left "
+                             "uncached on their decode worker, by --disagg-policy) are prefilled on their decode "
+                             "worker, skipping the prefill worker and the KV transfer (0: off)")
+    parser.add_argument("--disagg-policy", default="uncached", choices=list(DISAGG_POLICIES),
+                        help="disaggregated: where each prompt is prefilled. length: locally when the prompt is "
+                             "shorter than --local-prefill-tokens; uncached (default): when its part the decode "
+                             "worker's prefix cache lacks is; uncached_or_load: that, or when the prefill queue's "
+                             "estimated wait exceeds the local prefill's cost")
+    parser.add_argument("--no-decode-prefix-reuse", dest="decode_prefix_reuse", action="store_false",
+                        help="disaggregated: ship every prompt's whole KV, even the blocks the decode worker's "
+                             "prefix cache holds, and route decode workers by load only")
     parser.add_argument("--worker-stall-timeout-s", type=float, default=30.0,
                         help="disaggregated: a worker whose step thread died or has work but completed no step "
                              "for this long (or that does not answer a health check within it) is declared "
@@ -134,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--cpu-threads must be >= 1")
     if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and mode == "colocated"):
         raise ValueError("--local-prefill-tokens must be >= 0 and needs --mode disaggregated")
+    if mode == "colocated" and (args.disagg_policy != "uncached" or not args.decode_prefix_reuse):
+        raise ValueError("--disagg-policy and --no-decode-prefix-reuse need --mode disaggregated")
     if not args.worker_stall_timeout_s > 0:
         raise ValueError("--worker-stall-timeout-s must be > 0")
     if args.max_prefill_queue_tokens < 0:
@@ -151,7 +164,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
                          args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker, **placement,
                          replicas=replicas, served_model_names=served_names_from_args(args),
-                         kv_streaming=args.kv_streaming)
+                         kv_streaming=args.kv_streaming,
+                         disagg_policy=args.disagg_policy, decode_prefix_reuse=args.decode_prefix_reuse)
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):
             raise ValueError("colocated replicas move no KV and have no prefill workers: --transport, "
@@ -223,7 +237,8 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          worker_stall_timeout_s=config.worker_stall_timeout_s,
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,
                          gpus_per_worker=config.gpus_per_worker, prefill_resources=config.prefill_resources,
-                         decode_resources=config.decode_resources, kv_streaming=config.kv_streaming)
+                         decode_resources=config.decode_resources, kv_streaming=config.kv_streaming,
+                         disagg_policy=config.disagg_policy, decode_prefix_reuse=config.decode_prefix_reuse)
 
 
 async def serve(config: ServeConfig) -> None:

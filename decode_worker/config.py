@@ -19,7 +19,10 @@ class DecodeWorkerConfig:
     `headroom_blocks`; an accepted request's prompt blocks are reserved until its KV arrives.
     An expected request whose KV has not landed `expect_timeout_s` after its transfer started ends with
     TIMEOUT (before the transfer starts it waits as long as the coordinator keeps it: a long prefill queue
-    is no reason to give up)."""
+    is no reason to give up).
+
+    prefix_reuse: expect() matches the prompt's leading full blocks in the engine's prefix cache and pins
+    them for the request, so the KV transfer skips them (off: every transfer carries the whole prompt)."""
 
     name: str = "decode-0"
     transport: str = "grpc"
@@ -30,6 +33,7 @@ class DecodeWorkerConfig:
     max_live_requests: int = 256
     headroom_blocks: int = 1
     expect_timeout_s: float = 60.0
+    prefix_reuse: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -14,7 +14,10 @@ from engine.sampling_params import SamplingParams
 class ExpectedRequest:
     """A request whose prompt KV a prefill worker is about to send here (same request_id), or, with
     prefill_locally, a short prompt this worker prefills itself (conditional disaggregation).
-    num_resumed_tokens > 0: a request that continues here after its decode worker died; the last that
+    local_below_uncached_tokens > 0: the worker decides itself, after matching the prompt in its prefix
+    cache: it prefills locally when fewer prompt tokens than this are left uncached (the coordinator's
+    policy, cluster/coordinator/disagg_policy.py, chose the bound); Admission.prefill_locally says what it
+    chose. num_resumed_tokens > 0: a request that continues here after its decode worker died; the last that
     many prompt_token_ids are the tokens already generated (and streamed) before."""
 
     request_id: str
@@ -22,14 +25,20 @@ class ExpectedRequest:
     params: SamplingParams
     prefill_locally: bool = False
     num_resumed_tokens: int = 0
+    local_below_uncached_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Admission:
-    """The answer to expect(): accepted, or refused (backpressure: retry elsewhere or later)."""
+    """The answer to expect(): accepted, or refused (backpressure: retry elsewhere or later).
+    cached_blocks: leading full prompt blocks this worker holds in its prefix cache and pinned for the
+    request (the KV transfer skips them; PrefillTask.decode_cached_blocks). prefill_locally: the request is
+    prefilled here (asked for, or chosen by local_below_uncached_tokens): no KV will be expected."""
 
     accepted: bool
     reason: str = ""
+    cached_blocks: int = 0
+    prefill_locally: bool = False
 
 
 @dataclass(frozen=True)

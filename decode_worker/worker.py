@@ -7,7 +7,11 @@ Threads:
   thread sleeps on one queue while idle;
 - the receiver's own threads (kv_transfer) allocate blocks for incoming KV and land it.
 A request expected with prefill_locally (conditional disaggregation: a short prompt) skips the KV
-transfer: the step thread adds it to the engine, which prefills it between decode steps. A worker of
+transfer: the step thread adds it to the engine, which prefills it between decode steps.
+The engine's prefix cache holds the blocks of every request decoded here (prompt, and the blocks its
+generated tokens completed), so a chat's next turn finds them: expect() pins the prompt's cached leading
+blocks (decoder-side prefix reuse, config.prefix_reuse), the transfer carries only the rest, and admission
+links the pinned blocks before the received ones. A worker of
 transport "none" (a colocated replica) has no KV receiver and takes only such requests.
 expect() / cancel() / stats() may be called from any thread. Every accepted request gets exactly one
 final event (a DecodeChunk with finish_reason, or a DecodeEnded); whatever way it ends, its blocks are
@@ -45,7 +49,8 @@ class DecodeWorker:
         self.name, self._engine, self._config = config.name, engine, config
         max_live = min(config.max_live_requests, engine.config.max_num_seqs)  # transferred requests count too
         self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
-                                           engine.reserve_blocks, engine.free_blocks, max_live, config.headroom_blocks)
+                                           engine.reserve_blocks, engine.free_blocks, max_live, config.headroom_blocks,
+                                           engine.pin_cached_prefix if config.prefix_reuse else None)
         self._receiver = NoReceiver() if config.transport == NO_TRANSPORT else create_receiver(
             config.transfer, engine_pool_view(engine, allocate_for=self._blocks_for_transfer), config.transport,
             rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
@@ -73,10 +78,15 @@ class DecodeWorker:
     def expect(self, request: ExpectedRequest, emit: EmitEvent) -> Admission:
         """Register a request before its KV arrives. Refused (nothing registered, emit never called)
         when the worker is full or stopping; accepted: `emit` then receives the request's events on the
-        step thread (it must not block), the last one final (messages.is_final)."""
-        admission = self._admission.reserve(request.request_id, len(request.prompt_token_ids))
+        step thread (it must not block), the last one final (messages.is_final). The prompt's cached
+        leading blocks are pinned for it until it ends (Admission.cached_blocks); Admission.prefill_locally
+        says whether it is prefilled here (ExpectedRequest.local_below_uncached_tokens)."""
+        admission = self._admission.reserve(request.request_id, request.prompt_token_ids)
         if admission.accepted:
-            self._commands.put(Expect(request, emit))
+            uncached = len(request.prompt_token_ids) - admission.cached_blocks * self._engine.config.block_size
+            local = request.prefill_locally or uncached < request.local_below_uncached_tokens
+            admission = dataclasses.replace(admission, prefill_locally=local)
+            self._commands.put(Expect(dataclasses.replace(request, prefill_locally=local), emit))
         return admission
 
     def cancel(self, request_id: str) -> None:
@@ -217,9 +227,11 @@ class DecodeWorker:
             self._engine.free_blocks(outcome.block_ids)
             return
         request = waiting.request
-        try:  # on failure admit_received frees the blocks itself
+        cached = self._admission.take_pinned(request.request_id)  # the sequence owns these pins from here on
+        try:  # on failure admit_received frees the blocks (received and cached) itself
             delta = admit_received(self._engine, outcome, request.prompt_token_ids, request.params,
-                                   arrival_time=time.perf_counter(), num_resumed_tokens=request.num_resumed_tokens)
+                                   arrival_time=time.perf_counter(), num_resumed_tokens=request.num_resumed_tokens,
+                                   cached_block_ids=cached)
         except ValueError as error:
             self._end(request.request_id, waiting.emit, DecodeStatus.INVALID, str(error))
             return

@@ -102,6 +102,15 @@ class LLMEngine:
         Safe to call from a transfer thread while another thread steps the engine."""
         return self.kv_cache.allocator.allocate(num_blocks)
 
+    def pin_cached_prefix(self, token_ids: Seq[int]) -> list[int]:
+        """The cached blocks holding the longest run of token_ids' leading full blocks, never the block of
+        the last token (the prefix cache's own rule), each with a reference taken: they cannot be evicted
+        until the caller hands them to add_prefilled_request or frees them with free_blocks. Empty without
+        prefix caching. Safe to call from any thread (a decode worker matches at expect())."""
+        max_blocks = (len(token_ids) - 1) // self.config.block_size
+        block_ids, _ = self.kv_cache.allocator.lookup_prefix(token_ids, max_blocks)
+        return block_ids
+
     def free_blocks(self, block_ids: Seq[int]) -> None:
         """Return blocks this caller owns: reserved ones never handed to add_prefilled_request, or
         ones taken with take_prefilled_blocks. Safe to call from any thread."""
@@ -111,7 +120,8 @@ class LLMEngine:
                               params: SamplingParams, block_ids: Seq[int],
                               arrival_time: float | None = None, num_resumed_tokens: int = 0,
                               first_logprobs=None) -> StepDelta:
-        """Admit a request whose prompt KV already sits in block_ids (from reserve_blocks).
+        """Admit a request whose prompt KV already sits in block_ids (from reserve_blocks; a decode worker's
+        leading blocks may be cached ones it pinned with pin_cached_prefix).
 
         The sequence owns the blocks from here on (they are freed when it ends). Returns the first
         token's delta, final already if that token ends the request (max_tokens=1, EOS, stop);

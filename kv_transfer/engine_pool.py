@@ -9,6 +9,9 @@ Decode side (the thread that steps the engine):
     for outcome in receiver.poll():
         if isinstance(outcome, ReceivedKV):
             first = admit_received(engine, outcome, prompt_token_ids, params)   # the engine owns the blocks
+Decoder-side prefix reuse: the decode side pins the prompt's cached leading blocks first
+(engine.pin_cached_prefix), the prefill side ships with prefix_blocks = their count (only the rest travels),
+and admit_received(..., cached_block_ids=pins) puts the pins before the received blocks.
 """
 from __future__ import annotations
 
@@ -52,31 +55,41 @@ def engine_pool_view(engine: PagedEngine,
     return KVPoolView(engine.kv_cache.kv, engine.reserve_blocks, engine.free_blocks, allocate_for)
 
 
-def take_prefilled(engine: PagedEngine, request_id: str, first_logprobs: Any = None) -> SendRequest:
+def take_prefilled(engine: PagedEngine, request_id: str, first_logprobs: Any = None,
+                   prefix_blocks: int = 0) -> SendRequest:
     """Takes a finished prefill-only request out of the engine and describes its KV for a transfer.
 
-    The request must be PREFILLED (its last delta carried kv_block_ids); ValueError otherwise, and
-    nothing changes. On return the caller owns the blocks: it passes the SendRequest to
-    KVSender.send (the transfer frees them) or frees them with engine.free_blocks. num_tokens is the
-    prompt length (the first token has no KV yet); first_token is the token the prefill sampled;
-    first_logprobs (the last delta's logprobs[0], an engine.logprobs.TokenLogprobs, when the request
-    asked for them) travel with it. Call it on the thread that steps the engine.
+    The request must be PREFILLED (its last delta carried kv_block_ids) and prefix_blocks (the leading
+    prompt blocks the receiver already holds) fewer than its blocks; ValueError otherwise, and nothing
+    changes. On return the caller owns the blocks after the first prefix_blocks (those go back to the
+    engine's pool here, still in its prefix cache): it passes the SendRequest to KVSender.send (the
+    transfer frees them) or frees them with engine.free_blocks. num_tokens is the prompt length (the first
+    token has no KV yet); first_token is the token the prefill sampled; first_logprobs (the last delta's
+    logprobs[0], an engine.logprobs.TokenLogprobs, when the request asked for them) travel with it. Call it
+    on the thread that steps the engine.
     """
     seq = engine.get_sequence(request_id)
     if seq is None or seq.num_computed_tokens != seq.num_tokens - 1:
         raise ValueError(f"request {request_id!r} is not a prefilled request with exactly one sampled token")
+    if isinstance(prefix_blocks, bool) or not isinstance(prefix_blocks, int) \
+            or not 0 <= prefix_blocks < len(seq.block_table):
+        raise ValueError(f"request {request_id!r}: prefix_blocks must be in [0, {len(seq.block_table)}), "
+                         f"got {prefix_blocks!r}")
     num_tokens, first_token = seq.num_computed_tokens, seq.token_ids[-1]  # a resumed request's outputs too
     wire = None if first_logprobs is None else FirstTokenLogprobs.of(first_logprobs)
     block_ids = engine.take_prefilled_blocks(request_id)
-    return SendRequest(request_id, tuple(block_ids), num_tokens, first_token, wire)
+    if prefix_blocks:
+        engine.free_blocks(block_ids[:prefix_blocks])
+    return SendRequest(request_id, tuple(block_ids[prefix_blocks:]), num_tokens, first_token, wire, prefix_blocks)
 
 
 def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress, request_id: str,
-                   first_logprobs: Any = None) -> TransferHandle:
+                   first_logprobs: Any = None, prefix_blocks: int = 0) -> TransferHandle:
     """take_prefilled + sender.send: the request leaves the engine and its blocks go to the transfer,
-    which frees them exactly once when it ends (handle resolved or failed). If send() itself raises
-    (e.g. a bad peer address) the blocks are freed here before the exception propagates."""
-    request = take_prefilled(engine, request_id, first_logprobs)
+    which frees them exactly once when it ends (handle resolved or failed); the first prefix_blocks, which
+    the receiver holds already, do not travel (freed at once). If send() itself raises (e.g. a bad peer
+    address) the blocks are freed here before the exception propagates."""
+    request = take_prefilled(engine, request_id, first_logprobs, prefix_blocks)
     try:
         return sender.send(peer, request)
     except BaseException:
@@ -85,30 +98,38 @@ def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress,
 
 
 def admit_received(engine: PagedEngine, received: ReceivedKV, prompt_token_ids: Sequence[int], params: Any,
-                   arrival_time: float | None = None, num_resumed_tokens: int = 0) -> Any:
+                   arrival_time: float | None = None, num_resumed_tokens: int = 0,
+                   cached_block_ids: Sequence[int] = ()) -> Any:
     """Admits a delivered transfer as a prefilled request; returns the first token's StepDelta.
 
     The prompt must be the one the manifest describes (same length); the first token comes from the
     manifest (for a resumed request: the prompt and the tokens generated before, the last
-    num_resumed_tokens), with its logprobs when the prefill reported them. On success the engine's
-    sequence owns received.block_ids (freed when it ends). On any error (ValueError: a length mismatch, a
-    bad or duplicate request) the blocks are freed here and the exception propagates, so no path leaks
-    them. Call it on the thread that steps the engine.
+    num_resumed_tokens), with its logprobs when the prefill reported them. cached_block_ids: the blocks of
+    the prompt's first manifest.prefix_blocks blocks this side already held (pinned for the request: one
+    reference each, which the caller hands over here); the sequence's blocks are cached_block_ids then
+    received.block_ids. On success the engine's sequence owns all of them (freed when it ends). On any
+    error (ValueError: a length or prefix mismatch, a bad or duplicate request) every block handed in
+    (received and cached) is freed here and the exception propagates, so no path leaks them. Call it on the
+    thread that steps the engine.
     """
     manifest = received.manifest
+    block_ids = tuple(cached_block_ids) + tuple(received.block_ids)
     try:
         if len(prompt_token_ids) != manifest.num_tokens:
             raise ValueError(f"request {manifest.request_id!r}: the prompt has {len(prompt_token_ids)} tokens, "
                              f"the transferred KV holds {manifest.num_tokens}")
+        if len(cached_block_ids) != manifest.prefix_blocks:
+            raise ValueError(f"request {manifest.request_id!r}: the KV skips the first {manifest.prefix_blocks} "
+                             f"blocks, this side holds {len(cached_block_ids)} of them")
         if not 0 <= manifest.first_token < engine.model_config.vocab_size:
             raise ValueError(f"request {manifest.request_id!r}: first token {manifest.first_token} is outside "
                              f"the vocabulary")
         return engine.add_prefilled_request(manifest.request_id, prompt_token_ids, manifest.first_token, params,
-                                            received.block_ids, arrival_time=arrival_time,
+                                            block_ids, arrival_time=arrival_time,
                                             num_resumed_tokens=num_resumed_tokens,
                                             first_logprobs=manifest.first_logprobs)
     except BaseException:
-        _release_after_failed_admission(engine, manifest.request_id, received.block_ids)
+        _release_after_failed_admission(engine, manifest.request_id, block_ids)
         raise
 
 

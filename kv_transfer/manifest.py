@@ -4,6 +4,8 @@ Encoded with msgpack as a map with string keys. decode_manifest validates every 
 consistency of runs, blocks and byte lengths, and raises ManifestError with a precise reason. A receiver
 passes its ManifestLimits (its pool's layout and size): then everything whose size the sender chose is
 checked against the pool before it is built or walked, so a crafted manifest costs O(pool blocks) at most.
+With prefix_blocks = k > 0 the receiver already holds the prompt's first k blocks (it matched them in its
+prefix cache and pinned them): block_ids and runs cover only the prompt's blocks after them, at least one.
 """
 from __future__ import annotations
 
@@ -111,6 +113,7 @@ class Manifest:
     checksum_algo: str = CHECKSUM_ALGO
     first_logprobs: FirstTokenLogprobs | None = None  # when the request asked for logprobs
     streamed: bool = False  # layer-streamed: pieces are layers, checksums trail them, the first token comes last
+    prefix_blocks: int = 0  # leading prompt blocks the receiver already holds: block_ids cover the rest
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -156,9 +159,13 @@ def _validate(m: Manifest) -> None:
         raise ManifestError("a streamed manifest carries no run checksums (each layer's trails it)")
     if m.checksum_algo != CHECKSUM_ALGO:
         raise ManifestError(f"unknown checksum_algo {m.checksum_algo!r}")
-    expected_blocks = -(-m.num_tokens // m.fingerprint.block_size)
+    prompt_blocks = -(-m.num_tokens // m.fingerprint.block_size)
+    _check_int(m.prefix_blocks, "prefix_blocks", limit=prompt_blocks)  # at least the last block travels
+    expected_blocks = prompt_blocks - m.prefix_blocks
     if len(m.block_ids) != expected_blocks:
-        raise ManifestError(f"{m.num_tokens} tokens need {expected_blocks} blocks, manifest lists {len(m.block_ids)}")
+        held = f" ({m.prefix_blocks} held by the receiver)" if m.prefix_blocks else ""
+        raise ManifestError(f"{m.num_tokens} tokens need {expected_blocks} blocks{held}, "
+                            f"manifest lists {len(m.block_ids)}")
     for i, block in enumerate(m.block_ids):
         _check_int(block, f"block_ids[{i}]")
     if len(set(m.block_ids)) != len(m.block_ids):
@@ -190,7 +197,7 @@ def _validate_runs(m: Manifest) -> None:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    """msgpack bytes of a (valid) manifest; first_logprobs only when set."""
+    """msgpack bytes of a (valid) manifest; first_logprobs and prefix_blocks only when set."""
     top = {
         "version": MANIFEST_VERSION,
         "request_id": m.request_id,
@@ -205,11 +212,13 @@ def encode_manifest(m: Manifest) -> bytes:
         top["first_logprobs"] = m.first_logprobs.encode()
     if m.streamed:
         top["streamed"] = True
+    if m.prefix_blocks:
+        top["prefix_blocks"] = m.prefix_blocks
     return msgpack.packb(top)
 
 
 _TOP_KEYS = {"version", "request_id", "fingerprint", "num_tokens", "block_ids", "first_token", "checksum_algo", "runs"}
-_OPTIONAL_TOP_KEYS = {"first_logprobs", "streamed"}
+_OPTIONAL_TOP_KEYS = {"first_logprobs", "streamed", "prefix_blocks"}
 _FP_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"}
 
 
@@ -286,6 +295,7 @@ def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manife
             checksum_algo=top["checksum_algo"],
             first_logprobs=None if "first_logprobs" not in top else FirstTokenLogprobs.decode(top["first_logprobs"]),
             streamed=top.get("streamed", False),
+            prefix_blocks=top.get("prefix_blocks", 0),
         )
     except LogprobsError as exc:
         raise ManifestError(str(exc)) from None

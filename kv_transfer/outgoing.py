@@ -115,7 +115,8 @@ def prepare_streamed(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     runs = group_runs(request.block_ids)
     infos = tuple(RunInfo(r.start, r.num_blocks, r.num_blocks * fp.block_nbytes, None) for r in runs)
     manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
-                        block_ids=tuple(request.block_ids), first_token=None, runs=infos, streamed=True)
+                        block_ids=tuple(request.block_ids), first_token=None, runs=infos, streamed=True,
+                        prefix_blocks=request.prefix_blocks)
     sizes = manifest.piece_nbytes
     offsets, total = staging_offsets(sizes)
     staging = staging_pool.acquire(total)
@@ -149,7 +150,7 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     infos = tuple(RunInfo(r.start, r.num_blocks, r.num_blocks * fp.block_nbytes, s) for r, s in zip(runs, sums))
     manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
                         block_ids=tuple(request.block_ids), first_token=request.first_token, runs=infos,
-                        first_logprobs=request.first_logprobs)
+                        first_logprobs=request.first_logprobs, prefix_blocks=request.prefix_blocks)
     direct_ok = direct_min_plane_bytes is not None and staging_pool.device == pool.device
     direct = [direct_ok and info.nbytes // (2 * fp.num_layers) >= direct_min_plane_bytes for info in infos]
     offsets, total = staging_offsets([0 if d else info.nbytes for d, info in zip(direct, infos)])

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SendRequest:
     """One request's KV to ship: its sender-side blocks, the number of valid tokens, the first token
-    (and its logprobs when the request asked for them: they travel in the manifest).
+    (and its logprobs when the request asked for them: they travel in the manifest). prefix_blocks: the
+    leading prompt blocks the receiver already holds, which do not travel: block_ids are the prompt's
+    blocks after them (num_tokens still counts the whole prompt).
 
     stream set: a layer-streamed send started before the step that computes the KV: layer l goes once
     stream.clock says it is written, first_token/first_logprobs come later (stream.finish, sent after the
@@ -30,6 +32,7 @@ class SendRequest:
     num_tokens: int
     first_token: int | None
     first_logprobs: FirstTokenLogprobs | None = None
+    prefix_blocks: int = 0
     stream: "LayerStream | None" = None
 
 

@@ -53,7 +53,9 @@ class LayerStreaming:
         if live is None or live.cancelled or not self._slots.try_acquire(live.task.decode_address):
             return False
         stream = LayerStream(clock)
-        request = SendRequest(seq.request_id, tuple(seq.block_table), seq.num_tokens, None, stream=stream)
+        skip = live.task.decode_cached_blocks  # the decode worker holds these: they do not travel
+        request = SendRequest(seq.request_id, tuple(seq.block_table[skip:]), seq.num_tokens, None,
+                              prefix_blocks=skip, stream=stream)
         try:
             handle = self._sender.send(live.task.decode_address, request)
         except Exception:  # a bad address: the request goes whole after the step (and fails there)
@@ -74,7 +76,8 @@ class LayerStreaming:
         if delta.kv_block_ids is None:
             stream.abort("the first token ended the request")
             return False
-        request = take_prefilled(self._engine, delta.request_id, live.report.first_logprobs)
+        request = take_prefilled(self._engine, delta.request_id, live.report.first_logprobs,
+                                 live.task.decode_cached_blocks)  # the skipped blocks go back to the engine
         if not stream.finish(StreamTail(request.first_token, request.first_logprobs), request.block_ids):
             self._engine.free_blocks(request.block_ids)
         return True

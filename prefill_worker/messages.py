@@ -28,13 +28,25 @@ class PrefillStatus(str, Enum):
 @dataclass(frozen=True)
 class PrefillTask:
     """Prefill `prompt_token_ids`, sample the first token with `params`, ship the KV to `decode_address`.
-    num_resumed_tokens > 0: the last that many prompt_token_ids were generated before (a resumed request)."""
+    num_resumed_tokens > 0: the last that many prompt_token_ids were generated before (a resumed request).
+    decode_cached_blocks: the prompt's leading full blocks the decode worker already holds (pinned there,
+    Admission.cached_blocks): the whole prompt is still prefilled here (attention needs all of it; this
+    worker's own prefix cache saves what it can), but only the blocks after these are shipped."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     decode_address: ReceiverAddress
     num_resumed_tokens: int = 0
+    decode_cached_blocks: int = 0
+
+    def check_cached_blocks(self, block_size: int) -> None:
+        """ValueError unless decode_cached_blocks leaves the block of the prompt's last token to ship."""
+        most = max(0, len(self.prompt_token_ids) - 1) // block_size
+        cached = self.decode_cached_blocks
+        if isinstance(cached, bool) or not isinstance(cached, int) or not 0 <= cached <= most:
+            raise ValueError(f"decode_cached_blocks must be in [0, {most}] for a prompt of "
+                             f"{len(self.prompt_token_ids)} tokens, got {cached!r}")
 
 
 @dataclass(frozen=True)

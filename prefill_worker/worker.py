@@ -129,6 +129,7 @@ class PrefillWorker:
             command.future.set_result(_failed(report, PrefillStatus.INVALID, "request id already in use"))
             return
         try:
+            task.check_cached_blocks(self._engine.config.block_size)
             self._engine.add_request(task.request_id, task.prompt_token_ids, task.params, prefill_only=True,
                                      arrival_time=time.perf_counter(), num_resumed_tokens=task.num_resumed_tokens)
         except ValueError as error:
@@ -204,7 +205,7 @@ class PrefillWorker:
             live.report = dataclasses.replace(live.report, transfer_started=time.time())
             try:
                 live.handle = ship_prefilled(self._engine, self._sender, live.task.decode_address, request_id,
-                                             live.report.first_logprobs)
+                                             live.report.first_logprobs, live.task.decode_cached_blocks)
             except Exception as error:  # ship_prefilled freed the blocks
                 self._resolve(request_id, PrefillStatus.TRANSFER_FAILED, f"send failed: {error}")
                 request_id = self._slots.release(live.task.decode_address)

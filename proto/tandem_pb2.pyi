@@ -118,7 +118,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms", "kv_bytes", "prefill_worker", "decode_worker", "migrations", "transfer_exposed_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms", "kv_bytes", "prefill_worker", "decode_worker", "migrations", "transfer_exposed_ms", "prefill_location", "decode_cached_tokens")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class Timing(_message.Message):
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_EXPOSED_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOCATION_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
@@ -137,7 +139,9 @@ class Timing(_message.Message):
     decode_worker: str
     migrations: int
     transfer_exposed_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., migrations: _Optional[int] = ..., transfer_exposed_ms: _Optional[float] = ...) -> None: ...
+    prefill_location: str
+    decode_cached_tokens: int
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., migrations: _Optional[int] = ..., transfer_exposed_ms: _Optional[float] = ..., prefill_location: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

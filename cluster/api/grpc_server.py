@@ -143,7 +143,8 @@ def _response(request_id: str, chunk: GenerationChunk) -> tandem_pb2.GenerateRes
         response.timing.CopyFrom(tandem_pb2.Timing(
             queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms, ttft_ms=t.ttft_ms,
             kv_bytes=t.kv_bytes, prefill_worker=t.prefill_worker, decode_worker=t.decode_worker,
-            migrations=t.migrations, transfer_exposed_ms=t.transfer_exposed_ms))
+            migrations=t.migrations, transfer_exposed_ms=t.transfer_exposed_ms, prefill_location=t.prefill_location,
+            decode_cached_tokens=t.decode_cached_tokens))
     return response
 
 

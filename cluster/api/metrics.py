@@ -51,6 +51,11 @@ class ServingMetrics:
                                           "for: prompt's prefill step end -> KV landed on the decode worker",
                                           buckets=LATENCY_BUCKETS_S, registry=r)
         self.transfer_bytes = Counter("tandem_kv_transfer_bytes", "KV bytes moved between workers", registry=r)
+        self.prefill_decisions = Counter("tandem_prefill_decisions", "Where finished requests were prefilled "
+                                         "(the disaggregation policy's decision): remote or local",
+                                         ["location"], registry=r)
+        self.decode_cached_tokens = Counter("tandem_decode_cached_prompt_tokens", "Prompt tokens whose KV the "
+                                            "decode worker already held (not transferred)", registry=r)
         self.running = Gauge("tandem_running_requests", "Requests scheduled and not finished", registry=r)
         self.waiting = Gauge("tandem_waiting_requests", "Requests admitted, not yet scheduled", registry=r)
         self.free_blocks = Gauge("tandem_kv_free_blocks", "Free KV cache blocks", registry=r)
@@ -94,6 +99,9 @@ class ServingMetrics:
             self.transfer.observe(timing.transfer_ms / 1e3)
             self.transfer_exposed.observe(timing.transfer_exposed_ms / 1e3)
             self.transfer_bytes.inc(timing.kv_bytes)
+            self.decode_cached_tokens.inc(timing.decode_cached_tokens)
+            if timing.prefill_location:
+                self.prefill_decisions.labels(location=timing.prefill_location).inc()
 
     def observe_outcome(self, frontend: str, outcome: str) -> None:
         self.requests.labels(frontend=frontend, outcome=outcome).inc()

@@ -28,7 +28,9 @@ from cluster.bench.compare_server import ServerProcess, ServerStartError
 from cluster.bench.serve import add_workload_arguments, check_counts, workload_from_args
 from cluster.bench.serve_client import ClientConfig, ServerUnreachable, run_requests
 from cluster.bench.serve_metrics import compute_metrics, parse_goodput
-from cluster.bench.serve_workloads import arrival_gaps, generate_requests
+from cluster.bench.serve_multiturn import run_conversations
+from cluster.bench.serve_workloads import (Conversation, MultiturnWorkload, arrival_gaps, generate_conversations,
+                                           generate_requests)
 
 POOL_DRAIN_TIMEOUT_S = 20.0
 
@@ -103,11 +105,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --model or --shape, not both")
     workload = workload_from_args(args)
     # each rate gets its own prompts (one server serves every rate: repeating them would hit its prefix
-    # cache); every mode gets the same prompts at the same rate
-    samples = [generate_requests(workload, args.num_prompts, args.vocab_size, args.seed + 1000 * index)
+    # cache); every mode gets the same prompts (multiturn: the same conversations) at the same rate
+    make = generate_conversations if isinstance(workload, MultiturnWorkload) else generate_requests
+    samples = [make(workload, args.num_prompts, args.vocab_size, args.seed + 1000 * index)
                for index in range(len(rates))]
     warmups = generate_requests(workload, args.num_warmups, args.vocab_size, args.seed + 1)
-    longest = max(len(s.prompt_token_ids) + s.output_len for s in sum(samples, warmups))
+    longest = max([item.max_tokens if isinstance(item, Conversation) else len(item.prompt_token_ids) + item.output_len
+                   for item in sum(samples, warmups)])
     results_dir = Path(args.results_dir)
     with tempfile.TemporaryDirectory(prefix="tandem-compare-") as tmp:
         model = args.model
@@ -117,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
                                 args.chunk_size, args.kv_cache_memory_mib, args.long_prefill_threshold,
                                 num_gpus=num_gpus)
         modes = [serving_mode(name, settings) for name in names]  # ValueError before anything starts
-        print(f"bench compare: {args.num_prompts} {args.dataset_name} requests x rates {args.request_rates} x "
+        unit = "conversations" if isinstance(workload, MultiturnWorkload) else "requests"
+        print(f"bench compare: {args.num_prompts} {args.dataset_name} {unit} x rates {args.request_rates} x "
               f"modes {', '.join(f'{m.name} ({m.hardware})' for m in modes)}; "
               f"model {args.model or args.shape or 'embedded default'}", flush=True)
         try:
@@ -145,8 +150,10 @@ def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path) -> l
             config = ClientConfig(server.base_url, None, args.ignore_eos, args.max_concurrency, args.timeout,
                                   sys.stderr.isatty())
             gaps = arrival_gaps(len(samples[index]), rate, args.burstiness, args.seed)
-            _, results, duration = asyncio.run(run_requests(config, samples[index], gaps,
-                                                            warmups if index == 0 else []))
+            batch, first = samples[index], warmups if index == 0 else []
+            chats = bool(batch) and isinstance(batch[0], Conversation)
+            run = run_conversations(config, batch, gaps, first) if chats else run_requests(config, batch, gaps, first)
+            _, results, duration = asyncio.run(run)
             pool_whole = _wait_for_whole_pool(server)
             run = ModeRun(mode.name, rate, compute_metrics(results, duration, slos), results, pool_whole,
                           mode.hardware)

@@ -8,6 +8,8 @@
                          prompts queued behind a long one on a prefill worker join the next step
     disagg-<P>p<D>d-local<N>   the same with conditional disaggregation: prompts shorter than N tokens
                          are prefilled on their decode worker (no prefill queue, no transfer)
+    disagg-...-noreuse   any disagg mode without decoder-side prefix reuse (`--no-decode-prefix-reuse`):
+                         every prompt's whole KV travels, decode workers are routed by load only
     colocated            one engine in the serve process, no chunking: a long prompt's prefill is one
                          step, and every running decode waits for it (the classic interference)
     colocated-chunked    one engine in the serve process, chunked prefill (Sarathi) in --chunk-size steps
@@ -23,7 +25,7 @@ import dataclasses
 import os
 import re
 
-_DISAGG = re.compile(r"^disagg-(\d+)p(\d+)d(?:-local(\d+))?$")
+_DISAGG = re.compile(r"^disagg-(\d+)p(\d+)d(?:-local(\d+))?(-noreuse)?$")
 _REPLICAS = re.compile(r"^colocated-(\d+)$")
 IN_PROCESS_MODES = ("colocated", "colocated-chunked")
 
@@ -79,7 +81,7 @@ def parse_modes(text: str) -> list[str]:
         if name not in IN_PROCESS_MODES and not _DISAGG.match(name) and not _REPLICAS.match(name):
             raise ValueError(f"unknown mode {name!r}: use colocated-<N> (N replicas on Ray), disagg-<P>p<D>d, "
                              "disagg-<P>p<D>d-local<N>, colocated or colocated-chunked (one engine in process)"
-                             " (e.g. colocated-2, disagg-1p1d, disagg-1p1d-local256)")
+                             " (e.g. colocated-2, disagg-1p1d, disagg-1p1d-local256, disagg-1p1d-noreuse)")
         match, replicas = _DISAGG.match(name), _REPLICAS.match(name)
         if match and (int(match.group(1)) < 1 or int(match.group(2)) < 1):
             raise ValueError(f"mode {name!r} needs at least one prefill and one decode worker")
@@ -113,11 +115,12 @@ def serving_mode(name: str, settings: ModeSettings) -> ServingMode:
         flags = ["--mode", "colocated", "--replicas", str(workers), "--enable-chunked-prefill",
                  "--max-num-batched-tokens", str(settings.chunk_size)]
     else:
-        prefill, decode, local = _DISAGG.match(name).groups()
+        prefill, decode, local, noreuse = _DISAGG.match(name).groups()
         workers = int(prefill) + int(decode)
         flags = ["--mode", "disaggregated", "--prefill-workers", prefill, "--decode-workers", decode,
                  "--transport", settings.transport, "--local-prefill-tokens", local or "0",
                  "--long-prefill-token-threshold", str(settings.long_prefill_threshold)]
+        flags += ["--no-decode-prefix-reuse"] if noreuse else []
     share_flags, hardware = _worker_shares(name, workers, settings)
     return ServingMode(name, tuple(common + flags + share_flags), hardware)
 

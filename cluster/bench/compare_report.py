@@ -13,6 +13,7 @@ import math
 import re
 
 from cluster.bench.serve_metrics import BenchmarkMetrics, RequestResult
+from cluster.bench.serve_multiturn import multiturn_markdown
 from cluster.bench.serve_report import RunSettings, result_json
 
 GOAL_ITL_P99_RATIO = 0.5
@@ -120,6 +121,7 @@ def format_markdown(runs: list[ModeRun], command: str = "") -> str:
                   for rate, mode, base, itl, ttft, tput in ratios]
         parts.append("")
     parts += [f"Goal (disaggregated vs {goal_baseline(runs) or 'colocated'}, same run):", *goal_lines(runs), ""]
+    parts += multiturn_markdown(runs)
     parts.append("Latencies are measured at the HTTP client (vLLM's definitions); transfer = the server's "
                  "tandem_timing.transfer_ms; KV pool whole = free == total blocks on /metrics after the run.")
     return "\n".join(parts) + "\n"

@@ -15,9 +15,10 @@ import sys
 from cluster.bench.serve_client import ClientConfig, ServerUnreachable, run_requests
 from cluster.bench.serve_fault import FaultInjector, FaultSpec, fault_report, format_fault
 from cluster.bench.serve_metrics import compute_metrics, parse_goodput
+from cluster.bench.serve_multiturn import MultiturnSummary, format_multiturn, run_conversations
 from cluster.bench.serve_report import RunSettings, format_report, result_json
-from cluster.bench.serve_workloads import (MixedWorkload, PrefixRepetitionWorkload, RandomWorkload, Workload,
-                                           arrival_gaps, generate_requests)
+from cluster.bench.serve_workloads import (MixedWorkload, MultiturnWorkload, PrefixRepetitionWorkload, RandomWorkload,
+                                           Workload, arrival_gaps, generate_conversations, generate_requests)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     """What to send and how (every flag but the server and the rate); shared with `bench compare`."""
-    parser.add_argument("--dataset-name", choices=("random", "prefix-repetition", "mixed"), default="random")
+    parser.add_argument("--dataset-name", choices=("random", "prefix-repetition", "mixed", "multiturn"),
+                        default="random", help="multiturn: --num-prompts chats, each turn's prompt the chat so far")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
     parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn in [0, this)")
@@ -50,6 +52,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-long-fraction", type=float, default=0.1)
     parser.add_argument("--mixed-long-len", type=int, default=2048)
     parser.add_argument("--mixed-short-len", type=int, default=128)
+    parser.add_argument("--multiturn-first-len", type=int, default=512, help="first user message (tokens)")
+    parser.add_argument("--multiturn-user-len", type=int, default=64, help="each later user message (tokens)")
+    parser.add_argument("--multiturn-min-turns", type=int, default=4)
+    parser.add_argument("--multiturn-max-turns", type=int, default=8)
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
@@ -64,6 +70,9 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     if args.dataset_name == "prefix-repetition":
         return PrefixRepetitionWorkload(args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
                                         args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len)
+    if args.dataset_name == "multiturn":
+        return MultiturnWorkload(args.multiturn_first_len, args.multiturn_user_len, args.random_output_len,
+                                 args.multiturn_min_turns, args.multiturn_max_turns)
     if args.dataset_name == "mixed":
         return MixedWorkload(args.mixed_long_fraction, args.mixed_long_len, args.mixed_short_len,
                              args.random_output_len)
@@ -90,14 +99,23 @@ def run(args: argparse.Namespace) -> int:
                           args.timeout, sys.stderr.isatty())
     try:
         fault = FaultInjector(FaultSpec.parse(args.fault), config.base_url, len(samples)) if args.fault else None
-        _, results, duration = asyncio.run(run_requests(config, samples, gaps, warmups,
-                                                        fault.on_sent if fault else None))
+        if isinstance(workload, MultiturnWorkload):
+            if fault is not None:
+                raise ValueError("--fault does not combine with --dataset-name multiturn")
+            chats = generate_conversations(workload, args.num_prompts, args.vocab_size, args.seed)
+            run = run_conversations(config, chats, gaps, warmups)
+        else:
+            run = run_requests(config, samples, gaps, warmups, fault.on_sent if fault else None)
+        _, results, duration = asyncio.run(run)
     except (ServerUnreachable, OSError) as error:
         print(f"tandem bench serve: {error}", file=sys.stderr)
         return 1
     metrics = compute_metrics(results, duration, slos)
     settings = RunSettings(args.request_rate, args.max_concurrency, args.burstiness)
     print(format_report(metrics, settings))
+    multiturn = MultiturnSummary.of(results)
+    if multiturn is not None:
+        print(format_multiturn(multiturn))
     report = fault_report(fault, results) if fault else None
     if report is not None:
         print(format_fault(report))
@@ -106,5 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if args.result_json:
         with open(args.result_json, "w") as file:
             extra = {"fault": dataclasses.asdict(report)} if report is not None else {}
+            if multiturn is not None:
+                extra["multiturn"] = dataclasses.asdict(multiturn)
             json.dump({**result_json(metrics, settings), **extra}, file, indent=2)
     return 0

@@ -68,9 +68,9 @@ async def _read_events(response: aiohttp.ClientResponse):
 async def send_request(session: aiohttp.ClientSession, config: ClientConfig, model: str,
                        sample: SampleRequest) -> RequestResult:
     """Sends one streamed completion and returns what was seen of it; never raises for server errors."""
-    times, counts, timing = [], [], None
+    times, counts, timing, output = [], [], None, []
     failed = lambda error: RequestResult(False, len(sample.prompt_token_ids), send_time, tuple(times),  # noqa: E731
-                                         tuple(counts), error, timing)
+                                         tuple(counts), error, timing, tuple(output))
     send_time = time.perf_counter()
     try:
         async with session.post(f"{config.base_url}/v1/completions",
@@ -85,13 +85,14 @@ async def send_request(session: aiohttp.ClientSession, config: ClientConfig, mod
                 if token_ids:
                     times.append(arrival)
                     counts.append(len(token_ids))
+                    output += token_ids
                 timing = event.get("tandem_timing") or timing
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
         return failed(f"{type(error).__name__}: {error}")
     if not times:
         return failed("no tokens received")
     return RequestResult(True, len(sample.prompt_token_ids), send_time, tuple(times), tuple(counts), "",
-                         timing)
+                         timing, tuple(output))
 
 
 async def _paced(samples: list[SampleRequest], gaps: list[float]):

@@ -28,6 +28,8 @@ class RequestResult:
     chunk_token_counts: tuple[int, ...] = ()
     error: str = ""
     timing: dict | None = None
+    output_token_ids: tuple[int, ...] = ()
+    turn: int = 0  # multiturn: the turn of its conversation, 1 first (0: not a conversation's turn)
 
     @property
     def output_tokens(self) -> int:

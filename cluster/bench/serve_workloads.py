@@ -50,7 +50,34 @@ class MixedWorkload:
     output_len: int
 
 
-Workload = RandomWorkload | PrefixRepetitionWorkload | MixedWorkload
+@dataclasses.dataclass(frozen=True)
+class MultiturnWorkload:
+    """Chats of min_turns..max_turns turns (uniform): the first user message first_len tokens, each later one
+    user_len, every answer at most output_len. Turn k's prompt is the conversation so far (the earlier
+    messages and the model's actual answers) plus message k, so the client builds it as the answers come
+    (cluster/bench/serve_multiturn.py); turns of one conversation are sequential, conversations concurrent."""
+
+    first_len: int
+    user_len: int
+    output_len: int
+    min_turns: int = 4
+    max_turns: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """The user messages of one chat, one per turn, and the answers' output length."""
+
+    messages: tuple[tuple[int, ...], ...]
+    output_len: int
+
+    @property
+    def max_tokens(self) -> int:
+        """The last turn's prompt plus its answer, at most."""
+        return sum(len(message) for message in self.messages) + len(self.messages) * self.output_len
+
+
+Workload = RandomWorkload | PrefixRepetitionWorkload | MixedWorkload | MultiturnWorkload
 
 
 def _length_range(length: int, range_ratio: float) -> tuple[int, int]:
@@ -75,13 +102,31 @@ def validate_workload(workload: Workload, vocab_size: int) -> None:
         if workload.num_prefixes < 1 or workload.prefix_len < 0 or workload.suffix_len < 0 \
                 or workload.prefix_len + workload.suffix_len < 1:
             raise ValueError("prefix repetition needs >= 1 prefix and a non-empty prompt")
+    elif isinstance(workload, MultiturnWorkload):
+        if min(workload.first_len, workload.user_len) < 1 or not 1 <= workload.min_turns <= workload.max_turns:
+            raise ValueError("--multiturn-first-len and --multiturn-user-len must be >= 1, and "
+                             "1 <= --multiturn-min-turns <= --multiturn-max-turns")
     elif not 0 <= workload.long_fraction <= 1 or min(workload.long_len, workload.short_len) < 1:
         raise ValueError("--mixed-long-fraction must be in [0, 1] and lengths >= 1")
 
 
-def generate_requests(workload: Workload, num_prompts: int, vocab_size: int, seed: int) -> list[SampleRequest]:
-    """`num_prompts` requests of `workload`; the same seed gives the same requests."""
+def generate_conversations(workload: MultiturnWorkload, num_conversations: int, vocab_size: int,
+                           seed: int) -> list[Conversation]:
+    """`num_conversations` chats of `workload`; the same seed gives the same user messages."""
     validate_workload(workload, vocab_size)
+    rng = np.random.default_rng(seed)
+    turns = rng.integers(workload.min_turns, workload.max_turns + 1, size=num_conversations)
+    return [Conversation(tuple(_token_ids(rng, workload.first_len if turn == 0 else workload.user_len, vocab_size)
+                               for turn in range(int(count))), workload.output_len) for count in turns]
+
+
+def generate_requests(workload: Workload, num_prompts: int, vocab_size: int, seed: int) -> list[SampleRequest]:
+    """`num_prompts` requests of `workload` (multiturn: the conversations' first turns); the same seed gives
+    the same requests."""
+    validate_workload(workload, vocab_size)
+    if isinstance(workload, MultiturnWorkload):
+        return [SampleRequest(conversation.messages[0], conversation.output_len)
+                for conversation in generate_conversations(workload, num_prompts, vocab_size, seed)]
     rng = np.random.default_rng(seed)
     if isinstance(workload, RandomWorkload):
         return _random_requests(workload, num_prompts, vocab_size, rng)

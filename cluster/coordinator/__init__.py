@@ -2,8 +2,10 @@
 
 Runs in the serve process, on the front ends' asyncio loop. `start_cluster` launches the worker actors
 (`cluster.workers`) and puts a `Coordinator` over them. Per request the coordinator routes (decode worker
-by free blocks, prefill worker by queue and prefix affinity), asks the decode worker to expect it, hands
-the prompt to the prefill worker (or lets the decode worker prefill a short one itself), and streams the
+by the prompt's blocks it is known to hold against its free blocks, `kv_routing.py`; prefill worker by queue
+and prefix affinity), asks the decode worker to expect it (the worker pins the prompt's cached blocks and
+applies the disaggregation policy's bound, `disagg_policy.py`), hands the prompt to the prefill worker with
+the count of blocks not to ship (or lets the decode worker prefill it itself), and streams the
 decode worker's tokens back with the timing breakdown; a `DecodeEventPump` per decode worker routes that
 worker's event stream to per-request mailboxes. The calls that cross into the actor processes are
 `DecodeActor.expect.remote`, `PrefillActor.prefill.remote` and the `DecodeActor.events` stream.

@@ -13,6 +13,7 @@ load, with prefix affinity), so migration, health, cancel, metrics and timing ar
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from ray.exceptions import RayActorError
 
 from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.coordinator.decode_events import DecodeEventPump
+from cluster.coordinator.disagg_policy import DisaggPolicy, PrefillPlacer
 from cluster.coordinator.health_monitor import HealthMonitor, health_details
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
@@ -62,8 +64,11 @@ class Coordinator:
         self._workers = {w.info.name: w for w in workers}
         self._replicas, self._decode_role = config.replicas, config.decode_role
         decode_blocks = {w.info.name: w.info.total_blocks for w in workers if w.info.role == config.decode_role}
+        kv_weight = config.kv_overlap_weight if config.decode_prefix_reuse and not config.replicas else None
+        self._block_size = workers[0].info.block_size
         self._router = Router([w.info.name for w in workers if w.info.role == "prefill"], decode_blocks,
-                              workers[0].info.block_size)
+                              self._block_size, kv_overlap_weight=kv_weight)
+        self._placer = PrefillPlacer(DisaggPolicy(config.disagg_policy, config.local_prefill_tokens))
         self._numbers = itertools.count()
         self._pumps: dict[str, DecodeEventPump] = {}
         self._monitor: HealthMonitor | None = None
@@ -115,37 +120,48 @@ class Coordinator:
                                request.request_id, lost, progress.num_resumed_tokens)
 
     async def _attempt(self, request: GenerationRequest, resumed: int = 0) -> AsyncIterator[GenerationChunk]:
-        """One try at the request under a new internal id: decode admission, then prefill, transfer and
-        decode (or, for a prompt shorter than local_prefill_tokens, prefill and decode on the decode
-        worker). `resumed`: the last that many prompt tokens were streamed by an earlier attempt. Whatever
-        way it ends, the router's claims for it are released and no worker keeps it."""
-        local = self._replicas or len(request.prompt_token_ids) < self._config.local_prefill_tokens
-        if not local and self._router.alive_counts()[0] == 0:
+        """One try at the request under a new internal id: decode admission (the decode worker matches the
+        prompt in its prefix cache and, by the disaggregation policy, may prefill it itself), then prefill,
+        transfer of the blocks it lacks and decode (or prefill and decode on the decode worker). `resumed`:
+        the last that many prompt tokens were streamed by an earlier attempt. Whatever way it ends, the
+        router's claims for it are released and no worker keeps it."""
+        prompt = request.prompt_token_ids
+        forced = bool(self._replicas) or self._placer.forced_local(len(prompt))
+        if not forced and self._router.alive_counts()[0] == 0:
             raise BackendUnavailable("no prefill worker is alive")
         request_id = f"{request.request_id}#{next(self._numbers)}"
-        blocks = self._router.decode_blocks_for(
-            min(len(request.prompt_token_ids) - resumed + request.params.max_tokens, self.max_model_len))
-        queued = len(request.prompt_token_ids) if local else 0  # prefilled on the decode worker itself
-        decode, mailbox = await self._open_decode(request, request_id, blocks, queued, resumed)
+        blocks = self._router.decode_blocks_for(min(len(prompt) - resumed + request.params.max_tokens,
+                                                    self.max_model_len))
+        queued = len(prompt) if forced else 0  # prefilled on the decode worker itself
+        bound = 0 if forced else self._placer.local_bound(self._router.prefill_queue_tokens())
+        expected = ExpectedRequest(request_id, prompt, request.params, prefill_locally=forced,
+                                   num_resumed_tokens=resumed, local_below_uncached_tokens=bound)
+        decode, mailbox, admission = await self._open_decode(expected, blocks, queued)
+        outputs: list[int] = []
         try:
-            if local:
-                flow = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
-                                        self._router.is_alive, self._decode_role)
-                source = flow.chunks()
-            else:
-                source = self._disaggregated(request, request_id, decode, mailbox, resumed)
+            source = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
+                                      self._router.is_alive, self._decode_role).chunks() \
+                if admission.prefill_locally else \
+                self._disaggregated(request, request_id, decode, mailbox, resumed, admission.cached_blocks)
+            cached = admission.cached_blocks * self._block_size
             async with aclosing(source) as chunks:
                 async for chunk in chunks:
                     if chunk.token_ids and queued:  # the first token: its prompt no longer waits
                         self._router.prefilled(decode.info.name, queued)
                         queued = 0
+                    outputs += chunk.token_ids
+                    if chunk.timing is not None:  # where it was prefilled, what the decode worker held
+                        timing = self._placer.decided(chunk.timing, admission.prefill_locally, cached, len(prompt))
+                        chunk = dataclasses.replace(chunk, timing=timing)
                     yield chunk
+            self._router.decode_holds(prompt + tuple(outputs), decode.info.name)
         finally:
             self._unclaim(decode.info.name, request_id, blocks, queued)
 
-    async def _disaggregated(self, request: GenerationRequest, request_id: str, decode: Worker,
-                             mailbox: asyncio.Queue, resumed: int) -> AsyncIterator[GenerationChunk]:
-        """Prefill on a prefill worker, KV to `decode` (which accepted the request), decode there."""
+    async def _disaggregated(self, request: GenerationRequest, request_id: str, decode: Worker, mailbox: asyncio.Queue,
+                             resumed: int, cached_blocks: int) -> AsyncIterator[GenerationChunk]:
+        """Prefill on a prefill worker, the KV the decode worker lacks to `decode` (which accepted the
+        request and holds its first cached_blocks blocks), decode there."""
         prompt_tokens = len(request.prompt_token_ids)
         prefill_name = self._router.pick_prefill(request.prompt_token_ids)
         if prefill_name is None:  # the last one died while the decode worker was asked
@@ -158,9 +174,11 @@ class Coordinator:
         prefill = self._workers[prefill_name]
         self._router.claim_prefill(prefill.info.name, prompt_tokens)
         release_prefill = _once(lambda: self._router.prefill_done(prefill.info.name, prompt_tokens))
-        hooks = FlowHooks(self._worker_lost, self._router.is_alive, release_prefill)
+        observe = lambda report: self._placer.observe_remote(prompt_tokens - report.num_cached_tokens,  # noqa: E731
+                                                             report.prefill_ms)
+        hooks = FlowHooks(self._worker_lost, self._router.is_alive, release_prefill, observe)
         flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, mailbox, hooks,
-                           num_resumed_tokens=resumed)
+                           num_resumed_tokens=resumed, decode_cached_blocks=cached_blocks)
         try:
             async with aclosing(flow.chunks()) as chunks:
                 async for chunk in chunks:
@@ -168,16 +186,14 @@ class Coordinator:
         finally:
             release_prefill()
 
-    async def _open_decode(self, request: GenerationRequest, request_id: str, blocks: int, queued: int,
-                           resumed: int):
-        """The first decode worker (in routing order) that accepts the request, and the request's
-        mailbox on that worker's event stream. The request's blocks (and, prefilled there, its `queued`
-        prompt tokens) are claimed on that worker (the caller releases them with prefilled and
+    async def _open_decode(self, expected: ExpectedRequest, blocks: int, queued: int):
+        """The first decode worker (in routing order) that accepts the request, the request's mailbox on
+        that worker's event stream, and its Admission. The request's blocks (and, prefilled there, its
+        `queued` prompt tokens) are claimed on that worker (the caller releases them with prefilled and
         decode_done, and closes the mailbox with the pump's close())."""
-        prompt = request.prompt_token_ids
-        expected = ExpectedRequest(request_id, prompt, request.params, prefill_locally=queued > 0,
-                                   num_resumed_tokens=resumed)
-        order = self._router.replica_order(prompt, blocks) if self._replicas else self._router.decode_order()
+        prompt, request_id = expected.prompt_token_ids, expected.request_id
+        order = self._router.replica_order(prompt, blocks) if self._replicas else \
+            self._router.decode_order(prompt, blocks)
         refusals = []
         for name in order:
             worker, pump = self._workers[name], self._pump(name)
@@ -195,7 +211,8 @@ class Coordinator:
                 self._unclaim(name, request_id, blocks, queued)
                 raise
             if admission is not None and admission.accepted:
-                return worker, mailbox
+                self._router.decode_holds(prompt, name)  # its KV will be there: prompts sharing it follow
+                return worker, mailbox, admission
             self._unclaim(name, request_id, blocks, queued)
             if admission is not None:
                 refusals.append(f"{name}: {admission.reason}")

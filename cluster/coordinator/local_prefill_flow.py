@@ -1,8 +1,9 @@
 """LocalPrefillFlow: a request its decode worker prefills itself (conditional disaggregation).
 
-Prompts shorter than ClusterConfig.local_prefill_tokens skip the prefill worker and the KV transfer:
-the decode worker's engine prefills them between its decode steps (a short prompt costs a decode step
-little), so they do not pay the transfer and the prefill queue in their TTFT. The flow reads the
+Requests the disaggregation policy keeps local (cluster/coordinator/disagg_policy.py: few tokens left
+uncached on the decode worker, a short prompt, or a long prefill queue) skip the prefill worker and the KV
+transfer: the decode worker's engine prefills them between its decode steps (a short prompt costs a decode
+step little), so they do not pay the transfer and the prefill queue in their TTFT. The flow reads the
 request's mailbox on the decode worker's event stream; its Timing has no transfer and no prefill worker.
 Colocated replicas take this flow for every request (their decode workers are replicas, role "replica").
 """

@@ -34,6 +34,14 @@ class PrefixAffinity:
         """For each key that has holders, longest run first: the replicas that served it."""
         return [list(self._holders[key]) for key in reversed(keys) if key in self._holders]
 
+    def overlaps(self, keys: list[int]) -> dict[str, int]:
+        """For each holder, the length in blocks of the longest of these leading runs it holds."""
+        found: dict[str, int] = {}
+        for length in range(len(keys), 0, -1):
+            for holder in self._holders.get(keys[length - 1], ()):
+                found.setdefault(holder, length)
+        return found
+
     def remember(self, keys: list[int], replica: str) -> None:
         """`replica` served a prompt with these leading runs."""
         for key in keys:

@@ -66,6 +66,7 @@ class FlowHooks:
     worker_lost: Callable[[str], None]
     is_alive: Callable[[str], bool]
     prefill_done: Callable[[], None]
+    prefill_reported: Callable[[PrefillReport], None] = lambda report: None  # sees every report first
 
 
 @dataclass(frozen=True)
@@ -81,14 +82,15 @@ class _Broken:
 class RequestFlow:
     def __init__(self, request: GenerationRequest, request_id: str, prefill: WorkerRef, decode: WorkerRef,
                  decode_address: ReceiverAddress, decode_mailbox: asyncio.Queue, hooks: FlowHooks,
-                 num_resumed_tokens: int = 0) -> None:
+                 num_resumed_tokens: int = 0, decode_cached_blocks: int = 0) -> None:
         """decode_mailbox: this request's events from the decode worker's stream (a DecodeEventPump
         mailbox), ending with a final event or a WorkerStreamLost. num_resumed_tokens: the last that many
-        prompt tokens were streamed by an earlier attempt (a migrated request)."""
+        prompt tokens were streamed by an earlier attempt (a migrated request). decode_cached_blocks: the
+        prompt's leading blocks the decode worker holds (its Admission.cached_blocks): not shipped."""
         self._request, self._rid = request, request_id
         self._prefill, self._decode, self._mailbox, self._hooks = prefill, decode, decode_mailbox, hooks
         self._task = PrefillTask(request_id, request.prompt_token_ids, request.params, decode_address,
-                                 num_resumed_tokens)
+                                 num_resumed_tokens, decode_cached_blocks)
         self._report: PrefillReport | None = None
         self._held_final: DecodeChunk | None = None
         self._decoded_any = self._ended = self._decode_ended = False
@@ -113,7 +115,9 @@ class RequestFlow:
 
     async def _pump_prefill(self, events: asyncio.Queue) -> None:
         try:
-            events.put_nowait(await self._prefill.actor.prefill.remote(self._task))
+            report = await self._prefill.actor.prefill.remote(self._task)
+            self._hooks.prefill_reported(report)
+            events.put_nowait(report)
         except RayActorError as error:
             events.put_nowait(_Broken("prefill", self._prefill.name, error, lost=True))
         except Exception as error:

@@ -1,6 +1,8 @@
 """Where a request goes: the coordinator's view of its workers' load, and the routing policies.
 
-Decode first: the alive decode worker with the most free KV blocks, then the fewest running requests.
+Decode first: the alive decode worker with the most free KV blocks, then the fewest running requests; with
+decoder-side prefix reuse (kv_overlap_weight set), the blocks of the prompt a worker is known to hold are
+scored against its free blocks (KV-aware routing, cluster/coordinator/kv_routing.py).
 Prefill then: the alive prefill worker with the shortest queue (prompt tokens dispatched and not yet
 reported), except that prompts sharing their first block of tokens go to the same prefill worker (its
 prefix cache holds that block) unless that worker's queue is longer than the shortest by more than
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from cluster.coordinator.kv_routing import DecodePrefixIndex, kv_aware_order
 from cluster.coordinator.prefix_affinity import PrefixAffinity
 
 
@@ -55,7 +58,8 @@ class Router:
 
     def __init__(self, prefill_names: list[str], decode_blocks: dict[str, int], block_size: int,
                  affinity_slack_tokens: int = 4096, affinity_capacity: int = 65536,
-                 affinity_slack_requests: int = 16) -> None:
+                 affinity_slack_requests: int = 16, kv_overlap_weight: float | None = None) -> None:
+        """kv_overlap_weight: KV-aware decode routing with this weight (None: by load only)."""
         self._prefill = {name: PrefillLoad(name) for name in prefill_names}
         self._decode = {name: DecodeLoad(name, total) for name, total in decode_blocks.items()}
         self._block_size = block_size
@@ -63,11 +67,21 @@ class Router:
         self._affinity: OrderedDict[int, str] = OrderedDict()  # hash of a first block -> prefill worker
         self._slack_requests = affinity_slack_requests
         self._prefixes = PrefixAffinity(block_size, capacity=affinity_capacity)  # replicas' leading blocks
+        self._kv_weight = kv_overlap_weight
+        self._decode_prefixes = DecodePrefixIndex(block_size)  # what decode workers hold (KV-aware routing)
 
-    def decode_order(self) -> list[str]:
-        """Alive decode workers, best first (most free blocks, then fewest running, then name)."""
+    def decode_order(self, prompt_token_ids: tuple[int, ...] = (), blocks: int = 0) -> list[str]:
+        """Alive decode workers, best first: most free blocks, then fewest running, then name; with
+        KV-aware routing, the blocks of the prompt each is known to hold count against its load."""
         alive = [load for load in self._decode.values() if load.alive]
-        return [load.name for load in sorted(alive, key=lambda d: (-d.free_blocks, d.running, d.name))]
+        overlaps = {} if self._kv_weight is None else self._decode_prefixes.overlaps(prompt_token_ids)
+        weight = self._kv_weight or 0.0
+        return kv_aware_order(alive, overlaps, self.decode_blocks_for(len(prompt_token_ids)), blocks, weight)
+
+    def decode_holds(self, token_ids: tuple[int, ...], decode: str) -> None:
+        """Decode worker `decode` holds the KV of token_ids in its prefix cache (KV-aware routing only)."""
+        if self._kv_weight is not None and self._decode[decode].alive:
+            self._decode_prefixes.holds(token_ids, decode)
 
     def replica_order(self, prompt_token_ids: tuple[int, ...], blocks: int) -> list[str]:
         """Alive replicas, best first (see the module docstring); `blocks`: what the request may hold."""
@@ -118,6 +132,10 @@ class Router:
             self._affinity.popitem(last=False)
         return shortest.name
 
+    def prefill_queue_tokens(self) -> int:
+        """The prompt tokens queued on the least loaded alive prefill worker (0 if none is alive)."""
+        return min((load.queued_tokens for load in self._prefill.values() if load.alive), default=0)
+
     def prefill_refusal(self, prompt_tokens: int, max_queue_tokens: int) -> str | None:
         """Why a prompt of `prompt_tokens` must be refused for now (429), or None: every alive prefill
         worker's queue would pass max_queue_tokens with it (0: no bound). A prompt longer than the bound
@@ -163,6 +181,7 @@ class Router:
         for key in [k for k, worker in self._affinity.items() if worker == name]:
             del self._affinity[key]
         self._prefixes.forget(name)
+        self._decode_prefixes.forget(name)
         return True
 
     def is_alive(self, name: str) -> bool:

@@ -10,6 +10,7 @@ from kv_transfer.config import TRANSPORTS, TransferConfig
 from kv_transfer.layer_stream import check_streaming_mode
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DISAGG_POLICIES = ("length", "uncached", "uncached_or_load")  # cluster/coordinator/disagg_policy.py
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -27,8 +28,15 @@ class ClusterConfig:
     bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
     on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across
     nodes). gRPC KV receivers bind their own node's address (cluster/workers/actors.py DecodeActor).
-    local_prefill_tokens: conditional disaggregation; prompts shorter than this are prefilled on their
-    decode worker, without a prefill worker or a KV transfer (0: every prompt goes to a prefill worker).
+    local_prefill_tokens: conditional disaggregation's threshold T; disagg_policy says what it bounds
+    (cluster/coordinator/disagg_policy.py): `length`: prompts shorter than T, `uncached` (default): prompts of
+    which fewer than T tokens are left after the decode worker's prefix-cache match, `uncached_or_load`: those
+    too, and any prompt whose local prefill costs less than the prefill queue's estimated wait, are prefilled
+    on their decode worker, without a prefill worker or a KV transfer (T = 0 with length or uncached: every
+    prompt goes to a prefill worker).
+    decode_prefix_reuse: a decode worker pins the prompt's leading blocks its prefix cache holds, so the KV
+    transfer skips them, and the coordinator routes a prompt to the decode worker likely to hold most of it
+    (its overlap in blocks, times kv_overlap_weight, against free blocks; cluster/coordinator/kv_routing.py).
     worker_stall_timeout_s: a worker whose step thread died, or has work but completed no step for this
     long, or that does not answer a health check within it, is declared lost (killed; its requests migrate).
     max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would
@@ -55,6 +63,9 @@ class ClusterConfig:
     kv_host: str = "127.0.0.1"
     max_live_per_decode_worker: int = 256
     local_prefill_tokens: int = 0
+    disagg_policy: str = "uncached"
+    decode_prefix_reuse: bool = True
+    kv_overlap_weight: float = 2.0
     expect_timeout_s: float = 60.0
     worker_start_timeout_s: float = 300.0
     worker_stall_timeout_s: float = 30.0
@@ -86,6 +97,10 @@ class ClusterConfig:
             raise ValueError("cpu_threads_per_worker must be >= 1")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
+        if self.disagg_policy not in DISAGG_POLICIES:
+            raise ValueError(f"disagg_policy must be one of {DISAGG_POLICIES}, got {self.disagg_policy!r}")
+        if not self.kv_overlap_weight >= 0:
+            raise ValueError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight!r}")
         if self.max_prefill_queue_tokens < 0:
             raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no bound)")
         if not self.worker_stall_timeout_s > 0:

@@ -132,7 +132,7 @@ def worker_configs(config: ClusterConfig, transport: str, store_host: str, store
     decode = [DecodeWorkerConfig(f"decode-{j}", transport, receiver_transfer, config.kv_host,
                                  rendezvous(num_prefill + j), tuple(range(num_prefill)),
                                  max_live_requests=config.max_live_per_decode_worker,
-                                 expect_timeout_s=config.expect_timeout_s)
+                                 expect_timeout_s=config.expect_timeout_s, prefix_reuse=config.decode_prefix_reuse)
               for j in range(config.num_decode_workers)]
     return prefill, decode
 

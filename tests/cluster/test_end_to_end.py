@@ -99,15 +99,18 @@ def check_timing(mode: str, timing: dict) -> None:
     if mode == "colocated":
         assert timing["transfer_ms"] == 0 and timing["kv_bytes"] == 0
         assert timing["prefill_worker"] == timing["decode_worker"] == "local"
+        assert (timing["prefill_location"], timing["decode_cached_tokens"]) == ("", 0)   # no decision to make
     else:
         assert timing["ttft_ms"] >= timing["transfer_ms"] > 0 and timing["kv_bytes"] > 0
         assert (timing["prefill_worker"], timing["decode_worker"]) == ("prefill-0", "decode-0")
+        assert timing["prefill_location"] == "remote" and timing["decode_cached_tokens"] % 16 == 0
 
 
 def grpc_timing(response: tandem_pb2.GenerateResponse) -> dict:
     t = response.timing
     return {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "transfer_ms": t.transfer_ms, "ttft_ms": t.ttft_ms,
-            "kv_bytes": t.kv_bytes, "prefill_worker": t.prefill_worker, "decode_worker": t.decode_worker}
+            "kv_bytes": t.kv_bytes, "prefill_worker": t.prefill_worker, "decode_worker": t.decode_worker,
+            "prefill_location": t.prefill_location, "decode_cached_tokens": t.decode_cached_tokens}
 
 
 async def grpc_generate(stub, index: int, prompt: list[int]) -> list[tandem_pb2.GenerateResponse]:

@@ -87,3 +87,36 @@ def test_the_block_of_the_last_token_is_no_prefix():
     r.claim_decode("replica-0", 1)
     r.served_prefix((1, 2, 3, 4), "replica-0")                 # one block, and it holds the last token
     assert r.replica_order((1, 2, 3, 4, 5), 2)[0] == "replica-1"
+
+
+def kv_aware(weight: float = 2.0) -> Router:
+    return Router(["prefill-0"], {"decode-0": 100, "decode-1": 100, "decode-2": 100}, block_size=4,
+                  kv_overlap_weight=weight)
+
+
+def test_kv_aware_decode_order_prefers_the_longest_prefix_unless_overloaded():
+    r = kv_aware()
+    chat = tuple(range(1, 41))                                      # 10 blocks of 4
+    assert r.decode_order(chat, 12) == ["decode-0", "decode-1", "decode-2"]   # nothing known: by load
+    r.decode_holds(chat[:17], "decode-1")                            # 4 blocks (not the last token's)
+    r.decode_holds(chat[:33], "decode-2")                            # 8 blocks
+    assert r.decode_order(chat + (7,), 12) == ["decode-2", "decode-1", "decode-0"]
+    assert r.decode_order((9,) * 40, 12) == ["decode-0", "decode-1", "decode-2"]  # another prompt: by load
+    r.claim_decode("decode-2", 7)          # cost 2*(11-8) - 93 = -87 vs decode-1's 2*(11-4) - 100 = -86
+    assert r.decode_order(chat + (7,), 12)[0] == "decode-2"
+    r.claim_decode("decode-2", 2)          # 9 blocks claimed: -85 > -86, the load outweighs the longer prefix
+    assert r.decode_order(chat + (7,), 12)[:2] == ["decode-1", "decode-2"]
+    assert r.mark_dead("decode-2") and r.decode_order(chat + (7,), 12) == ["decode-1", "decode-0"]
+    heavy = kv_aware(weight=100.0)
+    heavy.decode_holds(chat, "decode-1")   # 9 of the 11 blocks: by cost decode-1 wins by far ...
+    heavy.claim_decode("decode-1", 95)     # ... but with 5 free blocks it cannot hold the request's 12: last
+    assert heavy.decode_order(chat + (7,), 12) == ["decode-0", "decode-2", "decode-1"]
+
+
+def test_decode_order_ignores_prefixes_without_kv_aware_routing():
+    r = Router(["prefill-0"], {"decode-0": 100, "decode-1": 100}, block_size=4)
+    r.decode_holds(tuple(range(40)), "decode-1")
+    assert r.decode_order(tuple(range(41)), 12) == ["decode-0", "decode-1"]
+    weightless = kv_aware(weight=0.0)
+    weightless.decode_holds(tuple(range(40)), "decode-1")
+    assert weightless.decode_order(tuple(range(41)), 12)[0] == "decode-0"

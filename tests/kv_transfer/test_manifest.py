@@ -231,7 +231,7 @@ def test_public_api_messages_have_the_contract_fields():
             "stop", "ignore_eos"} <= fields
     assert {"token_ids", "text", "finish_reason", "timing"} <= {f.name for f in tandem_pb2.GenerateResponse.DESCRIPTOR.fields}
     assert {"queue_ms", "prefill_ms", "transfer_ms", "ttft_ms", "kv_bytes", "prefill_worker", "decode_worker",
-            "migrations", "transfer_exposed_ms"} == {
+            "migrations", "transfer_exposed_ms", "prefill_location", "decode_cached_tokens"} == {
         f.name for f in tandem_pb2.Timing.DESCRIPTOR.fields}
     methods = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].methods_by_name
     assert methods["Generate"].server_streaming and not methods["Health"].server_streaming
