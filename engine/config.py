@@ -188,3 +188,14 @@ class EngineConfig:
                              f"expected one of {ATTENTION_BACKENDS}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+
+
+def max_model_len(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:
+    """The longest sequence served: the model's context, capped by the user's max_model_len, by a
+    sliding window (served exactly only within it) and by what the whole KV pool can hold."""
+    limits = [model_config.max_position_embeddings, num_blocks * config.block_size]
+    if config.max_model_len is not None:
+        limits.append(config.max_model_len)
+    if model_config.sliding_window is not None:
+        limits.append(model_config.sliding_window)
+    return min(limits)

@@ -10,14 +10,12 @@ Not thread-safe: one thread drives an engine.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Protocol
 
 import torch
 
 from engine.attention import select_backend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, max_model_len
 from engine.decode_graphs import decode_graphs_for
 from engine.fork import fork_sequence
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -32,18 +30,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
+from engine.step_observer import StepObserver
 from engine.tokenizer import Tokenizer
-
-
-class StepObserver(Protocol):
-    """Watches one engine step from the thread that calls step() (layer-wise KV streaming)."""
-
-    def forward_starting(self, completing: list[Sequence]) -> Callable[[int], None] | None:
-        """completing: the prefill-only sequences whose prompt this step finishes (PREFILLED after it,
-        unless their first token ends them). Returns the per-layer callback for the forward, or None."""
-
-    def forward_failed(self, error: str) -> None:
-        """The forward raised after forward_starting returned a callback."""
 
 
 class LLMEngine:
@@ -324,14 +312,3 @@ class LLMEngine:
     @property
     def num_total_blocks(self) -> int:
         return self.kv_cache.num_blocks
-
-
-def max_model_len(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:
-    """The longest sequence served: the model's context, capped by the user's max_model_len, by a
-    sliding window (served exactly only within it) and by what the whole KV pool can hold."""
-    limits = [model_config.max_position_embeddings, num_blocks * config.block_size]
-    if config.max_model_len is not None:
-        limits.append(config.max_model_len)
-    if model_config.sliding_window is not None:
-        limits.append(model_config.sliding_window)
-    return min(limits)
