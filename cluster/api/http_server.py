@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front end (aiohttp): completions, chat completions, health, metrics, /ping;
-the models, /tokenize, /detokenize and /version are in utility_routes.py.
+the models, /tokenize, /detokenize and /version are in utility_routes.py, /admin/workers in admin_routes.py.
 
 Every error is answered with OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad
 input (`param` names the field), 401 missing or wrong API key (every route but the probes, PROBE_PATHS,
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from cluster.api.admin_routes import AdminRoutes
 from cluster.api.api_key import ApiKeyCheck
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
@@ -28,7 +29,8 @@ from cluster.api.openai_protocol import (OpenAIError, ParsedRequest, ServedModel
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
 from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
 from cluster.api.utility_routes import UtilityRoutes
-from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
+from cluster.backend import (Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest,
+                             WorkerScaling)
 
 logger = logging.getLogger("tandem.cluster.http")
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
@@ -78,10 +80,12 @@ def error_response(error: OpenAIError) -> web.Response:
 
 
 class OpenAIFrontEnd:
-    """Route handlers over one backend; `metrics` is what GET /metrics shows."""
+    """Route handlers over one backend; `metrics` is what GET /metrics shows; `scaling`: the backend's
+    worker set for /admin/workers (None: it has none)."""
 
-    def __init__(self, backend: Backend, metrics: ServingMetrics, config: HttpServerConfig) -> None:
-        self._backend, self._metrics = backend, metrics
+    def __init__(self, backend: Backend, metrics: ServingMetrics, config: HttpServerConfig,
+                 scaling: WorkerScaling | None = None) -> None:
+        self._backend, self._metrics, self._scaling = backend, metrics, scaling
         self._api_key = ApiKeyCheck(config.api_key)
         names = config.served_model_names or (backend.model_name,)
         self._served = ServedModel(names[0], backend.tokenizer, backend.max_model_len, names[1:])
@@ -95,6 +99,7 @@ class OpenAIFrontEnd:
         app.router.add_get("/ping", self.ping)
         app.router.add_post("/ping", self.ping)
         app.router.add_get("/metrics", self.metrics)
+        AdminRoutes(self._scaling).add_to(app)
         return app
 
     @web.middleware
@@ -225,13 +230,15 @@ async def _send_event(response: web.StreamResponse, payload: dict) -> None:
 
 
 async def start_http_server(backend: Backend, config: HttpServerConfig = HttpServerConfig(),
-                            metrics: ServingMetrics | None = None) -> tuple[web.AppRunner, int]:
+                            metrics: ServingMetrics | None = None,
+                            scaling: WorkerScaling | None = None) -> tuple[web.AppRunner, int]:
     """Start serving `backend` (from inside a running asyncio loop); returns the runner and the bound
     port. Requests are recorded in `metrics` (a new ServingMetrics if None) under frontend="http";
-    pass the one given to start_grpc_server to see both in /metrics. Stop with `await runner.cleanup()`;
-    the backend is the caller's to shut down."""
+    pass the one given to start_grpc_server to see both in /metrics. `scaling`: the worker set
+    /admin/workers reads and changes (the coordinator's; None: the route answers 400). Stop with
+    `await runner.cleanup()`; the backend is the caller's to shut down."""
     metrics = metrics if metrics is not None else ServingMetrics()
-    front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config)
+    front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config, scaling)
     runner = web.AppRunner(front_end.build_app(config.max_body_bytes), handler_cancellation=True,
                            shutdown_timeout=config.shutdown_timeout_s, access_log=None)
     await runner.setup()

@@ -1,0 +1,298 @@
+"""Workers added and drained while serving, on a real local Ray: disaggregated (gloo KV, so an added prefill
+worker must be wired into every decode worker's receiver) and colocated replicas; the admin route, `tandem
+scale` and /metrics; the autoscaler under a load that rises and falls.
+
+Every request's tokens equal the colocated engine's greedy output and none fails; a drained worker finishes
+what it holds before it stops, then its process is gone and its own placement group removed; every pool
+ends whole; no process of the module's Ray outlives it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import time
+
+import aiohttp
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.api.http_server import HttpServerConfig, start_http_server
+from cluster.api.metrics import ServingMetrics
+from cluster.backend import ScaleRefused
+from cluster.coordinator.autoscaler import AutoscalePolicy
+from cluster.coordinator.start import start_cluster
+from cluster.scale_client import add_arguments as add_scale_arguments
+from cluster.scale_client import run as run_scale
+from cluster.workers.worker_bounds import WorkerBounds
+from engine import LLM
+from tests.support.cluster_rig import (POOL_BYTES, cluster_config, collect, greedy, request, start_local_ray,
+                                       wait_until_idle)
+from tests.support.engine_checks import random_prompts
+from tests.support.http_rig import post
+from tests.support.serve_process import descendants, live_processes
+
+VOCAB = 256
+KEY = "scale-s3cret"
+PARAMS = greedy(16)
+PROMPTS = [tuple(p) for p in random_prompts([9, 300, 17, 280, 40, 5, 64, 23], VOCAB, seed=21)]
+HOLD = greedy(1500)   # a request that keeps its worker busy until the test cancels it
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    before = descendants(os.getpid())
+    start_local_ray()
+    yield
+    started = descendants(os.getpid()) - before
+    ray.shutdown()
+    assert wait_gone(started), "processes of the local Ray outlived it"
+
+
+@pytest.fixture(scope="module")
+def disaggregated(local_ray):
+    config = dataclasses.replace(cluster_config(1, 1, "gloo"), bounds=WorkerBounds(max_prefill=2, max_decode=2),
+                                 max_live_per_decode_worker=12)
+    coordinator = start_cluster(config)
+    yield coordinator
+    asyncio.run(coordinator.shutdown())
+
+
+@pytest.fixture(scope="module")
+def replicas(local_ray):
+    coordinator = start_cluster(dataclasses.replace(cluster_config(1, 1), num_prefill_workers=0, transport="auto"))
+    yield coordinator
+    asyncio.run(coordinator.shutdown())
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict[tuple[int, ...], list[int]]:
+    outs = LLM(kv_cache_memory=POOL_BYTES).generate(prompt_token_ids=[list(p) for p in PROMPTS],
+                                                   sampling_params=PARAMS, use_tqdm=False)
+    return {p: out.outputs[0].token_ids for p, out in zip(PROMPTS, outs)}
+
+
+def wait_gone(pids: set[int], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while pids & set(live_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not pids & set(live_processes())
+
+
+async def wait_for(condition, what: str, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g}s: {what}"
+        await asyncio.sleep(0.1)
+
+
+def wave(coordinator, tag: str, prompts, decoding: asyncio.Queue | None = None, params=PARAMS) -> list:
+    """(prompt, task) per prompt: its request streaming through the coordinator."""
+    return [(p, asyncio.ensure_future(collect(coordinator, request(f"{tag}{i}", p, params), decoding)))
+            for i, p in enumerate(prompts)]
+
+
+async def finish(coordinator, requests: list, oracle) -> list:
+    """The last chunk of every request once all ended (each one's tokens the colocated engine's), after
+    every drain settled and every pool is whole."""
+    results = await asyncio.gather(*(task for _, task in requests))
+    for (prompt, _), (tokens, last) in zip(requests, results):
+        assert last.finish_reason == "length" and tokens == oracle[prompt], f"{len(prompt)}-token prompt differs"
+    await coordinator.scaling.settled()
+    await wait_until_idle(coordinator)
+    return [last for _, last in results]
+
+
+def workers_in(coordinator, role: str, state: str = "serving") -> list[str]:
+    return [name for name, w in coordinator.scaling.describe()["workers"].items()
+            if (w["role"], w["state"]) == (role, state)]
+
+
+def samples(metrics: str, name: str) -> dict[tuple, float]:
+    """The samples of one series: sorted label items -> value."""
+    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(metrics)
+            for s in family.samples if s.name == name}
+
+
+def victim(answer: dict) -> str:
+    (name,) = answer["draining"]
+    assert answer["workers"][name]["state"] == "draining"
+    return name
+
+
+def whereabouts(coordinator) -> dict[str, tuple[int, object]]:
+    """(pid, bundle slot) of every running worker, to check a drained one's once it stopped (an idle one
+    stops at once)."""
+    return {name: (coordinator._workers[name].info.pid, coordinator._set.member(name).slot)
+            for name in coordinator._workers if coordinator.is_alive(name)}
+
+
+def released(pids_and_slots: list) -> None:
+    """The drained workers' processes are gone; a group of its own is removed (a start-group bundle is kept
+    for the next worker of the role: tests/cluster/test_autoscaler.py)."""
+    assert wait_gone({pid for pid, _ in pids_and_slots}), "a drained worker's process is still alive"
+    table = ray.util.placement_group_table()
+    assert all(table[slot.group.id.hex()]["state"] == "REMOVED" for _, slot in pids_and_slots if slot.owned)
+
+
+def test_disaggregated_workers_added_and_drained_while_requests_stream(disaggregated, oracle):
+    coordinator = disaggregated
+
+    async def run():
+        decoding = asyncio.Queue()
+        requests = wave(coordinator, "first", PROMPTS[0:3:2], decoding)   # two short prompts
+        await decoding.get()
+        assert (await coordinator.scaling.scale("decode", 1))["started"] == ["decode-1"]
+        assert (await coordinator.scaling.scale("prefill", 1))["started"] == ["prefill-1"]
+        second = wave(coordinator, "second", PROMPTS[1:4:2], decoding)   # two long prompts at once
+        for _ in range(3):
+            await decoding.get()
+        running = whereabouts(coordinator)
+        drained = [victim(await coordinator.scaling.scale(role, -1)) for role in ("decode", "prefill")]
+        gone = [running[name] for name in drained]
+        third = wave(coordinator, "third", PROMPTS[4:])
+        lasts = await finish(coordinator, requests + second + third, oracle)
+        return drained, gone, lasts
+
+    drained, gone, lasts = asyncio.run(run())
+    second, third = lasts[2:4], lasts[4:]
+    assert {t.timing.decode_worker for t in second} == {"decode-0", "decode-1"}     # the added ones served
+    assert {t.timing.prefill_worker for t in second} == {"prefill-0", "prefill-1"}
+    assert not {w for t in third for w in (t.timing.decode_worker, t.timing.prefill_worker)} & set(drained)
+    released(gone)
+    assert len(workers_in(coordinator, "decode")) == len(workers_in(coordinator, "prefill")) == 1
+
+
+def scale_command(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_scale_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+BAD_CHANGES = [({"role": "replica", "delta": 1}, "role"), ({"role": "gpu", "delta": 1}, "role"),
+               ({"role": 3, "delta": 1}, "role"), ({"delta": 1}, "role"), ({"role": "decode", "delta": 0}, "delta"),
+               ({"role": "decode", "delta": "1"}, "delta"), ({"role": "decode", "delta": 1.0}, "delta"),
+               ({"role": "decode", "delta": True}, "delta"), ({"role": "decode", "delta": 1, "node": "a"}, "node"),
+               ({"role": "decode", "delta": -1}, "delta"),      # below the minimum: 1 decode worker
+               ({"role": "prefill", "delta": 2}, "delta")]      # above --max-prefill-workers 2
+
+
+def test_admin_route_refuses_without_changing_anything_and_tandem_scale_changes(disaggregated, capsys):
+    coordinator, auth = disaggregated, {"Authorization": f"Bearer {KEY}"}
+    before = coordinator.scaling.describe()
+
+    async def run():
+        runner, port = await start_http_server(coordinator, HttpServerConfig(api_key=KEY), scaling=coordinator.scaling)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession(url) as session:
+                for headers in (None, {"Authorization": "Bearer nope"}):
+                    status, answer = await post(session, "/admin/workers", {"role": "decode", "delta": 1}, headers)
+                    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+                for body, field in [*BAD_CHANGES, (b"{not json", None)]:
+                    status, answer = await post(session, "/admin/workers", body, auth)
+                    assert status == 400 and answer["error"]["param"] == field, (body, answer)
+                async with session.get("/admin/workers", headers=auth) as response:
+                    assert response.status == 200 and await response.json() == before == coordinator.scaling.describe()
+                return await drain_through_tandem_scale(coordinator, session, url)
+        finally:
+            await runner.cleanup()
+
+    name, gone, metrics = asyncio.run(run())
+    released([gone])
+    out, err = capsys.readouterr()
+    assert "started: decode-" in out and f"draining: {name}" in out and "below the minimum" in err
+    counts = {labels: value for labels, value in samples(metrics, "tandem_workers").items() if value}
+    assert counts == {(("role", "decode"), ("state", "draining")): 1, (("role", "decode"), ("state", "serving")): 1,
+                      (("role", "prefill"), ("state", "serving")): 1}
+    assert samples(metrics, "tandem_worker_state")[(("role", "decode"), ("state", "draining"), ("worker", name))] == 1
+
+
+async def drain_through_tandem_scale(coordinator, session, url: str):
+    """`tandem scale` adds a decode worker, then drains one of the two while each holds a request, and a
+    third call (one too many) is refused. Returns the drained worker's name, (pid, slot), and /metrics
+    while it drained."""
+    flags = ["--base-url", url, "--api-key", KEY, "--role", "decode"]
+    assert await asyncio.to_thread(run_scale, scale_command(*flags, "--delta", "1")) == 0
+    decoding = asyncio.Queue()
+    holders = wave(coordinator, "hold", PROMPTS[0:3:2], decoding, HOLD)   # one on each decode worker
+    await decoding.get()
+    await decoding.get()
+    running = whereabouts(coordinator)
+    assert await asyncio.to_thread(run_scale, scale_command(*flags, "--delta", "-1")) == 0
+    (name,) = workers_in(coordinator, "decode", "draining")
+    gone = running[name]
+    async with session.get("/metrics") as response:
+        metrics = await response.text()
+    assert await asyncio.to_thread(run_scale, scale_command(*flags, "--delta", "-1")) == 1
+    for _, task in holders:   # the holders end (cancelled): the drained worker stops
+        task.cancel()
+    await asyncio.gather(*(task for _, task in holders), return_exceptions=True)
+    await coordinator.scaling.settled()
+    await wait_until_idle(coordinator)
+    return name, gone, metrics
+
+
+def test_replicas_added_and_drained_while_requests_stream(replicas, oracle):
+    async def run():
+        with pytest.raises(ScaleRefused, match="more than the Ray cluster can hold") as refused:
+            await replicas.scaling.scale("replica", 20)
+        assert refused.value.field == "delta" and workers_in(replicas, "replica") == ["replica-0"]
+        decoding = asyncio.Queue()
+        first = wave(replicas, "first", PROMPTS[:3], decoding)
+        await decoding.get()
+        assert (await replicas.scaling.scale("replica", 1))["started"] == ["replica-1"]
+        second = wave(replicas, "second", PROMPTS[3:6], decoding)
+        for _ in range(2 + 3):
+            await decoding.get()
+        running = whereabouts(replicas)
+        name = victim(await replicas.scaling.scale("replica", -1))
+        gone = running[name]
+        third = wave(replicas, "third", PROMPTS[6:])
+        return name, gone, await finish(replicas, first + second + third, oracle)
+
+    name, gone, lasts = asyncio.run(run())
+    assert "replica-1" in {last.timing.decode_worker for last in lasts[3:6]}
+    assert name not in {last.timing.decode_worker for last in lasts[6:]}
+    released([gone])
+    assert len(workers_in(replicas, "replica")) == 1
+
+
+def test_the_autoscaler_adds_a_decode_worker_under_load_and_drains_it_after(disaggregated, oracle):
+    """Occupancy is the signal here (10 requests in flight of the 12 a decode worker holds, against 0.5);
+    the latency SLOs and the prefill queue are set out of reach."""
+    coordinator = disaggregated
+    policy = AutoscalePolicy(interval_s=0.25, cooldown_s=0.5, window_s=5.0, ttft_slo_ms=1e7, itl_slo_ms=1e7,
+                             prefill_queue_tokens=10 ** 9, decode_occupancy=0.5, up_ticks=1, down_ticks=4)
+
+    async def load(requests: list, in_flight: int, until) -> None:
+        while not until():
+            for _ in range(in_flight - sum(not task.done() for _, task in requests)):
+                prompt = PROMPTS[len(requests) % len(PROMPTS)]
+                requests += wave(coordinator, f"load{len(requests)}-", [prompt])
+            await asyncio.sleep(0.005)
+
+    async def run():
+        autoscaler = coordinator.scaling.start_autoscaler(policy)
+        requests: list = []
+        try:
+            rising = asyncio.ensure_future(load(requests, 10, lambda: len(workers_in(coordinator, "decode")) == 2))
+            await wait_for(rising.done, "a decode worker added under load")
+            more = len(requests) + 20
+            await load(requests, 10, lambda: len(requests) >= more)     # serving on two under the same load
+            assert len(workers_in(coordinator, "decode")) == 2
+            await wait_for(lambda: len(workers_in(coordinator, "decode")) == 1
+                           and not workers_in(coordinator, "decode", "draining"), "back to one decode worker")
+            await finish(coordinator, requests, oracle)
+            return dict(autoscaler.decisions), ServingMetrics().render(await coordinator.health()).decode()
+        finally:
+            coordinator.scaling.stop_autoscaler()
+
+    decisions, metrics = asyncio.run(run())
+    assert decisions == {("decode", "add", "applied"): 1, ("decode", "drain", "applied"): 1}
+    assert samples(metrics, "tandem_autoscale_decisions_total") == {
+        (("action", "add"), ("outcome", "applied"), ("role", "decode")): 1,
+        (("action", "drain"), ("outcome", "applied"), ("role", "decode")): 1}
+    assert samples(metrics, "tandem_workers")[(("role", "decode"), ("state", "serving"))] == 1
