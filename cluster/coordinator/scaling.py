@@ -95,6 +95,8 @@ class Scaling:
         async with self._lock():
             if self._closed:
                 raise BackendUnavailable("the coordinator is shut down")
+            for slot in self._set.lost_bundles():  # lost workers' actors are gone: their bundles too
+                await asyncio.to_thread(release_added_worker, None, slot)
             await self._check_bounds(role, delta)
             if delta > 0:
                 changed = {"started": await self._add(role, delta)}
@@ -114,9 +116,9 @@ class Scaling:
         if high is not None and target > high:
             raise ScaleRefused(f"adding {delta} {role} workers to the {active} would make {target}, above the "
                                f"maximum of {high} (--max-{flag})", "delta")
-        if high is None and delta > 0:
+        if high is None and delta > 0:   # free start-group bundles of the role are reused, the rest are new
             held = [(r, self._template.bundle(r)) for r in self._set.held_bundles()]
-            new = [(role, self._template.bundle(role))] * delta
+            new = [(role, self._template.bundle(role))] * max(0, delta - self._set.held_bundles(free=True).count(role))
             try:
                 check_placement(held + new, "PACK", await asyncio.to_thread(alive_node_resources))
             except PlacementInfeasible as error:
@@ -144,6 +146,8 @@ class Scaling:
             await asyncio.to_thread(lambda: [release_added_worker(s.actor, s.slot) for s in started])
             for member in members:
                 self._set.stopped(member.name)
+            if isinstance(failure, PlacementInfeasible):   # no alive node can ever hold one
+                raise ScaleRefused(f"no {role} worker can be added: {failure}", "delta") from failure
             raise BackendUnavailable(f"could not add {count} {role} worker(s), nothing changed: "
                                      f"{failure or 'the coordinator is shutting down'}") from failure
         for member, worker in zip(members, started):

@@ -110,10 +110,11 @@ class WorkerSet:
         """Why each lost worker was declared lost."""
         return {m.name: m.reason for m in self._members.values() if m.state is WorkerState.LOST}
 
-    def held_bundles(self) -> list[str]:
-        """The role of every bundle the cluster holds: each member's (lost ones' too, until shutdown) and
-        each free bundle of the start group."""
-        return [m.role for m in self._members.values() if m.slot is not None] + [r for r, _ in self._free_slots]
+    def held_bundles(self, free: bool = False) -> list[str]:
+        """The role of every bundle the cluster holds: each member's (a lost one's until lost_bundles) and
+        each free bundle of the start group; free=True: of the free ones only."""
+        taken = [] if free else [m.role for m in self._members.values() if m.slot is not None]
+        return taken + [r for r, _ in self._free_slots]
 
     def owned_groups(self) -> list:
         """The placement groups of added workers (released at shutdown with the start group)."""
@@ -159,6 +160,19 @@ class WorkerSet:
             return False
         self._move(name, WorkerState.LOST).reason = reason
         return True
+
+    def lost_bundles(self) -> list[BundleSlot]:
+        """Takes the bundles of lost workers (their actors are killed): a start-group bundle goes back to
+        the free ones of its role; the groups of their own are returned, for the caller to remove."""
+        owned = []
+        for member in self._members.values():
+            if member.state is WorkerState.LOST and member.slot is not None:
+                if member.slot.owned:
+                    owned.append(member.slot)
+                else:
+                    self._free_slots.append((member.role, member.slot))
+                member.slot = None
+        return owned
 
     def _move(self, name: str, state: WorkerState) -> Member:
         member = self._members[name]

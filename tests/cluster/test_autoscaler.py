@@ -177,13 +177,14 @@ def test_worker_set_states_names_ranks_and_bundles():
         workers.started("decode-0", started_worker("decode-0", "decode"), own)
     workers.stopped("decode-0")                           # its start-group bundle waits for the next decode worker
     assert workers.state("decode-0") is WorkerState.STOPPED and "decode-0" not in workers.workers
-    assert workers.held_bundles() == ["prefill", "decode", "decode"]
+    assert workers.held_bundles() == ["prefill", "decode", "decode"] and workers.held_bundles(free=True) == ["decode"]
     again = workers.reserve("decode")
     assert (again.name, again.rank, again.slot) == ("decode-2", 3, BundleSlot(start_group, 1, False))
     workers.stopped("decode-2")                           # failed to start: the bundle is free again
     assert workers.reserve("prefill").slot is None        # no free prefill bundle: a group of its own
     assert workers.mark_lost("decode-1", "it died") and not workers.mark_lost("decode-1", "again")
     assert workers.failures() == {"decode-1": "it died"} and not workers.is_alive("decode-1")
+    assert workers.lost_bundles() == [own] and workers.owned_groups() == [] and workers.lost_bundles() == []
     assert workers.states() == {"prefill-0": {"role": "prefill", "state": "serving"},
                                 "decode-1": {"role": "decode", "state": "lost"},
                                 "prefill-1": {"role": "prefill", "state": "starting"}}

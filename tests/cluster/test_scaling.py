@@ -3,8 +3,8 @@ worker must be wired into every decode worker's receiver) and colocated replicas
 scale` and /metrics; the autoscaler under a load that rises and falls.
 
 Every request's tokens equal the colocated engine's greedy output and none fails; a drained worker finishes
-what it holds before it stops, then its process is gone and its own placement group removed; every pool
-ends whole; no process of the module's Ray outlives it.
+what it holds before it stops (past the drain timeout, what it holds migrates), then its process is gone and
+its own placement group removed; every pool ends whole; no process of the module's Ray outlives it.
 """
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import time
 
 import aiohttp
 import pytest
 import ray
-from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from cluster.api.metrics import ServingMetrics
@@ -28,15 +26,15 @@ from cluster.scale_client import add_arguments as add_scale_arguments
 from cluster.scale_client import run as run_scale
 from cluster.workers.worker_bounds import WorkerBounds
 from engine import LLM
-from tests.support.cluster_rig import (POOL_BYTES, cluster_config, collect, greedy, request, start_local_ray,
-                                       wait_until_idle)
+from tests.support.cluster_rig import POOL_BYTES, cluster_config, greedy, start_local_ray, wait_until_idle
 from tests.support.engine_checks import random_prompts
 from tests.support.http_rig import post
-from tests.support.serve_process import descendants, live_processes
+from tests.support.scaling_rig import (PARAMS, finish, released, samples, victim, wait_for, wait_gone, wave,
+                                       whereabouts, workers_in)
+from tests.support.serve_process import descendants
 
 VOCAB = 256
 KEY = "scale-s3cret"
-PARAMS = greedy(16)
 PROMPTS = [tuple(p) for p in random_prompts([9, 300, 17, 280, 40, 5, 64, 23], VOCAB, seed=21)]
 HOLD = greedy(1500)   # a request that keeps its worker busy until the test cancels it
 
@@ -68,73 +66,14 @@ def replicas(local_ray):
 
 
 @pytest.fixture(scope="module")
-def oracle() -> dict[tuple[int, ...], list[int]]:
-    outs = LLM(kv_cache_memory=POOL_BYTES).generate(prompt_token_ids=[list(p) for p in PROMPTS],
-                                                   sampling_params=PARAMS, use_tqdm=False)
+def colocated() -> LLM:
+    return LLM(kv_cache_memory=POOL_BYTES)
+
+
+@pytest.fixture(scope="module")
+def oracle(colocated) -> dict[tuple[int, ...], list[int]]:
+    outs = colocated.generate(prompt_token_ids=[list(p) for p in PROMPTS], sampling_params=PARAMS, use_tqdm=False)
     return {p: out.outputs[0].token_ids for p, out in zip(PROMPTS, outs)}
-
-
-def wait_gone(pids: set[int], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while pids & set(live_processes()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return not pids & set(live_processes())
-
-
-async def wait_for(condition, what: str, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout_s:g}s: {what}"
-        await asyncio.sleep(0.1)
-
-
-def wave(coordinator, tag: str, prompts, decoding: asyncio.Queue | None = None, params=PARAMS) -> list:
-    """(prompt, task) per prompt: its request streaming through the coordinator."""
-    return [(p, asyncio.ensure_future(collect(coordinator, request(f"{tag}{i}", p, params), decoding)))
-            for i, p in enumerate(prompts)]
-
-
-async def finish(coordinator, requests: list, oracle) -> list:
-    """The last chunk of every request once all ended (each one's tokens the colocated engine's), after
-    every drain settled and every pool is whole."""
-    results = await asyncio.gather(*(task for _, task in requests))
-    for (prompt, _), (tokens, last) in zip(requests, results):
-        assert last.finish_reason == "length" and tokens == oracle[prompt], f"{len(prompt)}-token prompt differs"
-    await coordinator.scaling.settled()
-    await wait_until_idle(coordinator)
-    return [last for _, last in results]
-
-
-def workers_in(coordinator, role: str, state: str = "serving") -> list[str]:
-    return [name for name, w in coordinator.scaling.describe()["workers"].items()
-            if (w["role"], w["state"]) == (role, state)]
-
-
-def samples(metrics: str, name: str) -> dict[tuple, float]:
-    """The samples of one series: sorted label items -> value."""
-    return {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(metrics)
-            for s in family.samples if s.name == name}
-
-
-def victim(answer: dict) -> str:
-    (name,) = answer["draining"]
-    assert answer["workers"][name]["state"] == "draining"
-    return name
-
-
-def whereabouts(coordinator) -> dict[str, tuple[int, object]]:
-    """(pid, bundle slot) of every running worker, to check a drained one's once it stopped (an idle one
-    stops at once)."""
-    return {name: (coordinator._workers[name].info.pid, coordinator._set.member(name).slot)
-            for name in coordinator._workers if coordinator.is_alive(name)}
-
-
-def released(pids_and_slots: list) -> None:
-    """The drained workers' processes are gone; a group of its own is removed (a start-group bundle is kept
-    for the next worker of the role: tests/cluster/test_autoscaler.py)."""
-    assert wait_gone({pid for pid, _ in pids_and_slots}), "a drained worker's process is still alive"
-    table = ray.util.placement_group_table()
-    assert all(table[slot.group.id.hex()]["state"] == "REMOVED" for _, slot in pids_and_slots if slot.owned)
 
 
 def test_disaggregated_workers_added_and_drained_while_requests_stream(disaggregated, oracle):
@@ -258,6 +197,35 @@ def test_replicas_added_and_drained_while_requests_stream(replicas, oracle):
     assert name not in {last.timing.decode_worker for last in lasts[6:]}
     released([gone])
     assert len(workers_in(replicas, "replica")) == 1
+
+
+def test_a_drain_past_its_timeout_moves_what_is_left_to_the_other_workers(replicas, colocated):
+    """With a drain timeout shorter than a request, the drained replica is declared lost and its request
+    migrates: it ends on the other replica with the colocated engine's tokens all the same."""
+    scaling, params = replicas.scaling, greedy(64)
+    outs = colocated.generate(prompt_token_ids=[list(p) for p in PROMPTS[4:6]], sampling_params=params, use_tqdm=False)
+    unbounded = scaling._config
+    scaling._config = dataclasses.replace(unbounded, drain_timeout_s=0.01)
+
+    async def run():
+        await scaling.scale("replica", 1)
+        decoding = asyncio.Queue()
+        requests = wave(replicas, "late", PROMPTS[4:6], decoding, params)   # one on each replica
+        await decoding.get()
+        await decoding.get()
+        name = victim(await scaling.scale("replica", -1))
+        results = await asyncio.gather(*(task for _, task in requests))
+        await scaling.settled()
+        await wait_until_idle(replicas)
+        return name, results, await replicas.health()
+
+    try:
+        name, results, health = asyncio.run(run())
+    finally:
+        scaling._config = unbounded
+    assert [tokens for tokens, _ in results] == [out.outputs[0].token_ids for out in outs]
+    assert sorted(last.timing.migrations for _, last in results) == [0, 1]
+    assert "drain ran past" in health.details["worker_failures"][name] and len(workers_in(replicas, "replica")) == 1
 
 
 def test_the_autoscaler_adds_a_decode_worker_under_load_and_drains_it_after(disaggregated, oracle):
