@@ -32,6 +32,15 @@ class InvalidField(ValueError):
         self.field = field
 
 
+class ScaleRefused(ValueError):
+    """A change of the worker set that is not allowed (HTTP 400); nothing changed. `field`: the field of
+    the admin request at fault ("role" or "delta")."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated request: token ids already encoded, sampling params already checked."""
@@ -117,3 +126,20 @@ class Backend(Protocol):
 
     async def shutdown(self) -> None:
         """Abort everything in flight, free all blocks, stop background threads."""
+
+
+class WorkerScaling(Protocol):
+    """The admin surface of a backend whose workers can be added and drained while it serves (the
+    coordinator of replicas or of disaggregated workers: cluster/coordinator/scaling.py). Called from the
+    front end's asyncio loop."""
+
+    roles: tuple[str, ...]   # the roles a change may name: ("prefill", "decode") or ("replica",)
+
+    def describe(self) -> dict:
+        """{"workers": {name: {"role", "state"}}, "bounds": {role: {"min", "max"}}}. Changes nothing."""
+
+    async def scale(self, role: str, delta: int) -> dict:
+        """Add `delta` workers of `role` (returns once they serve) or drain -delta of them (returns once
+        they no longer take requests; each stops when its requests have ended). ScaleRefused (nothing
+        changes) for an unknown role, a delta of 0, or a count outside the bounds or past what the
+        cluster's resources hold; BackendUnavailable (nothing changes) when a worker failed to start."""

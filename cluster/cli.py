@@ -1,4 +1,4 @@
-"""The `tandem` command: serve, client, demo, bench, selftest."""
+"""The `tandem` command: serve, client, scale, demo, bench, selftest."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "serve a mixed workload disaggregated and colocated, side by side")
     _add_command(commands, "serve", "cluster.serve", "gRPC + OpenAI-compatible HTTP front ends")
     _add_command(commands, "client", "cluster.client", "stream a completion from a Tandem gRPC server")
+    _add_command(commands, "scale", "cluster.scale_client",
+                 "add or drain workers of a running server (POST /admin/workers), or list them")
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_command(bench, "engine", "cluster.bench.engine_vs_hf", "engine.LLM vs transformers on a serving-like mix")
     _add_command(bench, "serve", "cluster.bench.serve", "load a running server; vLLM's serving metrics")

@@ -30,12 +30,14 @@ from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from cluster.api.metrics import ServingMetrics
 from cluster.backend import Backend
+from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
-from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, engine_config_from_args,
-                                 served_names_from_args)
+from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, add_scaling_arguments,
+                                 engine_config_from_args, scaling_from_args, served_names_from_args)
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import DISAGG_POLICIES, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.placement_check import role_resources
+from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import EngineConfig
 from kv_transfer.layer_stream import STREAMING_MODES
 
@@ -72,6 +74,9 @@ class ServeConfig:
     kv_streaming: str = "layer"  # disaggregated: KV sent layer by layer under the prefill, or whole after it
     disagg_policy: str = "uncached"
     decode_prefix_reuse: bool = True
+    bounds: WorkerBounds = field(default_factory=WorkerBounds)  # of the worker set while serving (on Ray)
+    drain_timeout_s: float = 300.0
+    autoscale: AutoscalePolicy | None = None  # None: the worker set changes only by admin call
 
     @property
     def model_name(self) -> str:
@@ -136,6 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_api_arguments(parser.add_argument_group("API"))
     add_ray_arguments(parser.add_argument_group("Ray cluster (disaggregated mode)"))
     add_engine_arguments(parser.add_argument_group("engine (every worker's engine)"))
+    add_scaling_arguments(parser.add_argument_group("scaling (replicas or disaggregated: POST /admin/workers, "
+                                                    "tandem scale, --autoscale)"))
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -158,14 +165,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     placement = {"node_ip_address": args.node_ip_address,
                  "prefill_resources": role_resources(args.prefill_resources, "--prefill-resources"),
                  "decode_resources": role_resources(args.decode_resources, "--decode-resources")}
+    bounds, autoscale = scaling_from_args(args, prefill_workers, decode_workers,
+                                          on_ray=mode == "disaggregated" or bool(replicas))
     config = ServeConfig(args.model, args.dtype, args.device, mode, prefill_workers, decode_workers,
                          args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                          args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
                          args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
                          args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker, **placement,
                          replicas=replicas, served_model_names=served_names_from_args(args),
-                         kv_streaming=args.kv_streaming,
-                         disagg_policy=args.disagg_policy, decode_prefix_reuse=args.decode_prefix_reuse)
+                         kv_streaming=args.kv_streaming, disagg_policy=args.disagg_policy,
+                         decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
+                         drain_timeout_s=args.drain_timeout_s, autoscale=autoscale)
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):
             raise ValueError("colocated replicas move no KV and have no prefill workers: --transport, "
@@ -238,7 +248,8 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,
                          gpus_per_worker=config.gpus_per_worker, prefill_resources=config.prefill_resources,
                          decode_resources=config.decode_resources, kv_streaming=config.kv_streaming,
-                         disagg_policy=config.disagg_policy, decode_prefix_reuse=config.decode_prefix_reuse)
+                         disagg_policy=config.disagg_policy, decode_prefix_reuse=config.decode_prefix_reuse,
+                         bounds=config.bounds, drain_timeout_s=config.drain_timeout_s)
 
 
 async def serve(config: ServeConfig) -> None:
@@ -246,20 +257,24 @@ async def serve(config: ServeConfig) -> None:
     stop in order (the module docstring): refuse new requests, let those in flight finish for
     config.shutdown_grace_s, end the rest with "the server is stopping", close the front ends, stop the
     backend (workers, actors, placement group, local Ray). Returns once all of it is gone."""
-    backend = DrainingBackend(AdmissionBound(start_backend(config), config.max_pending_requests))
+    inner = start_backend(config)
+    scaling = None if isinstance(inner, LocalEngineBackend) else inner.scaling  # the worker set on Ray
+    if scaling is not None and config.autoscale is not None:
+        scaling.start_autoscaler(config.autoscale)
+    backend = DrainingBackend(AdmissionBound(inner, config.max_pending_requests))
     try:
-        await _serve_until_signalled(backend, config)
+        await _serve_until_signalled(backend, config, scaling)
     finally:
         await backend.shutdown()
 
 
-async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig) -> None:
+async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig, scaling) -> None:
     metrics = ServingMetrics()
     grpc_server, grpc_port = await start_grpc_server(
         backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics)
     http_runner, http_port = await start_http_server(
         backend, HttpServerConfig(host=config.host, port=config.http_port, api_key=config.api_key,
-                                  served_model_names=config.served_model_names), metrics)
+                                  served_model_names=config.served_model_names), metrics, scaling)
     workers = f", {config.replicas} replicas on Ray" if config.replicas else "" if config.mode == "colocated" \
         else f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
     print(f"tandem serving {backend.model_name} ({config.mode}{workers}): gRPC {config.host}:{grpc_port}, "
@@ -272,6 +287,8 @@ async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig) 
         await stopped.wait()
     finally:
         print("tandem: shutting down", flush=True)
+        if scaling is not None:
+            scaling.stop_autoscaler()
         backend.begin_stop()
         left = await backend.drain(config.shutdown_grace_s)
         if left:

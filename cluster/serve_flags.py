@@ -1,10 +1,13 @@
 """The flag groups of `tandem serve` beside its main ones (cluster/serve.py): the API (served names, the
-admission bound), the Ray cluster and the engine. Each group is added by one function, and the values
-that need checking are read back by another (ValueError names the flag)."""
+admission bound), the Ray cluster, the engine, and scaling (the worker set's bounds, the autoscaler). Each
+group is added by one function, and the values that need checking are read back by another (ValueError names
+the flag)."""
 from __future__ import annotations
 
 import argparse
 
+from cluster.coordinator.autoscaler import AutoscalePolicy
+from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import ATTENTION_BACKENDS, EngineConfig
 
 
@@ -75,3 +78,91 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+
+
+BOUND_FLAGS = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers", "max_decode_workers",
+               "min_replicas", "max_replicas")
+AUTOSCALE_FLAGS = {"autoscale_interval_s": "interval_s", "autoscale_cooldown_s": "cooldown_s",
+                   "autoscale_window_s": "window_s", "ttft_slo_ms": "ttft_slo_ms", "itl_slo_ms": "itl_slo_ms",
+                   "autoscale_prefill_queue_tokens": "prefill_queue_tokens",
+                   "autoscale_decode_occupancy": "decode_occupancy"}
+
+
+def add_scaling_arguments(group) -> None:
+    """Bounds of the worker set (admin calls and the autoscaler stay within them), the drain timeout and
+    the autoscaler. The worker counts given at start must lie within the bounds."""
+    for role, what in (("prefill-workers", "prefill workers"), ("decode-workers", "decode workers"),
+                       ("replicas", "colocated replicas")):
+        group.add_argument(f"--min-{role}", type=int, default=None, help=f"fewest {what} while serving (default 1)")
+        group.add_argument(f"--max-{role}", type=int, default=None,
+                           help=f"most {what} while serving (default: what the Ray cluster's nodes hold; a number "
+                                f"lets added workers wait for nodes the Ray autoscaler adds)")
+    group.add_argument("--drain-timeout-s", type=float, default=300.0,
+                       help="how long a drained worker's requests may run before those left migrate to other workers")
+    group.add_argument("--autoscale", action="store_true",
+                       help="add and drain workers by load (needs --max-* for every role of the mode)")
+    policy = AutoscalePolicy()
+    for flag, field, text in (
+            ("--autoscale-interval-s", "interval_s", "seconds between two decisions"),
+            ("--autoscale-cooldown-s", "cooldown_s", "seconds a role waits after a change before the next"),
+            ("--autoscale-window-s", "window_s", "the latency percentiles' window in seconds"),
+            ("--ttft-slo-ms", "ttft_slo_ms", "TTFT p90 goal: above it prefill workers (replicas) are added"),
+            ("--itl-slo-ms", "itl_slo_ms", "inter-token latency p90 goal: above it decode workers (replicas) are "
+             "added"),
+            ("--autoscale-prefill-queue-tokens", "prefill_queue_tokens",
+             "prompt tokens waiting per prefill worker (replica) above which one is added"),
+            ("--autoscale-decode-occupancy", "decode_occupancy",
+             "running requests / what the decode workers (replicas) hold, above which one is added")):
+        kind = int if field == "prefill_queue_tokens" else float
+        group.add_argument(flag, type=kind, default=None, help=f"{text} (default {getattr(policy, field):g})")
+
+
+def scaling_from_args(args: argparse.Namespace, num_prefill: int, num_decode: int,
+                      on_ray: bool) -> tuple[WorkerBounds, AutoscalePolicy | None]:
+    """The bounds and the autoscale policy (None without --autoscale) the flags describe, for a cluster of
+    num_prefill (0: replicas) and num_decode workers at start; ValueError names the flag at fault."""
+    given = [name for name in (*BOUND_FLAGS, *AUTOSCALE_FLAGS) if getattr(args, name) is not None]
+    given += ["autoscale"] if args.autoscale else []
+    if given and not on_ray:
+        raise ValueError(f"--{given[0].replace('_', '-')} needs workers on Ray (--replicas N, or disaggregated)")
+    if args.drain_timeout_s <= 0:
+        raise ValueError("--drain-timeout-s must be > 0")
+    roles = [("replicas", num_decode)] if not num_prefill else [("prefill_workers", num_prefill),
+                                                                 ("decode_workers", num_decode)]
+    present = {role for role, _ in roles}
+    for name in given:
+        if name in BOUND_FLAGS and name.split("_", 1)[1] not in present:
+            raise ValueError(f"--{name.replace('_', '-')} does not apply: this mode's workers are "
+                             + " and ".join(role.replace("_", " ") for role in present))
+    limits = {role: _role_bounds(args, role, count) for role, count in roles}
+    if args.autoscale:
+        missing = [role for role, (_, high) in limits.items() if high is None]
+        if missing:
+            raise ValueError(f"--autoscale needs --max-{missing[0].replace('_', '-')}: how far it may add")
+    elif [name for name in given if name in AUTOSCALE_FLAGS]:
+        raise ValueError(f"--{[n for n in given if n in AUTOSCALE_FLAGS][0].replace('_', '-')} needs --autoscale")
+    decode = limits.get("decode_workers") or limits["replicas"]
+    prefill = limits.get("prefill_workers", (1, None))
+    bounds = WorkerBounds(prefill[0], prefill[1], decode[0], decode[1])
+    if not args.autoscale:
+        return bounds, None
+    try:
+        return bounds, AutoscalePolicy(**{field: getattr(args, flag) for flag, field in AUTOSCALE_FLAGS.items()
+                                          if getattr(args, flag) is not None})
+    except ValueError as error:
+        raise ValueError(f"autoscale flags: {error} (the --autoscale-* / --*-slo-ms flag of that name)") from None
+
+
+def _role_bounds(args: argparse.Namespace, role: str, count: int) -> tuple[int, int | None]:
+    """(min, max) of --min-<role> / --max-<role>, checked against each other and the start count."""
+    low, high = getattr(args, f"min_{role}"), getattr(args, f"max_{role}")
+    flag = role.replace("_", "-")
+    low = 1 if low is None else low
+    if low < 1:
+        raise ValueError(f"--min-{flag} must be >= 1")
+    if high is not None and high < low:
+        raise ValueError(f"--max-{flag} ({high}) must be >= --min-{flag} ({low})")
+    if count < low or (high is not None and count > high):
+        raise ValueError(f"the {count} {flag.replace('-', ' ')} at start must be within --min-{flag} {low} and "
+                         f"--max-{flag} {'(none)' if high is None else high}")
+    return low, high

@@ -29,5 +29,11 @@ class NoReceiver:
     def cancel(self, request_id: str) -> None:
         pass
 
+    def add_peer(self, rank: int) -> None:
+        pass
+
+    def remove_peer(self, rank: int) -> None:
+        pass
+
     def close(self) -> None:
         self._closed.set()

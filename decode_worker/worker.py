@@ -89,6 +89,15 @@ class DecodeWorker:
             self._commands.put(Expect(dataclasses.replace(request, prefill_locally=local), emit))
         return admission
 
+    def add_kv_peer(self, rank: int) -> None:
+        """Receive KV from the prefill worker of sender rank `rank` too (one added while serving; gloo, nccl
+        and ipc listen per rank, grpc and a replica have nothing to do)."""
+        self._receiver.add_peer(rank)
+
+    def remove_kv_peer(self, rank: int) -> None:
+        """Stop listening to sender rank `rank` (a prefill worker that left with nothing in flight)."""
+        self._receiver.remove_peer(rank)
+
     def cancel(self, request_id: str) -> None:
         """Queue a cancel: the request leaves the engine (blocks freed) or stops waiting (KV arriving
         later is freed on delivery); it gets DecodeEnded(CANCELLED). No-op once it ended."""

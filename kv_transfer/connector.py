@@ -30,6 +30,11 @@ class KVSender(ABC):
     def close(self) -> None:
         """Stops the background threads; queued transfers fail with CANCELLED and free their blocks."""
 
+    def forget_peer(self, peer: ReceiverAddress) -> None:
+        """The receiver at `peer` is gone for good (a decode worker drained away) and nothing is queued for
+        it: what this sender keeps for it (a rank transport's link thread and channel) is closed. No-op by
+        default and for a peer it never sent to."""
+
 
 class KVReceiver(ABC):
     """Accepts transfers into its pool; finished ones (delivered or failed) wait in an inbox."""
@@ -58,6 +63,14 @@ class KVReceiver(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stops accepting transfers and waits for the ones in flight (bounded by the transfer timeout)."""
+
+    def add_peer(self, rank: int) -> None:
+        """Rank transports (gloo/nccl/ipc) listen to sender `rank` from now on too (a prefill worker added
+        while serving). No-op by default: a transport that accepts any sender (grpc) has nothing to do."""
+
+    def remove_peer(self, rank: int) -> None:
+        """Stop listening to sender `rank` (a prefill worker that left, with no transfer under way). No-op
+        by default and for a rank this receiver does not listen to."""
 
 
 def resolve_transport(requested: str, sender_device: torch.device, receiver_device: torch.device,

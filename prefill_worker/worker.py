@@ -21,7 +21,7 @@ from engine.command_queue import take_commands
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepDelta
 from engine.step_watch import StepHealth, StepWatch
-from kv_transfer import KVTransferError, TransferHandle, create_sender
+from kv_transfer import KVTransferError, ReceiverAddress, TransferHandle, create_sender
 from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
 from prefill_worker.commands import Cancel, Live, Stop, Submit, TransferDone
 from prefill_worker.config import PrefillWorkerConfig
@@ -71,6 +71,11 @@ class PrefillWorker:
         metadata went out leaves the sender's pending write waiting forever, blocks held.) No-op once
         reported."""
         self._commands.put(Cancel(request_id))
+
+    def forget_kv_peer(self, peer: ReceiverAddress) -> None:
+        """The decode worker at `peer` left (drained: nothing is in flight to it): the sender closes what it
+        keeps for it."""
+        self._sender.forget_peer(peer)
 
     def stats(self) -> PrefillStats:
         """The load as of the step thread's last iteration. Changes nothing."""

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front end (aiohttp): completions, chat completions, health, metrics, /ping;
-the models, /tokenize, /detokenize and /version are in utility_routes.py.
+the models, /tokenize, /detokenize and /version are in utility_routes.py, /admin/workers in admin_routes.py.
 
 Every error is answered with OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad
 input (`param` names the field), 401 missing or wrong API key (every route but the probes, PROBE_PATHS,
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from cluster.api.admin_routes import AdminRoutes
 from cluster.api.api_key import ApiKeyCheck
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
@@ -27,7 +28,7 @@ from cluster.api.openai_protocol import (ParsedRequest, ServedModel, parse_chat_
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
 from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
 from cluster.api.utility_routes import UtilityRoutes
-from cluster.backend import Backend
+from cluster.backend import Backend, WorkerScaling
 
 logger = logging.getLogger("tandem.cluster.http")
 _HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
@@ -65,10 +66,12 @@ def error_response(error: OpenAIError) -> web.Response:
 
 
 class OpenAIFrontEnd:
-    """Route handlers over one backend; `metrics` is what GET /metrics shows."""
+    """Route handlers over one backend; `metrics` is what GET /metrics shows; `scaling`: the backend's
+    worker set for /admin/workers (None: it has none)."""
 
-    def __init__(self, backend: Backend, metrics: ServingMetrics, config: HttpServerConfig) -> None:
-        self._backend, self._metrics = backend, metrics
+    def __init__(self, backend: Backend, metrics: ServingMetrics, config: HttpServerConfig,
+                 scaling: WorkerScaling | None = None) -> None:
+        self._backend, self._metrics, self._scaling = backend, metrics, scaling
         self._api_key = ApiKeyCheck(config.api_key)
         names = config.served_model_names or (backend.model_name,)
         self._served = ServedModel(names[0], backend.tokenizer, backend.max_model_len, names[1:])
@@ -82,6 +85,7 @@ class OpenAIFrontEnd:
         app.router.add_get("/ping", self.ping)
         app.router.add_post("/ping", self.ping)
         app.router.add_get("/metrics", self.metrics)
+        AdminRoutes(self._scaling).add_to(app)
         return app
 
     @web.middleware
@@ -148,13 +152,15 @@ class OpenAIFrontEnd:
 
 
 async def start_http_server(backend: Backend, config: HttpServerConfig = HttpServerConfig(),
-                            metrics: ServingMetrics | None = None) -> tuple[web.AppRunner, int]:
+                            metrics: ServingMetrics | None = None,
+                            scaling: WorkerScaling | None = None) -> tuple[web.AppRunner, int]:
     """Start serving `backend` (from inside a running asyncio loop); returns the runner and the bound
     port. Requests are recorded in `metrics` (a new ServingMetrics if None) under frontend="http";
-    pass the one given to start_grpc_server to see both in /metrics. Stop with `await runner.cleanup()`;
-    the backend is the caller's to shut down."""
+    pass the one given to start_grpc_server to see both in /metrics. `scaling`: the worker set
+    /admin/workers reads and changes (the coordinator's; None: the route answers 400). Stop with
+    `await runner.cleanup()`; the backend is the caller's to shut down."""
     metrics = metrics if metrics is not None else ServingMetrics()
-    front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config)
+    front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config, scaling)
     runner = web.AppRunner(front_end.build_app(config.max_body_bytes), handler_cancellation=True,
                            shutdown_timeout=config.shutdown_timeout_s, access_log=None)
     await runner.setup()

@@ -7,13 +7,15 @@ free_kv_blocks, total_kv_blocks, and requests_in_flight / max_pending_requests o
 cluster/api/admission.py; a missing key leaves its gauge unchanged; `workers`, a dict of worker
 name -> {role, free_kv_blocks, total_kv_blocks, running_requests}, fills the per-worker gauges, labelled
 worker and role; a worker no longer listed loses its series; with node_id / node_ip in its entry, a worker
-also has tandem_worker_info{worker,role,node_id,node_ip} 1, saying which Ray node it runs on).
+also has tandem_worker_info{worker,role,node_id,node_ip} 1, saying which Ray node it runs on; the worker
+set's states and the autoscaler's decisions: cluster/api/worker_set_metrics.py).
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cluster.api.worker_set_metrics import WorkerSetMetrics
 from cluster.backend import BackendHealth, Timing
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -78,6 +80,7 @@ class ServingMetrics:
         self._load_gauges = {"running_requests": self.running, "waiting_requests": self.waiting,
                              "free_kv_blocks": self.free_blocks, "total_kv_blocks": self.total_blocks,
                              "requests_in_flight": self.in_flight, "max_pending_requests": self.max_pending}
+        self._worker_set = WorkerSetMetrics(r)
 
     def observe_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -114,6 +117,7 @@ class ServingMetrics:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 gauge.set(value)
         self._render_workers(health.details.get("workers") or {})
+        self._worker_set.render(health.details)
         return generate_latest(self.registry)
 
     def _render_workers(self, workers: dict) -> None:

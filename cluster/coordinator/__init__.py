@@ -10,5 +10,7 @@ decode worker's tokens back with the timing breakdown; a `DecodeEventPump` per d
 worker's event stream to per-request mailboxes. The calls that cross into the actor processes are
 `DecodeActor.expect.remote`, `PrefillActor.prefill.remote` and the `DecodeActor.events` stream.
 Colocated replicas (`--replicas N`) are the same coordinator over decode workers that prefill every prompt
-themselves (no prefill workers), routed by load with prefix affinity.
+themselves (no prefill workers), routed by load with prefix affinity. The workers are a `WorkerSet` that
+changes while serving: `Scaling` adds and drains workers (`POST /admin/workers`, `tandem scale`) and runs
+the autoscaler (`decide()` on a snapshot of the coordinator's own numbers).
 """

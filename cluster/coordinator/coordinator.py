@@ -8,7 +8,9 @@ on one stream per decode worker (cluster/coordinator/decode_events.py), routed t
 coordinator keeps the load accounting, and stops routing to a worker as soon as any call finds it dead. A
 request whose prefill worker dies before the request delivered anything starts over on a surviving prefill
 worker. With replicas every request takes the local-prefill flow on the replica the router picks (by
-load, with prefix affinity), so migration, health, cancel, metrics and timing are the same code.
+load, with prefix affinity), so migration, health, cancel, metrics and timing are the same code. The
+workers are a WorkerSet (cluster/coordinator/worker_set.py) that changes while serving: `scaling`
+(cluster/coordinator/scaling.py) adds and drains workers, by admin call or by the autoscaler.
 """
 from __future__ import annotations
 
@@ -18,23 +20,26 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError
 
 from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
-from cluster.coordinator.decode_events import DecodeEventPump
 from cluster.coordinator.disagg_policy import DisaggPolicy, PrefillPlacer
 from cluster.coordinator.health_monitor import HealthMonitor, health_details
+from cluster.coordinator.latency_window import LatencyWindow
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
-from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost, WorkerRef
+from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost
 from cluster.coordinator.routing import Router
 from cluster.coordinator.samples import request_chunks
+from cluster.coordinator.scaling import Scaling, ScalingHooks
+from cluster.coordinator.worker_set import Worker, WorkerSet
 from cluster.workers.actors import WorkerInfo
+from cluster.workers.added_worker import BundleSlot
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.placement import ClusterResources, release_cluster, stop_actors
+from cluster.workers.worker_template import WorkerTemplate
 from decode_worker import ExpectedRequest
 
 logger = logging.getLogger("tandem.cluster.coordinator")
@@ -42,26 +47,17 @@ logger = logging.getLogger("tandem.cluster.coordinator")
 STATS_TIMEOUT_S = 5.0
 
 
-@dataclass(frozen=True)
-class Worker:
-    """A started worker actor and what it said about itself."""
-
-    info: WorkerInfo
-    actor: object
-
-    @property
-    def ref(self) -> WorkerRef:
-        return WorkerRef(self.info.name, self.actor)
-
-
 class Coordinator:
     """Implements cluster.backend.Backend. Use from one asyncio loop; built by start_cluster()."""
 
-    def __init__(self, config: ClusterConfig, tokenizer, workers: list[Worker], resources: ClusterResources) -> None:
+    def __init__(self, config: ClusterConfig, tokenizer, workers: list[Worker], resources: ClusterResources,
+                 template: WorkerTemplate) -> None:
+        """workers: the start group's, in bundle (and KV-plane rank) order."""
         self.model_name = config.served_name
         self.max_model_len = min(w.info.max_model_len for w in workers)
         self._tokenizer, self._config, self._resources = tokenizer, config, resources
-        self._workers = {w.info.name: w for w in workers}
+        self._set = WorkerSet([(w, i, BundleSlot(resources.placement_group, i, False)) for i, w in enumerate(workers)])
+        self._workers = self._set.workers  # a live view: every started worker by name
         self._replicas, self._decode_role = config.replicas, config.decode_role
         decode_blocks = {w.info.name: w.info.total_blocks for w in workers if w.info.role == config.decode_role}
         kv_weight = config.kv_overlap_weight if config.decode_prefix_reuse and not config.replicas else None
@@ -70,9 +66,10 @@ class Coordinator:
                               self._block_size, kv_overlap_weight=kv_weight)
         self._placer = PrefillPlacer(DisaggPolicy(config.disagg_policy, config.local_prefill_tokens))
         self._numbers = itertools.count()
-        self._pumps: dict[str, DecodeEventPump] = {}
         self._monitor: HealthMonitor | None = None
-        self._failures: dict[str, str] = {}   # lost worker -> why
+        self._latency = LatencyWindow()
+        self.scaling = Scaling(config, template, self._set, self._router,
+                               ScalingHooks(self._declare_lost, self.worker_stats, self._latency))
         self._closed = False
 
     @property
@@ -84,7 +81,8 @@ class Coordinator:
         return {name: worker.info for name, worker in self._workers.items()}
 
     def is_alive(self, name: str) -> bool:
-        return self._router.is_alive(name)
+        """Whether `name` runs and may hold requests (serving, or draining: no longer routed to)."""
+        return self._set.is_alive(name)
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """See Backend.generate (and _generate_one). n > 1: each sample a request of its own (samples.py)."""
@@ -103,12 +101,12 @@ class Coordinator:
         if self._closed:
             raise BackendUnavailable("the coordinator is shut down")
         self._watch_health()
-        progress = StreamProgress(request)
+        progress, clock = StreamProgress(request), self._latency.request(request.arrival_time)
         while True:
             try:
                 async with aclosing(self._attempt(progress.next_attempt(), progress.num_resumed_tokens)) as chunks:
                     async for chunk in chunks:
-                        yield progress.delivered(chunk)
+                        yield clock.delivered(progress.delivered(chunk))
                 return
             except WorkerLost as lost:
                 refusal = resume_refusal(lost.role, *self._router.alive_counts(), progress, len(self._workers),
@@ -140,7 +138,7 @@ class Coordinator:
         outputs: list[int] = []
         try:
             source = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
-                                      self._router.is_alive, self._decode_role).chunks() \
+                                      self.is_alive, self._decode_role).chunks() \
                 if admission.prefill_locally else \
                 self._disaggregated(request, request_id, decode, mailbox, resumed, admission.cached_blocks)
             cached = admission.cached_blocks * self._block_size
@@ -176,7 +174,7 @@ class Coordinator:
         release_prefill = _once(lambda: self._router.prefill_done(prefill.info.name, prompt_tokens))
         observe = lambda report: self._placer.observe_remote(prompt_tokens - report.num_cached_tokens,  # noqa: E731
                                                              report.prefill_ms)
-        hooks = FlowHooks(self._worker_lost, self._router.is_alive, release_prefill, observe)
+        hooks = FlowHooks(self._worker_lost, self.is_alive, release_prefill, observe)
         flow = RequestFlow(request, request_id, prefill.ref, decode.ref, decode.info.kv_address, mailbox, hooks,
                            num_resumed_tokens=resumed, decode_cached_blocks=cached_blocks)
         try:
@@ -196,7 +194,9 @@ class Coordinator:
             self._router.decode_order(prompt, blocks)
         refusals = []
         for name in order:
-            worker, pump = self._workers[name], self._pump(name)
+            if not self._router.is_alive(name):  # drained or lost while an earlier one was asked
+                continue
+            worker, pump = self._workers[name], self._set.pump(name, self._stream_lost)
             self._router.claim_decode(name, blocks, queued)
             if self._replicas:  # at once, so that the prompts right behind it with its prefix follow it
                 self._router.served_prefix(prompt, name)
@@ -224,17 +224,7 @@ class Coordinator:
     def _unclaim(self, name: str, request_id: str, blocks: int, queued: int) -> None:
         self._router.prefilled(name, queued)
         self._router.decode_done(name, blocks)
-        self._pumps[name].close(request_id)
-
-    def _pump(self, name: str) -> DecodeEventPump:
-        """The reader of decode worker `name`'s event stream on the running loop, started on first use
-        (a new one subscribes in place of the old if the caller's loop changed, as in tests that call
-        asyncio.run per test)."""
-        pump = self._pumps.get(name)
-        if pump is None or not pump.on_running_loop():  # first use, or the caller moved to a new loop
-            stream = self._workers[name].actor.events.options(num_returns="streaming").remote()
-            pump = self._pumps[name] = DecodeEventPump(name, stream, self._stream_lost)
-        return pump
+        self._set.close_mailbox(name, request_id)
 
     def _stream_lost(self, name: str, error: BaseException) -> None:
         if not self._closed:
@@ -245,10 +235,11 @@ class Coordinator:
 
     def _declare_lost(self, name: str, reason: str) -> None:
         """Worker `name` no longer serves: stop routing to it and kill it, so that nothing of it keeps
-        running unread and every request it held fails over (and migrates). Once per worker."""
-        if not self._router.mark_dead(name):
+        running unread and every request it held fails over (and migrates). Once per worker, and only for
+        a worker that serves or drains."""
+        if not self._set.mark_lost(name, reason):
             return
-        self._failures[name] = reason
+        self._router.mark_dead(name)
         logger.error("worker %s is lost (%s); no longer routing to it", name, reason)
         if not self._closed:
             try:
@@ -260,14 +251,13 @@ class Coordinator:
         """Starts the health monitor on the running loop (first use, or the caller's loop changed)."""
         if self._monitor is None or not self._monitor.on_running_loop():
             stall = self._config.worker_stall_timeout_s
-            actors = {name: worker.actor for name, worker in self._workers.items()}
-            self._monitor = HealthMonitor(actors, self._router.is_alive, self._declare_lost, stall,
+            self._monitor = HealthMonitor(self._workers, self.is_alive, self._declare_lost, stall,
                                           interval_s=min(5.0, stall / 3))
 
     async def worker_stats(self) -> dict:
         """PrefillStats / DecodeStats of every alive worker, by name (a worker that does not answer
         because it died is marked dead and left out). Changes nothing on the workers."""
-        names = [name for name in self._workers if self._router.is_alive(name)]
+        names = [name for name in self._workers if self.is_alive(name)]
         refs = [self._workers[name].actor.stats.remote() for name in names]
         results = await asyncio.gather(*(asyncio.wait_for(ref, STATS_TIMEOUT_S) for ref in refs),
                                        return_exceptions=True)
@@ -287,7 +277,8 @@ class Coordinator:
         stats = await self.worker_stats()
         num_prefill, num_decode = self._router.alive_counts()
         infos = {name: worker.info for name, worker in self._workers.items()}
-        details = health_details(infos, stats, [n for n in infos if not self._router.is_alive(n)], self._failures)
+        details = health_details(infos, stats, [n for n in infos if not self.is_alive(n)], self._set.failures())
+        details["scaling"] = self.scaling.describe()  # every worker's state, the bounds, autoscale decisions
         serving = not self._closed and (num_prefill > 0 or self._replicas) and num_decode > 0
         return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
 
@@ -301,13 +292,14 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
-        await stop_actors([w.actor for name, w in self._workers.items() if self._router.is_alive(name)],
+        self.scaling.close()
+        await stop_actors([w.actor for name, w in self._workers.items() if self.is_alive(name)],
                           self._config.worker_stop_timeout_s)
-        for pump in self._pumps.values():  # the stopped workers already ended every request
-            pump.stop()
+        self._set.stop_pumps()  # the stopped workers already ended every request
         if self._monitor is not None:
             self._monitor.stop()
-        await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources)
+        await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources,
+                                groups=tuple(self._set.owned_groups()))
 
 
 def _once(action):

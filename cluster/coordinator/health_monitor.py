@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 from ray.exceptions import RayActorError
 
@@ -20,9 +20,11 @@ logger = logging.getLogger("tandem.cluster.health")
 
 
 class HealthMonitor:
-    def __init__(self, actors: dict[str, object], is_alive: Callable[[str], bool],
+    def __init__(self, workers: Mapping[str, object], is_alive: Callable[[str], bool],
                  declare_lost: Callable[[str, str], None], stall_timeout_s: float, interval_s: float) -> None:
-        self._actors, self._is_alive, self._declare_lost = actors, is_alive, declare_lost
+        """workers: a live mapping of name -> something with the worker's `actor` (the coordinator's
+        WorkerSet.workers: workers added while serving are checked from the next interval on)."""
+        self._workers, self._is_alive, self._declare_lost = workers, is_alive, declare_lost
         self._stall_timeout_s, self._interval_s = stall_timeout_s, interval_s
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._run())
@@ -37,13 +39,13 @@ class HealthMonitor:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
-            names = [name for name in self._actors if self._is_alive(name)]
+            names = [name for name in self._workers if self._is_alive(name)]
             await asyncio.gather(*(self.check(name) for name in names))
 
     async def check(self, name: str) -> str | None:
         """One health check of worker `name`; declares it lost and returns the reason if it fails."""
         try:
-            ref = self._actors[name].health.remote(self._stall_timeout_s)
+            ref = self._workers[name].actor.health.remote(self._stall_timeout_s)
             health = await asyncio.wait_for(ref, self._stall_timeout_s)
         except asyncio.TimeoutError:
             reason = f"it did not answer a health check within {self._stall_timeout_s:g}s"

@@ -191,3 +191,21 @@ class Router:
     def alive_counts(self) -> tuple[int, int]:
         """(alive prefill workers, alive decode workers)."""
         return (sum(p.alive for p in self._prefill.values()), sum(d.alive for d in self._decode.values()))
+
+    def add_prefill(self, name: str) -> None:
+        """A prefill worker joined (added while serving): routed to from now on."""
+        self._prefill[name] = PrefillLoad(name)
+
+    def add_decode(self, name: str, total_blocks: int) -> None:
+        """A decode worker (replica) of `total_blocks` joined: routed to from now on."""
+        self._decode[name] = DecodeLoad(name, total_blocks)
+
+    def remove(self, name: str) -> None:
+        """Forget a worker that left (mark_dead it first; nothing of its load is left)."""
+        self.mark_dead(name)
+        self._prefill.pop(name, None)
+        self._decode.pop(name, None)
+
+    def load(self, name: str) -> PrefillLoad | DecodeLoad | None:
+        """The coordinator's accounting of one worker (alive or not), for reading; None if unknown."""
+        return self._prefill.get(name) or self._decode.get(name)

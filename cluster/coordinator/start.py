@@ -9,7 +9,8 @@ asyncio.to_thread.
 """
 from __future__ import annotations
 
-from cluster.coordinator.coordinator import Coordinator, Worker
+from cluster.coordinator.coordinator import Coordinator
+from cluster.coordinator.worker_set import Worker
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.launch import launch_workers
 from cluster.workers.placement import release_cluster
@@ -22,7 +23,7 @@ def start_cluster(config: ClusterConfig, address: str | None = None,
     launched = launch_workers(config, address, node_ip_address)
     try:
         workers = [Worker(info, actor) for info, actor in launched.workers]
-        return Coordinator(config, _tokenizer(launched.model), workers, launched.resources)
+        return Coordinator(config, _tokenizer(launched.model), workers, launched.resources, launched.template)
     except BaseException:
         release_cluster([actor for _, actor in launched.workers], launched.resources)
         raise

@@ -8,5 +8,7 @@ the process that starts the cluster (the serve process or a job's driver): conne
 reserve a placement group, start the actors and wait for their engines, and release it all again, every
 Ray call of the release bounded (`bounded.py`). A local Ray started here runs in a `RayHost` process of
 its own session (`ray_host.py`), so signals to the serve process's group do not reach it and it stops
-when the serve process is gone. Nothing here routes requests; that is `cluster.coordinator`.
+when the serve process is gone. `worker_template.py` keeps how to build any worker of a started cluster and
+`added_worker.py` starts (or releases) one while it serves. Nothing here routes requests; that is
+`cluster.coordinator`.
 """

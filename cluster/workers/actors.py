@@ -172,6 +172,11 @@ class PrefillActor(_WorkerActor):
     async def cancel(self, request_id: str) -> None:
         self._calls.cancel(request_id)
 
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def forget_kv_peer(self, peer: ReceiverAddress) -> None:
+        """A decode worker drained away: close what the KV sender keeps for it."""
+        await asyncio.to_thread(self._worker.forget_kv_peer, peer)
+
 
 @ray.remote(max_restarts=0, concurrency_groups={CONTROL_GROUP: CONTROL_CONCURRENCY})
 class DecodeActor(_WorkerActor):
@@ -198,6 +203,16 @@ class DecodeActor(_WorkerActor):
                 if self._outbox_closed:
                     self._batcher.close()
             return self._batcher
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def add_kv_peer(self, rank: int) -> None:
+        """A prefill worker of sender rank `rank` joined: receive its KV too (returns once listening)."""
+        await asyncio.to_thread(self._worker.add_kv_peer, rank)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def remove_kv_peer(self, rank: int) -> None:
+        """The prefill worker of sender rank `rank` left: stop listening to it."""
+        await asyncio.to_thread(self._worker.remove_kv_peer, rank)
 
     async def expect(self, request: ExpectedRequest) -> Admission:
         """Accept (the request's events will come on events()) or refuse (backpressure)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.workers.placement_check import check_role_resources
+from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import EngineConfig
 from kv_transfer.config import TRANSPORTS, TransferConfig
 from kv_transfer.layer_stream import check_streaming_mode
@@ -47,7 +48,10 @@ class ClusterConfig:
     one-GPU machine): KV moves over CUDA IPC (auto), gloo or grpc, never NCCL, which refuses two ranks on one
     device; each engine's gpu_memory_utilization then counts within its share (0.85 of a half GPU).
     prefill_resources / decode_resources: custom Ray resources added to each worker bundle of that role, so
-    the role runs only on nodes that have them (a node pool per phase; cluster/workers/placement_check.py)."""
+    the role runs only on nodes that have them (a node pool per phase; cluster/workers/placement_check.py).
+    bounds: how many workers of each role may serve while workers are added and drained (the start counts
+    must be within them). drain_timeout_s: how long a draining worker's requests may run before the ones
+    left migrate to the other workers (cluster/coordinator/scaling.py)."""
 
     model: str | None = None
     model_name: str | None = None
@@ -75,6 +79,8 @@ class ClusterConfig:
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
     kv_streaming: str = "layer"
+    bounds: WorkerBounds = field(default_factory=WorkerBounds)
+    drain_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_streaming_mode(self.kv_streaming)
@@ -109,6 +115,9 @@ class ClusterConfig:
             raise ValueError("worker_stop_timeout_s must be > 0")
         check_role_resources(self.prefill_resources, "prefill_resources")
         check_role_resources(self.decode_resources, "decode_resources")
+        self.bounds.check_start(self.num_prefill_workers, self.num_decode_workers)
+        if not self.drain_timeout_s > 0:
+            raise ValueError("drain_timeout_s must be > 0")
 
     def _check_gpu_share(self) -> None:
         if not 0 < self.gpus_per_worker <= 1:
@@ -140,6 +149,19 @@ class ClusterConfig:
     @property
     def num_workers(self) -> int:
         return self.num_prefill_workers + self.num_decode_workers
+
+    @property
+    def most_workers(self) -> int:
+        """The most workers the cluster may hold at once with the bounds' maxima (the start count where
+        a role has none): what a local Ray started for it gets logical CPUs for."""
+        prefill = (self.bounds.max_prefill or self.num_prefill_workers) if self.num_prefill_workers else 0
+        return prefill + (self.bounds.max_decode or self.num_decode_workers)
+
+    @property
+    def max_live_per_worker(self) -> int:
+        """Requests one decode worker (replica) holds at most: the engine's max_num_seqs or the
+        admission limit, whichever is lower."""
+        return min(self.max_live_per_decode_worker, self.engine.max_num_seqs)
 
     @property
     def served_name(self) -> str:

@@ -14,23 +14,20 @@ import dataclasses
 import logging
 import math
 import os
-import secrets
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import torch
 
-from cluster.workers.actors import DecodeActor, EngineSpec, PrefillActor, WorkerInfo
+from cluster.workers.actors import EngineSpec, WorkerInfo
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.placement import ClusterResources, place_bundles, release_cluster, release_ray, start_actor
 from cluster.workers.placement_check import worker_bundles
 from cluster.workers.ray_host import RayHost, RayHostConfig, start_local_ray
-from decode_worker import DecodeWorkerConfig
+from cluster.workers.worker_template import WorkerTemplate, worker_template
 from decode_worker.no_receiver import NO_TRANSPORT
-from kv_transfer import DistRendezvous, resolve_transport, start_store
-from prefill_worker import PrefillWorkerConfig
+from kv_transfer import resolve_transport, start_store
 
 logger = logging.getLogger("tandem.cluster.start")
 
@@ -42,6 +39,7 @@ class LaunchedWorkers:
     workers: tuple[tuple[WorkerInfo, object], ...]  # (what the worker reported, its actor handle)
     resources: ClusterResources
     model: str | None                          # the checkpoint as the workers load it (absolute path)
+    template: WorkerTemplate                   # how to build more workers of this cluster while it serves
 
 
 def connect_ray(address: str | None, config: ClusterConfig,
@@ -57,7 +55,7 @@ def connect_ray(address: str | None, config: ClusterConfig,
     if address is not None:
         ray.init(address=address, include_dashboard=False, _node_ip_address=node_ip_address)
         return True, None
-    num_cpus = max(os.cpu_count() or 1, config.num_workers * config.cpu_threads_per_worker)
+    num_cpus = max(os.cpu_count() or 1, config.most_workers * config.cpu_threads_per_worker)
     host = start_local_ray(RayHostConfig(num_cpus=num_cpus, start_timeout_s=config.worker_start_timeout_s))
     return True, host
 
@@ -99,42 +97,15 @@ def engine_spec(config: ClusterConfig, model: str | None, device: str) -> Engine
     return EngineSpec(model, config.dtype, device, engine, config.cpu_threads_per_worker)
 
 
-def worker_configs(config: ClusterConfig, transport: str, store_host: str, store_port: int | None):
-    """The PrefillWorkerConfig / DecodeWorkerConfig of every worker (colocated replicas: none / one per
-    replica, without a KV receiver). gloo/nccl ranks: prefill workers
-    0..N-1 (senders), decode workers N..N+M-1 (receivers listening to every prefill rank).
-
-    gRPC: a prefill worker keeps at most grpc_max_concurrent_transfers transfers in flight to one decode
-    worker, and a decode worker's receiver streams as many as all prefill workers may send at once (a call
-    past that, e.g. one whose predecessor's call has not quite ended yet, waits in the receiver's queue).
-
-    Every call makes a new cluster secret (TransferConfig.cluster_secret, in every worker's config, not in
-    any repr): the gRPC KV receivers accept streams only from senders holding it. gloo/nccl pairs meet only
-    through this cluster's own store under its own namespace."""
-    if config.replicas:  # no KV moves: no receiver, no secret, no rendezvous
-        return [], [DecodeWorkerConfig(f"replica-{j}", NO_TRANSPORT, config.transfer, config.kv_host,
-                                       max_live_requests=config.max_live_per_decode_worker,
-                                       expect_timeout_s=config.expect_timeout_s)
-                    for j in range(config.num_decode_workers)]
-    world, num_prefill = config.num_workers, config.num_prefill_workers
-    namespace = f"tandem-{uuid.uuid4().hex[:8]}"
-    transfer = dataclasses.replace(config.transfer, cluster_secret=secrets.token_hex(32))
-    per_peer = transfer.grpc_max_concurrent_transfers
-    receiver_transfer = dataclasses.replace(transfer, grpc_max_concurrent_transfers=num_prefill * per_peer)
-
-    def rendezvous(rank: int) -> DistRendezvous | None:
-        return None if store_port is None else DistRendezvous(store_host, store_port, rank, world, namespace)
-
-    prefill = [PrefillWorkerConfig(f"prefill-{i}", transport, transfer, rendezvous(i),
-                                   max_transfers_per_peer=per_peer if transport == "grpc" else None,
-                                   kv_streaming=config.kv_streaming)
-               for i in range(num_prefill)]
-    decode = [DecodeWorkerConfig(f"decode-{j}", transport, receiver_transfer, config.kv_host,
-                                 rendezvous(num_prefill + j), tuple(range(num_prefill)),
-                                 max_live_requests=config.max_live_per_decode_worker,
-                                 expect_timeout_s=config.expect_timeout_s, prefix_reuse=config.decode_prefix_reuse)
-              for j in range(config.num_decode_workers)]
-    return prefill, decode
+def initial_workers(config: ClusterConfig) -> list[tuple[str, str, int, tuple[int, ...]]]:
+    """(role, name, KV-plane rank, peer ranks) of each worker at start, prefill workers first: prefill
+    workers 0..P-1 (senders), decode workers P..P+D-1 (receivers listening to every prefill rank); replicas
+    replica-0..N-1 (no KV moves). Workers added later take the next ranks (cluster/coordinator/worker_set.py)."""
+    num_prefill = config.num_prefill_workers
+    prefill = [("prefill", f"prefill-{i}", i, ()) for i in range(num_prefill)]
+    role = config.decode_role
+    return prefill + [(role, f"{role}-{j}", num_prefill + j, tuple(range(num_prefill)))
+                      for j in range(config.num_decode_workers)]
 
 
 def launch_workers(config: ClusterConfig, address: str | None = None,
@@ -153,15 +124,13 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
                                   (config.decode_role, config.num_decode_workers, config.decode_resources)],
                                  config.cpu_threads_per_worker, gpus)
         group = place_bundles(bundles, config.placement_strategy, config.worker_start_timeout_s)
-        store_host = config.kv_host
-        store = start_store(store_host, 0) if transport not in ("grpc", NO_TRANSPORT) else None
-        prefill, decode = worker_configs(config, transport, store_host, store.port if store else None)
+        store = start_store(config.kv_host, 0) if transport not in ("grpc", NO_TRANSPORT) else None
         model = str(Path(config.model).resolve()) if config.model is not None else None
         spec = engine_spec(config, model, device)
-        threads = config.cpu_threads_per_worker
-        roles = [(PrefillActor, (c,)) for c in prefill] + [(DecodeActor, (c, config.decode_role)) for c in decode]
-        actors = [start_actor(cls, group, index, gpus, threads, spec, *worker_args)
-                  for index, (cls, worker_args) in enumerate(roles)]
+        template = worker_template(config, spec, transport, store.port if store else None)
+        for index, (role, name, rank, peers) in enumerate(initial_workers(config)):
+            actor_class, args = template.actor_args(role, name, rank, peers)
+            actors.append(start_actor(actor_class, group, index, gpus, template.cpu_threads, spec, *args))
         infos: list[WorkerInfo] = ray.get([a.info.remote() for a in actors], timeout=config.worker_start_timeout_s)
     except BaseException:
         if group is not None:
@@ -173,4 +142,4 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
         logger.info("%s: %s on node %s (%s; pid %d, GPUs %s), %d KV blocks, transport %s", info.name,
                     info.device, info.node_id[:12], info.node_ip, info.pid,
                     ",".join(info.accelerator_ids) or "none", info.total_blocks, transport)
-    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray, host), model)
+    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray, host), model, template)

@@ -107,11 +107,13 @@ async def stop_actors(actors: list, timeout_s: float) -> None:
         logger.warning("%d worker(s) did not stop within %.0fs; killing them", len(late), timeout_s)
 
 
-def release_cluster(actors: list, resources: ClusterResources, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+def release_cluster(actors: list, resources: ClusterResources, timeout_s: float = RELEASE_TIMEOUT_S,
+                    groups: tuple = ()) -> None:
     """Give back what start_cluster took, then release_ray. On a cluster this process joined (or its own
-    Ray session) the actors are killed and the placement group removed, on a daemon thread given up on
-    after timeout_s. A local Ray of our own is not asked: stopping its RayHost ends the actors and the
-    placement group with everything else of it, even when that Ray is already going away."""
+    Ray session) the actors are killed and the placement group (and `groups`: those of workers added while
+    serving) removed, on a daemon thread given up on after timeout_s. A local Ray of our own is not asked:
+    stopping its RayHost ends the actors and the placement groups with everything else of it, even when
+    that Ray is already going away."""
     def kill_and_remove() -> None:
         from ray.util.placement_group import remove_placement_group
         for actor in actors:
@@ -119,7 +121,8 @@ def release_cluster(actors: list, resources: ClusterResources, timeout_s: float 
                 ray.kill(actor)
             except Exception:  # already gone
                 pass
-        remove_placement_group(resources.placement_group)
+        for group in (resources.placement_group, *groups):
+            remove_placement_group(group)
 
     if resources.ray_host is None and not run_bounded(kill_and_remove, timeout_s):
         logger.warning("Ray did not release the workers within %.0fs; going on", timeout_s)

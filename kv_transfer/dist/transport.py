@@ -142,6 +142,15 @@ class TorchDistSender(KVSender):
         handle.fail(TransferStatus.CANCELLED, "sender is closed")
         return handle
 
+    def forget_peer(self, peer: ReceiverAddress) -> None:
+        """Ends the lanes to receiver rank peer.rank (their threads close their channels after what is queued)."""
+        with self._lock:
+            jobs = self._jobs.pop(peer.rank, None)
+            lanes = [link for link in self._links if link.jobs is jobs]
+            self._links = [link for link in self._links if link.jobs is not jobs]
+        for _ in lanes:  # one stop marker per lane
+            jobs.put(None)
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
@@ -157,6 +166,7 @@ class ReceiverLink:
 
     def __init__(self, owner: "TorchDistReceiver", peer_rank: int, lane: int = 0):
         self.owner, self.peer_rank, self.lane = owner, peer_rank, lane
+        self.retired = threading.Event()  # remove_peer: this link alone stops
         self.channel = self._open(0)
         self.lander = ThreadPoolExecutor(1, thread_name_prefix=f"kv-land-{peer_rank}.{lane}")
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer_rank}.{lane}", daemon=True)
@@ -182,11 +192,14 @@ class ReceiverLink:
             self.channel.close()
             self.lander.shutdown(wait=True)
 
+    def stopped(self) -> bool:
+        return self.owner.stopping.is_set() or self.retired.is_set()
+
     def _serve_epoch(self) -> bool:
         """Transfers on this epoch's channel until it breaks (True: open the next) or the receiver stops."""
         owner, seq = self.owner, 0
         try:
-            while self.channel.wait_bell(seq, owner.stopping.is_set):
+            while self.channel.wait_bell(seq, self.stopped):
                 if seq == 0:
                     self.channel.connect()
                 receive_transfer(self.channel, owner.pool, owner.staging, owner.inbox,
@@ -195,11 +208,14 @@ class ReceiverLink:
             return False
         except KVTransferError as exc:
             log.warning("kv link from rank %d broke: %s; waiting on its next epoch", self.peer_rank, exc)
-            return not owner.stopping.is_set()
+            return not self.stopped()
 
 
 class TorchDistReceiver(KVReceiver):
-    """KVReceiver over torch.distributed; listens to the given sender ranks."""
+    """KVReceiver over torch.distributed; listens to the given sender ranks (add_peer / remove_peer change
+    them while it runs)."""
+
+    link_class = ReceiverLink
 
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous,
                  peers: Sequence[int], backend: str = "gloo"):
@@ -209,15 +225,33 @@ class TorchDistReceiver(KVReceiver):
                                    max_cached_bytes=config.staging_cache_bytes)
         self.stopping = threading.Event()
         self._control_store = connect_store(rendezvous.host, rendezvous.port, config.connect_timeout_s)
-        self._links = [ReceiverLink(self, peer, lane) for peer in peers for lane in range(config.dist_lanes)]
+        self._links_lock = threading.Lock()
+        self._links = [self.link_class(self, peer, lane) for peer in peers for lane in range(config.dist_lanes)]
 
     @property
     def address(self) -> ReceiverAddress:
         return ReceiverAddress(self.backend, rank=self.rendezvous.rank)
 
+    def add_peer(self, rank: int) -> None:
+        """Listens to sender `rank` too, from its first epoch (no-op if it already does, or once closed)."""
+        with self._links_lock:
+            if not self.stopping.is_set() and all(link.peer_rank != rank for link in self._links):
+                self._links += [self.link_class(self, rank, lane) for lane in range(self.config.dist_lanes)]
+
+    def remove_peer(self, rank: int) -> None:
+        """Retires the link from sender `rank`: its thread wakes, closes the channel and ends."""
+        with self._links_lock:
+            gone = [link for link in self._links if link.peer_rank == rank]
+            self._links = [link for link in self._links if link.peer_rank != rank]
+        for link in gone:
+            link.retired.set()
+            PairChannel.stop_waiting(self._control_store, link.channel.waiting_key)
+
     def close(self) -> None:
         self.stopping.set()
-        for link in self._links:
+        with self._links_lock:
+            links = list(self._links)
+        for link in links:
             PairChannel.stop_waiting(self._control_store, link.channel.waiting_key)
-        for link in self._links:
+        for link in links:
             link.thread.join(self.config.kv_transfer_timeout_s + 5)

@@ -84,7 +84,7 @@ class _IpcReceiverLink(ReceiverLink):
         The mapping of the sender's pool lives as long as the channel."""
         owner, seq, peer = self.owner, 0, PeerPool(self.owner.pool.device)
         try:
-            while self.channel.wait_bell(seq, owner.stopping.is_set):
+            while self.channel.wait_bell(seq, self.stopped):
                 if seq == 0:
                     self.channel.connect()
                 receive_transfer(self.channel, peer, owner.pool, owner.inbox, owner.config.kv_transfer_timeout_s,
@@ -93,7 +93,7 @@ class _IpcReceiverLink(ReceiverLink):
             return False
         except KVTransferError as exc:
             log.warning("kv ipc link from rank %d broke: %s; waiting on its next epoch", self.peer_rank, exc)
-            return not owner.stopping.is_set()
+            return not self.stopped()
 
 
 class IpcReceiver(TorchDistReceiver):
@@ -105,6 +105,8 @@ class IpcReceiver(TorchDistReceiver):
     ReceivedKV hands them to the caller, and are freed by the transfer on any failure, cancel or timeout
     (after any copy under way has finished). The pool may be any CUDA or CPU pool; a sender's pool must be
     on the same device."""
+
+    link_class = _IpcReceiverLink
 
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous, peers: Sequence[int]):
         super().__init__(config, pool, rendezvous, (), backend=CONTROL_BACKEND)

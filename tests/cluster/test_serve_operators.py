@@ -1,10 +1,12 @@
 """`tandem serve` in disaggregated mode as users run it (a real process, a local Ray, 1 prefill + 1 decode
 worker), through the clients users have: the openai SDK sees 429 past --max-pending-requests and the
-served names, the standard gRPC health stub sees SERVING, then NOT_SERVING as soon as the server stops."""
+served names, the standard gRPC health stub sees SERVING, then NOT_SERVING as soon as the server stops;
+GET /admin/workers lists the workers within the bounds the flags gave (the autoscaler running)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import subprocess
 import time
@@ -26,7 +28,8 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 def test_disaggregated_serve_bounds_admission_and_reports_health_until_it_stops():
     with start_serve("--prefill-workers", "1", "--decode-workers", "1", "--max-pending-requests", "1",
                      "--served-model-name", *NAMES, "--kv-cache-memory-mib", "16",
-                     "--shutdown-grace-s", "20") as (proc, grpc_port, http_port):
+                     "--shutdown-grace-s", "20", "--max-decode-workers", "2", "--max-prefill-workers", "1",
+                     "--autoscale") as (proc, grpc_port, http_port):
         outcomes, health_before, health_stopping = asyncio.run(scenario(proc, grpc_port, http_port))
         assert proc.wait(timeout=60) == 0
     assert sorted(set(outcomes)) == [200, 429] and outcomes.count(200) >= 1, outcomes
@@ -38,6 +41,12 @@ async def scenario(proc: subprocess.Popen, grpc_port: int, http_port: int) -> tu
     async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel, \
             openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as client:
         health = health_pb2_grpc.HealthStub(channel)
+        listing = await asyncio.to_thread(lambda: urllib.request.urlopen(f"{base_url}/admin/workers").read())
+        workers = json.loads(listing)
+        assert workers["workers"] == {"prefill-0": {"role": "prefill", "state": "serving"},
+                                      "decode-0": {"role": "decode", "state": "serving"}}
+        assert workers["bounds"] == {"prefill": {"min": 1, "max": 1}, "decode": {"min": 1, "max": 2}}
+        assert workers["autoscale_decisions"] == []
         before = [(await health.Check(health_pb2.HealthCheckRequest(service=name))).status
                   for name in ("", "tandem.v1.Tandem")]
         outcomes = await asyncio.gather(*(complete(client, NAMES[1]) for _ in range(4)))

@@ -1,0 +1,40 @@
+"""A gloo receiver's senders change while it runs (a prefill worker added or drained while serving): a rank
+added with add_peer is heard from its first transfer on, bit for bit; adding it again changes nothing; a
+removed rank's link thread ends and its channel closes. The sender is a real spawned peer process."""
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer import DistRendezvous, TransferConfig, create_receiver, start_store
+from tests.support import kv_scenarios as sc
+from tests.support.kv_peer import FP32, PeerProcess, PeerSpec
+
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def rig():
+    store = start_store("127.0.0.1", 0)
+    peer = PeerProcess(PeerSpec("gloo", store.port, rank=1, timeout_s=TIMEOUT_S))
+    pool = sc.receiver_pool(FP32)
+    gate = sc.Gate(pool)
+    config = TransferConfig(transport="gloo", kv_transfer_timeout_s=TIMEOUT_S, connect_timeout_s=30)
+    rendezvous = DistRendezvous("127.0.0.1", store.port, rank=0, world_size=4, namespace="late")
+    receiver = create_receiver(config, gate.view(), "gloo", rendezvous=rendezvous, peers=[])   # listens to none
+    yield sc.Rig(peer, peer, {"late": sc.Side("float32", pool, gate, receiver, "late")})
+    peer.stop()
+    receiver.close()
+
+
+def test_a_sender_added_while_running_is_heard_and_a_removed_one_is_let_go(rig):
+    receiver = rig.sides["late"].receiver
+    receiver.add_peer(1)
+    receiver.add_peer(1)                      # already listening: no second link
+    (link,) = receiver._links
+    for i, blocks in enumerate([(4, 5, 6), (30, 31)]):
+        sc.send_and_check(rig, "late", rig.start(f"late-{i}", "late", blocks, seed=40 + i))
+    receiver.remove_peer(1)
+    link.thread.join(TIMEOUT_S)
+    assert not link.thread.is_alive() and receiver._links == [] and link.channel.broken is None
+    receiver.remove_peer(1)                   # not listening: nothing to do
+    rig.assert_all_free()
