@@ -29,12 +29,15 @@ def rig():
 def test_a_sender_added_while_running_is_heard_and_a_removed_one_is_let_go(rig):
     receiver = rig.sides["late"].receiver
     receiver.add_peer(1)
-    receiver.add_peer(1)                      # already listening: no second link
-    (link,) = receiver._links
+    receiver.add_peer(1)                      # already listening: no second set of lanes
+    links = list(receiver._links)
+    assert [link.peer_rank for link in links] == [1] * receiver.config.dist_lanes  # one link per lane
     for i, blocks in enumerate([(4, 5, 6), (30, 31)]):
         sc.send_and_check(rig, "late", rig.start(f"late-{i}", "late", blocks, seed=40 + i))
     receiver.remove_peer(1)
-    link.thread.join(TIMEOUT_S)
-    assert not link.thread.is_alive() and receiver._links == [] and link.channel.broken is None
+    for link in links:
+        link.thread.join(TIMEOUT_S)
+        assert not link.thread.is_alive() and link.channel.broken is None
+    assert receiver._links == []
     receiver.remove_peer(1)                   # not listening: nothing to do
     rig.assert_all_free()
