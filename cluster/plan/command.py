@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(predictions, recommendation, slos), file=out)
     if args.json is not None:
         context = {"model": profile.model, "device": profile.device, "workers": workers, "cpu_threads": threads,
-                   "workload": {"description": workload.description, "request_rate": workload.request_rate,
+                   "workload": {"description": workload.description, "request_rate": _rate(workload.request_rate),
                                 "num_requests": len(workload.requests)},
                    "profile": {"steps": len(profile.steps), "coefficients": model.as_dict(), **sample_curves(model)},
                    "transfer": {"source": transfer.source, "bytes_per_second": transfer.bytes_per_second,
@@ -180,6 +181,10 @@ def _transfer(args: argparse.Namespace, profile: EngineProfile, device: str, wor
         return measured_transfer(profile.bytes_per_block, profile.block_size, transport)
     except RuntimeError as error:
         raise ValueError(str(error)) from None
+
+
+def _rate(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
 
 
 def _write_json(data: dict, destination: str) -> None:

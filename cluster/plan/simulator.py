@@ -6,9 +6,10 @@ they compute; a request that arrives during a step joins the next one, as in a r
     disaggregated  arrival (+ overhead) -> the coordinator's routing (decode worker with the least KV held,
                    then fewest running; prefill worker with the fewest queued prompt tokens) -> prefill worker
                    queue -> chunked, packed prefill steps -> first token sampled -> KV transfer to the decode
-                   worker (TransferModel; one transfer at a time per prefill/decode pair) -> the first token
-                   reaches the client when the KV has landed -> continuous batching of decode steps, a token
-                   per running request per step
+                   worker (TransferModel; one transfer at a time per prefill/decode pair) -> the decode
+                   worker admits it between two steps and emits the first token then (so the client's TTFT
+                   has the transfer in it) -> continuous batching of decode steps, a token per running
+                   request per step
     colocated      arrival (+ overhead) -> the replica with the least load in tokens (running requests +
                    prompt tokens not yet prefilled) -> chunked prefill within the replica's step budget,
                    after its running decodes (the decodes wait for the prefill chunks that share their step)
@@ -63,6 +64,7 @@ class _Worker:
         self.engine = SimEngine(limits)
         self.busy = False
         self.live: dict[int, SimSequence] = {}  # requests routed here and not finished
+        self.landed: list[SimSequence] = []     # KV landed during a step: admitted when it ends
 
 
 class _Simulation:
@@ -125,6 +127,9 @@ class _Simulation:
                 self._prefilled(worker, seq, now)
             else:
                 self._token(worker, seq, now)
+        for seq in worker.landed:
+            self._admit(worker, seq, now)
+        worker.landed.clear()
         self._start_step(worker, now)
 
     def _token(self, worker: _Worker, seq: SimSequence, now: float) -> None:
@@ -145,11 +150,18 @@ class _Simulation:
         self._push(landed, self._landed, seq)
 
     def _landed(self, now: float, seq: SimSequence) -> None:
+        """The decode worker's step thread admits the request between steps, and then emits its first token."""
         decode = self.decode_of[seq.request]
+        if decode.busy:
+            decode.landed.append(seq)
+            return
+        self._admit(decode, seq, now)
+        self._start_step(decode, now)
+
+    def _admit(self, decode: _Worker, seq: SimSequence, now: float) -> None:
         self.token_times[seq.request].append(now)
         seq.prefill_only = False
         decode.engine.add_running(seq)
-        self._start_step(decode, now)
 
 
 def _held_tokens(worker: _Worker) -> int:

@@ -58,6 +58,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixed-long-len", type=int, default=2048)
     parser.add_argument("--mixed-short-len", type=int, default=128)
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    parser.add_argument("--arrival-seed", type=int, default=None,
+                        help="seed of the arrival gaps (default: --seed); `bench compare` draws the prompts of its "
+                             "i-th rate with --seed + 1000 i and the gaps of every rate with --seed")
 
 
 def workload_from_flags(args: argparse.Namespace) -> PlanWorkload:
@@ -72,7 +75,12 @@ def workload_from_flags(args: argparse.Namespace) -> PlanWorkload:
     samples = generate_requests(workload, args.num_prompts, BENCH_VOCAB_SIZE, args.seed)
     lengths = [(len(s.prompt_token_ids), s.output_len) for s in samples]
     words = f"{args.dataset_name} {workload}"
-    return PlanWorkload(words, args.request_rate, _timed(lengths, args.request_rate, args.burstiness, args.seed))
+    requests = _timed(lengths, args.request_rate, args.burstiness, _arrival_seed(args))
+    return PlanWorkload(words, args.request_rate, requests)
+
+
+def _arrival_seed(args: argparse.Namespace) -> int:
+    return args.seed if args.arrival_seed is None else args.arrival_seed
 
 
 def _timed(lengths: list[tuple[int, int]], rate: float, burstiness: float, seed: int) -> tuple[SimRequest, ...]:
@@ -98,7 +106,7 @@ def _from_result(path: Path, args: argparse.Namespace) -> PlanWorkload:
         lengths = [(len(s.prompt_token_ids), s.output_len) for s in samples]
         words = f"{path.name}: mean prompt {mean_in}, mean output {mean_out} tokens (the result has no lengths " \
                 f"per request: every request gets the means)"
-    return PlanWorkload(words, rate, _timed(lengths, rate, burstiness, args.seed))
+    return PlanWorkload(words, rate, _timed(lengths, rate, burstiness, _arrival_seed(args)))
 
 
 def _read_result(path: Path) -> dict:

@@ -74,6 +74,17 @@ def test_a_bench_serve_result_is_a_workload(profiled, tmp_path, capsys):
     assert "20 requests at 10 req/s" in out and "mean prompt 40, mean output 2" in out
 
 
+def test_a_detailed_vllm_result_gives_every_requests_lengths(profiled, tmp_path, capsys):
+    _, _, profile = profiled
+    path = tmp_path / "vllm.json"
+    path.write_text(json.dumps({"completed": 3, "total_input_tokens": 90, "total_output_tokens": 12,
+                                "request_rate": "inf", "input_lens": [10, 30, 50], "output_lens": [2, 4, 6]}))
+    code = plan("--load-profile", str(profile), "--device", "cpu", "--workers", "2", "--cpu-threads", "1",
+                "--workload-json", str(path), "--ttft-slo-ms", "5000", "--itl-slo-ms", "500", *TRANSFER, "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["workload"]["num_requests"] == 3 and result["workload"]["request_rate"] == "inf"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--workload-json", "{tmp}/not.json"], "not JSON"),
     (["--workload-json", "{tmp}/compare.json"], "not a `tandem bench serve` result (no completed"),

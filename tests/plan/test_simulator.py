@@ -90,6 +90,14 @@ def test_the_first_token_waits_for_the_kv_transfer_then_decode_steps_pace_the_re
     assert trace.token_times == pytest.approx((0.032 + transfer, 0.032 + transfer + 0.1, 0.032 + transfer + 0.2))
 
 
+def test_kv_landing_during_a_decode_step_is_admitted_and_its_first_token_sent_when_the_step_ends():
+    model = step_model(prefill_tokens=0.001, decode_rows=0.1)
+    first, second = simulate(PREFILL_1P, [SimRequest(0.0, 16, 3), SimRequest(0.15, 16, 2)], model, shape())
+    # A lands at 0.016 + 0.1 on an idle decode worker; B lands at 0.266, inside A's step 0.216-0.316
+    assert first.token_times == pytest.approx((0.116, 0.216, 0.316))
+    assert second.token_times == pytest.approx((0.316, 0.416))
+
+
 def test_transfers_of_one_prefill_decode_pair_go_one_at_a_time_and_different_pairs_in_parallel():
     model = step_model(prefill_tokens=0.001)
     requests = [SimRequest(0.0, 16, 1), SimRequest(0.001, 32, 2), SimRequest(0.002, 32, 2)]
