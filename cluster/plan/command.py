@@ -31,9 +31,6 @@ from cluster.plan.simulator import ServingShape
 from cluster.plan.transfer_model import given_transfer, measured_transfer
 from cluster.plan.workload import add_workload_arguments, workload_from_flags
 
-DEFAULT_REQUEST_OVERHEAD_MS = 0.0
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -56,9 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fixed cost per KV transfer, with --transfer-gbps")
     parser.add_argument("--transport", default="auto", choices=["auto", "gloo", "grpc", "nccl", "ipc"],
                         help="the transport to measure (auto: gloo on CPU, nccl with 2 GPUs, ipc with one)")
-    parser.add_argument("--request-overhead-ms", type=float, default=DEFAULT_REQUEST_OVERHEAD_MS,
+    parser.add_argument("--request-overhead-ms", type=float, default=0.0,
                         help="fixed time a request spends before its first token outside the engines (front end, "
-                             "coordinator, Ray calls), added to every TTFT")
+                             "coordinator, Ray calls), added to every TTFT (default 0: engine-bound)")
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
+                        help="fixed time every worker step adds to the engine's (the worker's loop, its events, "
+                             "the serving processes on the same machine) (default 0: engine-bound)")
     parser.add_argument("--profile-grid", choices=sorted(GRIDS), default="full",
                         help="quick: a few points (a rough profile in seconds)")
     parser.add_argument("--save-profile", default=None, metavar="FILE", help="write the measured steps here")
@@ -82,22 +82,21 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plans; 0 with a recommendation, 2 when no deployment meets the SLOs. ValueError (exit 2) on bad flags."""
+    """Plans; 0 with a recommendation, 2 when no deployment meets the SLOs. ValueError (exit 2) on bad flags,
+    before anything is profiled."""
     slos = Slos(args.ttft_slo_ms, args.itl_slo_ms, args.slo_attainment)
     device, workers, threads = _hardware(args)
     deployments = deployments_for(workers)
     workload = workload_from_flags(args)
-    shape_limits = _limits(args)
+    limits = _serving_flags(args)
     profile = _profile(args, device, threads)
     longest = max(r.prompt_len + r.output_len for r in workload.requests)
     if longest > profile.max_model_len:
         raise ValueError(f"the workload has a request of {longest} tokens; the engine holds {profile.max_model_len}")
     model = profile.fit()
-    transfer = _transfer(args, profile, device, workers) if workers > 1 else given_transfer(
+    transfer = _transfer(args, profile, device) if workers > 1 else given_transfer(
         profile.bytes_per_block, profile.block_size, 1.0, 0.0)
-    if args.request_overhead_ms < 0:
-        raise ValueError(f"--request-overhead-ms must be >= 0, got {args.request_overhead_ms}")
-    shape = ServingShape(*shape_limits, transfer, args.request_overhead_ms / 1e3)
+    shape = ServingShape(*limits, transfer, args.request_overhead_ms / 1e3, args.step_overhead_ms / 1e3)
     predictions = [predict(d, list(workload.requests), model, shape, slos) for d in deployments]
     recommendation = recommend(predictions, slos)
     out = sys.stderr if args.json == "-" else sys.stdout
@@ -106,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
           file=out)
     print(f"KV transfer: {transfer.source}; {transfer.bytes_per_block} bytes per {transfer.block_size}-token block",
           file=out)
+    print(f"serving path: {args.request_overhead_ms:g} ms per request, {args.step_overhead_ms:g} ms per step"
+          + (" (engine-bound: see --request-overhead-ms, --step-overhead-ms)"
+             if not args.request_overhead_ms and not args.step_overhead_ms else ""), file=out)
     print(format_table(predictions, recommendation, slos), file=out)
     if args.json is not None:
         context = {"model": profile.model, "device": profile.device, "workers": workers, "cpu_threads": threads,
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                    "profile": {"steps": len(profile.steps), "coefficients": model.as_dict(), **sample_curves(model)},
                    "transfer": {"source": transfer.source, "bytes_per_second": transfer.bytes_per_second,
                                 "latency_s": transfer.latency_s, "bytes_per_block": transfer.bytes_per_block},
-                   "request_overhead_ms": args.request_overhead_ms}
+                   "request_overhead_ms": args.request_overhead_ms, "step_overhead_ms": args.step_overhead_ms}
         _write_json(plan_json(predictions, recommendation, slos, context), args.json)
     return 0 if recommendation.meets_slos else 2
 
@@ -138,8 +140,13 @@ def _hardware(args: argparse.Namespace) -> tuple[str, int, int]:
     return device, workers, threads
 
 
-def _limits(args: argparse.Namespace) -> tuple[EngineLimits, EngineLimits, EngineLimits]:
-    """(prefill worker, decode worker, replica) limits; ValueError names the flag."""
+def _serving_flags(args: argparse.Namespace) -> tuple[EngineLimits, EngineLimits, EngineLimits]:
+    """(prefill worker, decode worker, replica) limits, after checking every flag of the serving path;
+    ValueError names the flag."""
+    if args.request_overhead_ms < 0 or args.step_overhead_ms < 0:
+        raise ValueError("--request-overhead-ms and --step-overhead-ms must be >= 0")
+    if args.transfer_gbps is not None and not args.transfer_gbps > 0 or args.transfer_latency_ms < 0:
+        raise ValueError("--transfer-gbps must be > 0 and --transfer-latency-ms >= 0")
     if args.chunk_size < 1 or args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
         raise ValueError("--chunk-size, --max-num-batched-tokens and --max-num-seqs must be >= 1")
     if args.long_prefill_threshold < 0:
@@ -169,7 +176,7 @@ def _profile(args: argparse.Namespace, device: str, threads: int) -> EngineProfi
     return profile
 
 
-def _transfer(args: argparse.Namespace, profile: EngineProfile, device: str, workers: int):
+def _transfer(args: argparse.Namespace, profile: EngineProfile, device: str):
     if args.transfer_gbps is not None:
         return given_transfer(profile.bytes_per_block, profile.block_size, args.transfer_gbps,
                               args.transfer_latency_ms)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from cluster.plan.step_model import StepTimeModel, StepWork, fit_outliers, fit_step_model
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -115,8 +117,8 @@ class WorkerEngines:
     dtype: str
     device: str
     cpu_threads: int
-    prefill_config: object   # engine.config.EngineConfig
-    decode_config: object
+    prefill_config: EngineConfig
+    decode_config: EngineConfig
 
 
 def profile_workers(engines: WorkerEngines, grid: ProfileGrid, show_progress: bool | None = None) -> EngineProfile:
@@ -138,7 +140,7 @@ def profile_workers(engines: WorkerEngines, grid: ProfileGrid, show_progress: bo
     return EngineProfile(*description, tuple(steps + decode_steps))
 
 
-def _profile_engine(engines: WorkerEngines, config, measurements, grid: ProfileGrid, bar):
+def _profile_engine(engines: WorkerEngines, config: EngineConfig, measurements, grid: ProfileGrid, bar):
     """(the steps `measurements` measure on an engine built with `config`, what the engine is). The engine is
     gone when this returns (its memory back to the device before the next one is built)."""
     from engine.builder import build_engine
@@ -168,8 +170,7 @@ def _advance(bar) -> None:
         bar.update(1)
 
 
-def _params(max_tokens: int):
-    from engine import SamplingParams
+def _params(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 

@@ -40,14 +40,22 @@ class SimRequest:
 
 @dataclass(frozen=True)
 class ServingShape:
-    """How the workers of every deployment run: their engines' limits, the KV transfer, and the fixed cost a
-    request pays before its first token besides the engines (front end, coordinator, Ray calls)."""
+    """How the workers of every deployment run: their engines' limits, the KV transfer, and two costs of the
+    serving path outside the engines: a fixed time every request spends before its first token (front end,
+    coordinator, Ray calls) and a fixed time every worker step adds to the engine's (the worker's loop, its
+    events to the coordinator, the serving processes sharing the machine)."""
 
     prefill_limits: EngineLimits     # prefill workers
     decode_limits: EngineLimits      # decode workers
     replica_limits: EngineLimits     # colocated replicas
     transfer: TransferModel
     request_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.request_overhead_s < 0 or self.step_overhead_s < 0:
+            raise ValueError(f"serving overheads must be >= 0, got {self.request_overhead_s} and "
+                             f"{self.step_overhead_s}")
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,8 @@ class _Simulation:
             return
         chunks = worker.engine.schedule()
         worker.busy = True
-        self._push(now + self.model.seconds(step_work(chunks)), self._end_step, (worker, chunks))
+        seconds = self.model.seconds(step_work(chunks)) + self.shape.step_overhead_s
+        self._push(now + seconds, self._end_step, (worker, chunks))
 
     def _end_step(self, now: float, payload) -> None:
         worker, chunks = payload

@@ -42,7 +42,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload-json", default=None, metavar="FILE",
                         help="a `tandem bench serve --result-json` (or `vllm bench serve`) result: its rate, "
                              "burstiness and lengths replace the dataset flags (--request-rate still wins)")
-    parser.add_argument("--dataset-name", choices=("random", "prefix-repetition", "mixed"), default="random")
+    parser.add_argument("--dataset-name", choices=("random", "prefix-repetition", "mixed"), default="random",
+                        help="as `bench serve`'s (the planner computes every prompt whole: no prefix cache hits)")
     parser.add_argument("--num-prompts", type=int, default=200, help="requests simulated per deployment")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--random-input-len", type=int, default=1024)

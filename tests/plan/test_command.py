@@ -98,6 +98,8 @@ def test_a_detailed_vllm_result_gives_every_requests_lengths(profiled, tmp_path,
     ([], "--request-rate is required"),
     (["--request-rate", "4", "--load-profile", "{tmp}/compare.json"], "not a saved `tandem plan` profile"),
     (["--request-rate", "4", "--chunk-size", "0"], "--chunk-size"),
+    (["--request-rate", "4", "--step-overhead-ms", "-1"], "--step-overhead-ms must be >= 0"),
+    (["--request-rate", "4", "--transfer-gbps", "0"], "--transfer-gbps must be > 0"),
 ])
 def test_bad_input_exits_2_saying_what_is_wrong(flags, message, tmp_path, capsys):
     (tmp_path / "not.json").write_text("{ this is not json")

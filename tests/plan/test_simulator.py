@@ -28,10 +28,11 @@ def step_model(**seconds) -> StepTimeModel:
 
 def shape(budget: int = 100, threshold: int = 0, max_seqs: int = 256, replica_budget: int = 8,
           bytes_per_block: int = 1000, bandwidth: float = 1e4, latency_s: float = 0.0,
-          overhead_s: float = 0.0) -> ServingShape:
+          overhead_s: float = 0.0, step_overhead_s: float = 0.0) -> ServingShape:
     worker = EngineLimits(budget, threshold, max_seqs)
     transfer = TransferModel(bytes_per_block, 16, bandwidth, latency_s, "test")
-    return ServingShape(worker, worker, EngineLimits(replica_budget, 0, max_seqs), transfer, overhead_s)
+    return ServingShape(worker, worker, EngineLimits(replica_budget, 0, max_seqs), transfer, overhead_s,
+                        step_overhead_s)
 
 
 def ttfts(traces) -> list[float]:
@@ -46,6 +47,8 @@ def test_a_deterministic_single_server_serves_each_request_in_its_service_time_o
     assert ttfts(simulate(PREFILL_1P, crowded, model, shape())) == pytest.approx([0.5 + 0.1 * k for k in range(6)])
     late = simulate(PREFILL_1P, spaced, model, shape(overhead_s=0.02))  # the fixed cost lands in every TTFT
     assert ttfts(late) == pytest.approx([0.52] * 5)
+    slower = simulate(PREFILL_1P, crowded, model, shape(step_overhead_s=0.05))  # 0.55 s per step, gaps of 0.4
+    assert ttfts(slower) == pytest.approx([0.55 + 0.15 * k for k in range(6)])
 
 
 def test_md1_mean_wait_matches_pollaczek_khinchine_on_a_long_seeded_run():
