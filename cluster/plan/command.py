@@ -31,6 +31,7 @@ from cluster.plan.simulator import ServingShape
 from cluster.plan.transfer_model import given_transfer, measured_transfer
 from cluster.plan.workload import add_workload_arguments, workload_from_flags
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded model)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])

@@ -120,11 +120,6 @@ class SimEngine:
             self.running = [seq for seq in self.running if id(seq) not in done]
         return sampled
 
-    @property
-    def queued_prompt_tokens(self) -> int:
-        """Prompt tokens not computed yet (the prefill router's measure of a worker's queue)."""
-        return sum(max(0, s.prompt_len - s.num_computed) for s in (*self.waiting, *self.running))
-
 
 def step_work(chunks: list[Chunk]) -> StepWork:
     """The StepWork of a step: one-token chunks after the prompt are decode rows (context = the tokens

@@ -3,15 +3,15 @@
 Every worker is a SimEngine (cluster/plan/engine_sim.py) whose steps take StepTimeModel.seconds of what
 they compute; a request that arrives during a step joins the next one, as in a real worker's step loop.
 
-    disaggregated  arrival (+ overhead) -> the coordinator's routing (decode worker with the least KV held,
-                   then fewest running; prefill worker with the fewest queued prompt tokens) -> prefill worker
+    disaggregated  arrival (+ overhead) -> the coordinator's routing (decode worker with the least KV claimed,
+                   then fewest requests; prefill worker with the fewest queued prompt tokens) -> prefill worker
                    queue -> chunked, packed prefill steps -> first token sampled -> KV transfer to the decode
                    worker (TransferModel; one transfer at a time per prefill/decode pair) -> the decode
                    worker admits it between two steps and emits the first token then (so the client's TTFT
                    has the transfer in it) -> continuous batching of decode steps, a token per running
                    request per step
-    colocated      arrival (+ overhead) -> the replica with the least load in tokens (running requests +
-                   prompt tokens not yet prefilled) -> chunked prefill within the replica's step budget,
+    colocated      arrival (+ overhead) -> the replica with the least load in tokens (its requests + their
+                   prompt tokens without a first token) -> chunked prefill within the replica's step budget,
                    after its running decodes (the decodes wait for the prefill chunks that share their step)
 
 A request with one output token ends at its first token (nothing is shipped). Same inputs, same result:
@@ -101,17 +101,22 @@ class _Simulation:
         heapq.heappush(self.events, (when, next(self.order), handler, payload))
 
     def _arrive(self, now: float, index: int) -> None:
+        """Routes as cluster/coordinator/routing.py does, from the coordinator's own accounting: a decode worker
+        by the most free blocks (its pool less prompt + max tokens of each request routed there), then the
+        fewest requests; a prefill worker by the prompt tokens sent there and not yet reported (the report comes
+        when the KV has landed); a replica by its requests plus the prompt tokens routed there without a first
+        token."""
         request = self.requests[index]
         if self.deployment.is_disaggregated:
-            decode = min(self.decode, key=lambda w: (_held_tokens(w), len(w.live), w.index))
-            prefill = min(self.prefill, key=lambda w: (w.engine.queued_prompt_tokens, w.index))
+            decode = min(self.decode, key=lambda w: (_claimed_tokens(w), len(w.live), w.index))
+            prefill = min(self.prefill, key=lambda w: (_waiting_prompt_tokens(w), w.index))
             seq = SimSequence(index, request.prompt_len, request.output_len, prefill_only=True)
             self.decode_of[index] = decode
-            decode.live[index] = seq
+            decode.live[index] = prefill.live[index] = seq
             self._enqueue(prefill, seq, now)
         else:
-            replica = min(self.decode, key=lambda w: (len(w.engine.running) + w.engine.queued_prompt_tokens,
-                                                      _held_tokens(w), w.index))
+            replica = min(self.decode, key=lambda w: (len(w.live) + _waiting_prompt_tokens(w), _claimed_tokens(w),
+                                                      w.index))
             seq = SimSequence(index, request.prompt_len, request.output_len)
             replica.live[index] = seq
             self._enqueue(replica, seq, now)
@@ -150,16 +155,19 @@ class _Simulation:
         """The first token is sampled: done if it is the only one, else ship the KV to the decode worker."""
         decode = self.decode_of[seq.request]
         if seq.output_len <= 1:
+            prefill.live.pop(seq.request)
             self._token(decode, seq, now)
             return
         pair = (prefill.index, decode.index)
         start = max(now, self.channel_free.get(pair, 0.0))
         landed = start + self.shape.transfer.seconds(seq.prompt_len)
         self.channel_free[pair] = landed
-        self._push(landed, self._landed, seq)
+        self._push(landed, self._landed, (prefill, seq))
 
-    def _landed(self, now: float, seq: SimSequence) -> None:
+    def _landed(self, now: float, payload) -> None:
         """The decode worker's step thread admits the request between steps, and then emits its first token."""
+        prefill, seq = payload
+        prefill.live.pop(seq.request)
         decode = self.decode_of[seq.request]
         if decode.busy:
             decode.landed.append(seq)
@@ -173,9 +181,15 @@ class _Simulation:
         decode.engine.add_running(seq)
 
 
-def _held_tokens(worker: _Worker) -> int:
-    """KV tokens a worker holds or has promised to hold for its live requests (the router's free blocks)."""
-    return sum(seq.num_tokens for seq in worker.live.values())
+def _claimed_tokens(worker: _Worker) -> int:
+    """The KV its live requests may hold (prompt + every output token): the router's claimed blocks."""
+    return sum(seq.prompt_len + seq.output_len for seq in worker.live.values())
+
+
+def _waiting_prompt_tokens(worker: _Worker) -> int:
+    """Prompt tokens of its live requests that have no first token out yet (the router's queued tokens); a
+    prefill worker's live requests are those whose KV has not landed."""
+    return sum(seq.prompt_len for seq in worker.live.values() if seq.num_generated == 0 or seq.prefill_only)
 
 
 def simulate(deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
