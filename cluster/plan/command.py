@@ -28,7 +28,7 @@ from cluster.plan.predict import Slos, predict, recommend
 from cluster.plan.profile import GRIDS, EngineProfile, WorkerEngines, profile_workers
 from cluster.plan.report import format_profile, format_table, plan_json, sample_curves
 from cluster.plan.simulator import ServingShape
-from cluster.plan.transfer_model import given_transfer, measured_transfer
+from cluster.plan.transfer_model import TransferModel, given_transfer, measured_transfer
 from cluster.plan.workload import add_workload_arguments, workload_from_flags
 
 
@@ -95,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if longest > profile.max_model_len:
         raise ValueError(f"the workload has a request of {longest} tokens; the engine holds {profile.max_model_len}")
     model = profile.fit()
-    transfer = _transfer(args, profile, device) if workers > 1 else given_transfer(
-        profile.bytes_per_block, profile.block_size, 1.0, 0.0)
+    transfer = _transfer(args, profile, device) if workers > 1 else TransferModel(
+        profile.bytes_per_block, profile.block_size, 1e9, 0.0, "none (one worker: no split to move KV in)")
     shape = ServingShape(*limits, transfer, args.request_overhead_ms / 1e3, args.step_overhead_ms / 1e3)
     predictions = [predict(d, list(workload.requests), model, shape, slos) for d in deployments]
     recommendation = recommend(predictions, slos)

@@ -148,6 +148,9 @@ def _profile_engine(engines: WorkerEngines, config: EngineConfig, measurements, 
     try:
         warm_up(engine)
         steps = [step for measure in measurements for step in measure(engine, grid, bar)]
+        if engine.num_live_requests or engine.num_free_blocks != engine.num_total_blocks:
+            raise RuntimeError(f"the profile left {engine.num_live_requests} requests and "
+                               f"{engine.num_total_blocks - engine.num_free_blocks} KV blocks in its engine")
         spec = engine.kv_cache.spec
         description = (engines.model or "embedded default", str(engine.device),
                        str(engine.dtype).removeprefix("torch."), engines.cpu_threads, engine.max_model_len,

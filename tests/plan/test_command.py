@@ -61,6 +61,15 @@ def test_the_table_lists_every_deployment_and_unmeetable_slos_exit_2_naming_the_
     assert not result["meets_slos"] and result["recommendation"] is None and result["closest"] in DEPLOYMENTS
 
 
+def test_one_worker_has_only_colocated_1_and_moves_no_kv(profiled, capsys):
+    _, _, profile = profiled
+    code = plan("--load-profile", str(profile), "--device", "cpu", "--workers", "1", "--cpu-threads", "1",
+                "--ttft-slo-ms", "2000", "--itl-slo-ms", "500", *WORKLOAD, "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and [d["name"] for d in result["deployments"]] == ["colocated-1"]
+    assert result["recommendation"] == "colocated-1" and result["transfer"]["source"].startswith("none")
+
+
 def test_a_bench_serve_result_is_a_workload(profiled, tmp_path, capsys):
     _, _, profile = profiled
     results = [RequestResult(True, 40, 0.1 * i, (0.1 * i + 0.05, 0.1 * i + 0.06), (1, 1)) for i in range(10)]
