@@ -1,4 +1,4 @@
-"""The `tandem` command: serve, client, scale, demo, bench, selftest."""
+"""The `tandem` command: serve, client, scale, demo, bench, plan, selftest."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "engine.sampler.Sampler alone: ms per call per sampling mode")
     _add_command(bench, "memory", "cluster.bench.memory_stress",
                  "many decodes with a long prompt arriving, on a random model of a real shape: memory and steps")
+    _add_command(commands, "plan", "cluster.plan.command",
+                 "which P:D split (or colocated replicas) to run: profile, simulate, recommend")
     _add_command(commands, "selftest", "cluster.selftest.command",
                  "check this machine: kernels, greedy vs transformers, speed against its limits, KV transports")
     return parser

@@ -27,11 +27,17 @@ def supports(device: torch.device, dtype: torch.dtype) -> bool:
 
 def compile_kernel() -> None:
     """Compile (or load from numba's on-disk cache) the kernel now, at engine start, rather than
-    inside the first decode step."""
+    inside the first decode step. torch's thread count is what it was: the first parallel launch in a
+    process starts numba's OpenMP layer, which sets OpenMP's (so torch's) thread count to every core unless
+    OMP_NUM_THREADS is set (Ray sets it in its workers), and an engine capped at part of the cores
+    (torch.set_num_threads before it starts: `tandem plan`'s profile, `tandem serve --cpu-threads`) would
+    run on all of them."""
+    threads = torch.get_num_threads()
     q = torch.zeros(1, 1, 1, 4)
     pool = torch.zeros(4, 1, 4)
     paged_decode_attention(q.view(1, 1, 4), pool, pool, torch.zeros(1, 1, dtype=torch.int32),
                            torch.ones(1, dtype=torch.int32), block_size=4)
+    torch.set_num_threads(threads)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

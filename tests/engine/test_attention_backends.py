@@ -79,3 +79,21 @@ def test_backends_that_cannot_run_say_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         select_backend("triton", cpu, torch.float32)
+
+
+@needs_numba
+def test_a_cpu_engine_keeps_the_thread_count_it_was_started_with():
+    """A process caps torch at its share of the cores before its engine starts (without OMP_NUM_THREADS); the
+    numba kernel's first parallel launch (at engine start, in a fresh process) must not raise it to every core."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch; torch.set_num_threads(1)\n"
+            "from engine.builder import build_engine\nfrom engine.config import EngineConfig\n"
+            "engine = build_engine(None, EngineConfig(kv_cache_memory=1 << 22), device='cpu')\n"
+            "assert engine.runner.attention.name == 'cpu_kernel', engine.runner.attention.name\n"
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split()[-1] == "1"

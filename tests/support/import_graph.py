@@ -7,10 +7,10 @@ Rules (docs/architecture.md, "The map"):
   tests/ (they are not in any allowed set);
 - inside cluster/, between its rooms: api and local know only the Backend contract (cluster/backend.py),
   api and coordinator also the stream merger (cluster/merged_streams.py); coordinator drives workers;
-  drivers may use every room; bench and workers stand alone; selftest uses bench
-  (its checkpoints and limits) and nothing else, and only the entry points import it; the entry points
-  (cli.py, serve.py with serve_flags.py, client.py, scale_client.py) may import anything in cluster/, and no
-  room imports them;
+  drivers may use every room; bench and workers stand alone; selftest uses bench (its checkpoints and
+  limits) and plan uses bench (its workloads and metrics), nothing else, and only the entry points import
+  them; the entry points (cli.py, serve.py with serve_flags.py, client.py, scale_client.py) may import
+  anything in cluster/, and no room imports them;
 - no Ray in engine, kv_transfer or the plain workers, and no gRPC in engine (Ray only places the workers).
 
 Every import counts: at module level, inside functions and under TYPE_CHECKING.
@@ -46,6 +46,7 @@ ALLOWED_CLUSTER_ROOMS: dict[str, frozenset[str]] = {
     "cluster.coordinator": frozenset({"cluster.backend", "cluster.merged_streams", "cluster.workers"}),
     "cluster.bench": frozenset(),
     "cluster.selftest": frozenset({"cluster.bench"}),
+    "cluster.plan": frozenset({"cluster.bench"}),
     "cluster.drivers": frozenset({"cluster.backend", "cluster.api", "cluster.coordinator", "cluster.local",
                                   "cluster.workers"}),
 }

@@ -1,0 +1,202 @@
+"""A discrete-event simulation of one deployment serving a workload, driven by the profiled step times.
+
+Every worker is a SimEngine (cluster/plan/engine_sim.py) whose steps take StepTimeModel.seconds of what
+they compute; a request that arrives during a step joins the next one, as in a real worker's step loop.
+
+    disaggregated  arrival (+ overhead) -> the coordinator's routing (decode worker with the least KV claimed,
+                   then fewest requests; prefill worker with the fewest queued prompt tokens) -> prefill worker
+                   queue -> chunked, packed prefill steps -> first token sampled -> KV transfer to the decode
+                   worker (TransferModel; one transfer at a time per prefill/decode pair) -> the decode
+                   worker admits it between two steps and emits the first token then (so the client's TTFT
+                   has the transfer in it) -> continuous batching of decode steps, a token per running
+                   request per step
+    colocated      arrival (+ overhead) -> the replica with the least load in tokens (its requests + their
+                   prompt tokens without a first token) -> chunked prefill within the replica's step budget,
+                   after its running decodes (the decodes wait for the prefill chunks that share their step)
+
+A request with one output token ends at its first token (nothing is shipped). Same inputs, same result:
+the simulation draws nothing at random.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from cluster.plan.deployment import Deployment
+from cluster.plan.engine_sim import EngineLimits, SimEngine, SimSequence, step_work
+from cluster.plan.step_model import StepTimeModel
+from cluster.plan.transfer_model import TransferModel
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request of the workload: when it is sent (seconds from the start) and its lengths."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class ServingShape:
+    """How the workers of every deployment run: their engines' limits, the KV transfer, and two costs of the
+    serving path outside the engines: a fixed time every request spends before its first token (front end,
+    coordinator, Ray calls) and a fixed time every worker step adds to the engine's (the worker's loop, its
+    events to the coordinator, the serving processes sharing the machine)."""
+
+    prefill_limits: EngineLimits     # prefill workers
+    decode_limits: EngineLimits      # decode workers
+    replica_limits: EngineLimits     # colocated replicas
+    transfer: TransferModel
+    request_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.request_overhead_s < 0 or self.step_overhead_s < 0:
+            raise ValueError(f"serving overheads must be >= 0, got {self.request_overhead_s} and "
+                             f"{self.step_overhead_s}")
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """What the client would see: when the request was sent and when each token arrived."""
+
+    request: SimRequest
+    token_times: tuple[float, ...]
+
+
+class _Worker:
+    def __init__(self, index: int, limits: EngineLimits) -> None:
+        self.index = index
+        self.engine = SimEngine(limits)
+        self.busy = False
+        self.live: dict[int, SimSequence] = {}  # requests routed here and not finished
+        self.landed: list[SimSequence] = []     # KV landed during a step: admitted when it ends
+
+
+class _Simulation:
+    def __init__(self, deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
+                 shape: ServingShape) -> None:
+        self.deployment, self.requests, self.model, self.shape = deployment, requests, model, shape
+        disagg = deployment.is_disaggregated
+        self.prefill = [_Worker(i, shape.prefill_limits) for i in range(deployment.num_prefill)]
+        self.decode = [_Worker(i, shape.decode_limits if disagg else shape.replica_limits)
+                       for i in range(deployment.num_decode)]
+        self.token_times: list[list[float]] = [[] for _ in requests]
+        self.decode_of: dict[int, _Worker] = {}     # request -> its decode worker (disaggregated)
+        self.channel_free: dict[tuple[int, int], float] = {}
+        self.events: list = []
+        self.order = itertools.count()
+
+    def run(self) -> list[RequestTrace]:
+        for index, request in enumerate(self.requests):
+            self._push(request.arrival_s + self.shape.request_overhead_s, self._arrive, index)
+        while self.events:
+            now, _, handler, payload = heapq.heappop(self.events)
+            handler(now, payload)
+        return [RequestTrace(request, tuple(times)) for request, times in zip(self.requests, self.token_times)]
+
+    def _push(self, when: float, handler, payload) -> None:
+        heapq.heappush(self.events, (when, next(self.order), handler, payload))
+
+    def _arrive(self, now: float, index: int) -> None:
+        """Routes as cluster/coordinator/routing.py does, from the coordinator's own accounting: a decode worker
+        by the most free blocks (its pool less prompt + max tokens of each request routed there), then the
+        fewest requests; a prefill worker by the prompt tokens sent there and not yet reported (the report comes
+        when the KV has landed); a replica by its requests plus the prompt tokens routed there without a first
+        token."""
+        request = self.requests[index]
+        if self.deployment.is_disaggregated:
+            decode = min(self.decode, key=lambda w: (_claimed_tokens(w), len(w.live), w.index))
+            prefill = min(self.prefill, key=lambda w: (_waiting_prompt_tokens(w), w.index))
+            seq = SimSequence(index, request.prompt_len, request.output_len, prefill_only=True)
+            self.decode_of[index] = decode
+            decode.live[index] = prefill.live[index] = seq
+            self._enqueue(prefill, seq, now)
+        else:
+            replica = min(self.decode, key=lambda w: (len(w.live) + _waiting_prompt_tokens(w), _claimed_tokens(w),
+                                                      w.index))
+            seq = SimSequence(index, request.prompt_len, request.output_len)
+            replica.live[index] = seq
+            self._enqueue(replica, seq, now)
+
+    def _enqueue(self, worker: _Worker, seq: SimSequence, now: float) -> None:
+        worker.engine.add_waiting(seq)
+        self._start_step(worker, now)
+
+    def _start_step(self, worker: _Worker, now: float) -> None:
+        if worker.busy or not worker.engine.has_work:
+            return
+        chunks = worker.engine.schedule()
+        worker.busy = True
+        seconds = self.model.seconds(step_work(chunks)) + self.shape.step_overhead_s
+        self._push(now + seconds, self._end_step, (worker, chunks))
+
+    def _end_step(self, now: float, payload) -> None:
+        worker, chunks = payload
+        worker.busy = False
+        for seq in worker.engine.finish_step(chunks):
+            if seq.prefill_only:
+                self._prefilled(worker, seq, now)
+            else:
+                self._token(worker, seq, now)
+        for seq in worker.landed:
+            self._admit(worker, seq, now)
+        worker.landed.clear()
+        self._start_step(worker, now)
+
+    def _token(self, worker: _Worker, seq: SimSequence, now: float) -> None:
+        self.token_times[seq.request].append(now)
+        if seq.is_done:
+            worker.live.pop(seq.request, None)
+
+    def _prefilled(self, prefill: _Worker, seq: SimSequence, now: float) -> None:
+        """The first token is sampled: done if it is the only one, else ship the KV to the decode worker."""
+        decode = self.decode_of[seq.request]
+        if seq.output_len <= 1:
+            prefill.live.pop(seq.request)
+            self._token(decode, seq, now)
+            return
+        pair = (prefill.index, decode.index)
+        start = max(now, self.channel_free.get(pair, 0.0))
+        landed = start + self.shape.transfer.seconds(seq.prompt_len)
+        self.channel_free[pair] = landed
+        self._push(landed, self._landed, (prefill, seq))
+
+    def _landed(self, now: float, payload) -> None:
+        """The decode worker's step thread admits the request between steps, and then emits its first token."""
+        prefill, seq = payload
+        prefill.live.pop(seq.request)
+        decode = self.decode_of[seq.request]
+        if decode.busy:
+            decode.landed.append(seq)
+            return
+        self._admit(decode, seq, now)
+        self._start_step(decode, now)
+
+    def _admit(self, decode: _Worker, seq: SimSequence, now: float) -> None:
+        self.token_times[seq.request].append(now)
+        seq.prefill_only = False
+        decode.engine.add_running(seq)
+
+
+def _claimed_tokens(worker: _Worker) -> int:
+    """The KV its live requests may hold (prompt + every output token): the router's claimed blocks."""
+    return sum(seq.prompt_len + seq.output_len for seq in worker.live.values())
+
+
+def _waiting_prompt_tokens(worker: _Worker) -> int:
+    """Prompt tokens of its live requests that have no first token out yet (the router's queued tokens); a
+    prefill worker's live requests are those whose KV has not landed."""
+    return sum(seq.prompt_len for seq in worker.live.values() if seq.num_generated == 0 or seq.prefill_only)
+
+
+def simulate(deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
+             shape: ServingShape) -> list[RequestTrace]:
+    """Serves `requests` on `deployment` and returns each request's token times (seconds from the start),
+    in the order of `requests`. Every request gets all its output tokens."""
+    for request in requests:
+        if request.prompt_len < 1 or request.output_len < 1 or request.arrival_s < 0:
+            raise ValueError(f"a simulated request needs a prompt and an output token and a time >= 0: {request}")
+    return _Simulation(deployment, list(requests), model, shape).run()

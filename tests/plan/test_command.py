@@ -1,0 +1,134 @@
+"""`tandem plan` end to end on the tiny checkpoint (a real profile on the quick grid, a table with every
+deployment, the JSON), SLOs no deployment meets (exit 2, the closest shown), a bench serve result as the
+workload, and bad input: exit 2 with a message naming what is wrong."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.bench.serve_metrics import RequestResult, compute_metrics
+from cluster.bench.serve_report import RunSettings, result_json
+from cluster.cli import main
+
+WORKLOAD = ["--request-rate", "20", "--random-input-len", "48", "--random-output-len", "8",
+            "--random-range-ratio", "0.5", "--num-prompts", "40"]
+TRANSFER = ["--transfer-gbps", "1", "--transfer-latency-ms", "0.5"]
+DEPLOYMENTS = ("colocated-3", "disagg-1p2d", "disagg-2p1d")
+
+
+def plan(*flags: str) -> int:
+    return main(["plan", *flags])
+
+
+@pytest.fixture(scope="module")
+def profiled(tiny_checkpoint, tmp_path_factory):
+    """One real `tandem plan` run on the tiny checkpoint: (exit code, its JSON, the saved profile's path)."""
+    folder = tmp_path_factory.mktemp("plan")
+    code = plan("--model", str(tiny_checkpoint("llama")), "--device", "cpu", "--workers", "3", "--cpu-threads", "1",
+                "--profile-grid", "quick", "--kv-cache-memory-mib", "16", "--ttft-slo-ms", "2000",
+                "--itl-slo-ms", "500", *WORKLOAD, *TRANSFER, "--save-profile", str(folder / "profile.json"),
+                "--json", str(folder / "plan.json"))
+    return code, json.loads((folder / "plan.json").read_text()), folder / "profile.json"
+
+
+def test_plan_profiles_simulates_every_deployment_and_recommends_one(profiled):
+    code, result, _ = profiled
+    assert code == 0
+    assert [d["name"] for d in result["deployments"]] == list(DEPLOYMENTS)
+    assert result["meets_slos"] and result["recommendation"] in DEPLOYMENTS and result["closest"] is None
+    best = max(d["goodput"] for d in result["deployments"] if d["slo_attainment"] >= 0.9)
+    chosen = next(d for d in result["deployments"] if d["name"] == result["recommendation"])
+    assert chosen["goodput"] >= best * 0.99
+    for deployment in result["deployments"]:
+        assert deployment["ttft_p99_ms"] >= deployment["ttft_p50_ms"] > 0
+        assert deployment["itl_p99_ms"] >= deployment["itl_p50_ms"] > 0
+        assert (deployment["mean_transfer_ms"] > 0) == deployment["disaggregated"]
+    assert result["workload"]["num_requests"] == 40 and result["profile"]["steps"] > 0
+
+
+def test_the_table_lists_every_deployment_and_unmeetable_slos_exit_2_naming_the_closest(profiled, capsys):
+    _, _, profile = profiled
+    capsys.readouterr()
+    code = plan("--load-profile", str(profile), "--device", "cpu", "--workers", "3", "--cpu-threads", "1",
+                "--ttft-slo-ms", "0.001", "--itl-slo-ms", "500", *WORKLOAD, *TRANSFER, "--json")
+    out, err = capsys.readouterr()
+    assert code == 2
+    table = [line.split()[0] for line in err.splitlines() if line.startswith(("colocated-", "disagg-"))]
+    assert [name.rstrip("*") for name in table] == list(DEPLOYMENTS)
+    assert "no deployment meets the SLOs" in err and "the closest is" in err
+    result = json.loads(out)
+    assert not result["meets_slos"] and result["recommendation"] is None and result["closest"] in DEPLOYMENTS
+
+
+def test_one_worker_has_only_colocated_1_and_moves_no_kv(profiled, capsys):
+    _, _, profile = profiled
+    code = plan("--load-profile", str(profile), "--device", "cpu", "--workers", "1", "--cpu-threads", "1",
+                "--ttft-slo-ms", "2000", "--itl-slo-ms", "500", *WORKLOAD, "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and [d["name"] for d in result["deployments"]] == ["colocated-1"]
+    assert result["recommendation"] == "colocated-1" and result["transfer"]["source"].startswith("none")
+
+
+def test_a_bench_serve_result_is_a_workload(profiled, tmp_path, capsys):
+    _, _, profile = profiled
+    results = [RequestResult(True, 40, 0.1 * i, (0.1 * i + 0.05, 0.1 * i + 0.06), (1, 1)) for i in range(10)]
+    path = tmp_path / "serve.json"
+    path.write_text(json.dumps(result_json(compute_metrics(results, 1.0), RunSettings(10.0, None, 1.0))))
+    code = plan("--load-profile", str(profile), "--device", "cpu", "--workers", "2", "--cpu-threads", "1",
+                "--workload-json", str(path), "--num-prompts", "20", "--ttft-slo-ms", "5000", "--itl-slo-ms", "500",
+                *TRANSFER)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "20 requests at 10 req/s" in out and "mean prompt 40, mean output 2" in out
+
+
+def test_a_detailed_vllm_result_gives_every_requests_lengths(profiled, tmp_path, capsys):
+    _, _, profile = profiled
+    path = tmp_path / "vllm.json"
+    path.write_text(json.dumps({"completed": 3, "total_input_tokens": 90, "total_output_tokens": 12,
+                                "request_rate": "inf", "input_lens": [10, 30, 50], "output_lens": [2, 4, 6]}))
+    code = plan("--load-profile", str(profile), "--device", "cpu", "--workers", "2", "--cpu-threads", "1",
+                "--workload-json", str(path), "--ttft-slo-ms", "5000", "--itl-slo-ms", "500", *TRANSFER, "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["workload"]["num_requests"] == 3 and result["workload"]["request_rate"] == "inf"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--workload-json", "{tmp}/not.json"], "not JSON"),
+    (["--workload-json", "{tmp}/compare.json"], "not a `tandem bench serve` result (no completed"),
+    (["--workload-json", "{tmp}/missing.json"], "cannot read it"),
+    (["--workload-json", "{tmp}/negative.json"], "completed must be >= 1"),
+    (["--request-rate", "4", "--ttft-slo-ms", "-5"], "--ttft-slo-ms and --itl-slo-ms must be > 0"),
+    (["--request-rate", "4", "--workers", "0"], "--workers must be >= 1"),
+    (["--request-rate", "4", "--slo-attainment", "1.5"], "--slo-attainment must be in (0, 1]"),
+    (["--request-rate", "4", "--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--request-rate", "-1"], "--request-rate and --burstiness must be positive"),
+    ([], "--request-rate is required"),
+    (["--request-rate", "4", "--load-profile", "{tmp}/compare.json"], "not a saved `tandem plan` profile"),
+    (["--request-rate", "4", "--chunk-size", "0"], "--chunk-size"),
+    (["--request-rate", "4", "--step-overhead-ms", "-1"], "--step-overhead-ms must be >= 0"),
+    (["--request-rate", "4", "--transfer-gbps", "0"], "--transfer-gbps must be > 0"),
+])
+def test_bad_input_exits_2_saying_what_is_wrong(flags, message, tmp_path, capsys):
+    (tmp_path / "not.json").write_text("{ this is not json")
+    (tmp_path / "compare.json").write_text(json.dumps({"flags": {}, "runs": []}))
+    (tmp_path / "negative.json").write_text(json.dumps({"completed": 0, "total_input_tokens": 1,
+                                                        "total_output_tokens": 1, "request_rate": 4}))
+    flags = [flag.replace("{tmp}", str(tmp_path)) for flag in flags]
+    code = plan("--device", "cpu", "--ttft-slo-ms", "100", "--itl-slo-ms", "10", *flags)
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--dataset-name", "sharegpt"], "invalid choice: 'sharegpt'"),
+    (["--profile-grid", "huge"], "invalid choice: 'huge'"),
+    (["--request-rate", "fast"], "invalid float value: 'fast'"),
+    (["--itl-slo-ms", "10"], "the following arguments are required: --ttft-slo-ms"),
+])
+def test_unknown_flag_values_exit_2_from_the_parser(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan("--device", "cpu", *flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
