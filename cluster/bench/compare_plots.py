@@ -14,7 +14,7 @@ import numpy as np
 
 from cluster.bench.compare_report import ModeRun
 
-_STAGES = (("queue_ms", "queue"), ("prefill_ms", "prefill"), ("transfer_ms", "KV transfer"))
+_STAGES = (("queue_ms", "queue"), ("prefill_ms", "prefill"), ("transfer_exposed_ms", "KV transfer (exposed)"))
 
 
 def require_matplotlib() -> None:

@@ -50,7 +50,7 @@ def _rate(rate: float) -> str:
 
 
 _TABLE_HEADER = ("| mode | hardware | rate | ok / failed | req/s | goodput | out tok/s | TTFT p50 / p99 ms | "
-                 "TPOT p50 / p99 ms | ITL p99 ms | transfer p50 / p99 ms | transfer % of TTFT p50 | "
+                 "TPOT p50 / p99 ms | ITL p99 ms | transfer p50 / p99 ms | exposed p50 / p99 ms | exposed % of TTFT p50 | "
                  "KV pool whole |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
@@ -59,11 +59,12 @@ def _table_row(run: ModeRun) -> str:
     goodput = "-" if m.request_goodput is None else f"{m.request_goodput:.2f}"
     disagg = d.requests_with_timing > 0 and d.transfer_ms_p99 > 0  # some prompt's KV was moved
     transfer = f"{d.transfer_ms_p50:.1f} / {d.transfer_ms_p99:.1f}" if disagg else "-"
+    exposed = f"{d.transfer_exposed_ms_p50:.1f} / {d.transfer_exposed_ms_p99:.1f}" if disagg else "-"
     share = f"{100 * d.transfer_share_of_ttft_p50:.1f}%" if disagg else "-"
     return (f"| {run.mode} | {run.hardware or '-'} | {_rate(run.rate)} | {m.completed} / {m.failed} | "
             f"{m.request_throughput:.2f} | "
             f"{goodput} | {m.output_throughput:.1f} | {m.ttft.median:.1f} / {m.ttft.p99:.1f} | "
-            f"{m.tpot.median:.1f} / {m.tpot.p99:.1f} | {m.itl.p99:.1f} | {transfer} | {share} | "
+            f"{m.tpot.median:.1f} / {m.tpot.p99:.1f} | {m.itl.p99:.1f} | {transfer} | {exposed} | {share} | "
             f"{_yes_no(run.pool_whole)} |")
 
 
@@ -123,7 +124,8 @@ def format_markdown(runs: list[ModeRun], command: str = "") -> str:
     parts += [f"Goal (disaggregated vs {goal_baseline(runs) or 'colocated'}, same run):", *goal_lines(runs), ""]
     parts += multiturn_markdown(runs)
     parts.append("Latencies are measured at the HTTP client (vLLM's definitions); transfer = the server's "
-                 "tandem_timing.transfer_ms; KV pool whole = free == total blocks on /metrics after the run.")
+                 "tandem_timing.transfer_ms (first byte -> ack; layer-streamed, mostly under the prefill), exposed "
+                 "= transfer_exposed_ms (prefill step end -> ack: what the client waits for); KV pool whole = free == total blocks on /metrics after the run.")
     return "\n".join(parts) + "\n"
 
 

@@ -75,7 +75,8 @@ class Distribution:
 @dataclasses.dataclass(frozen=True)
 class DisaggMetrics:
     """Stage breakdown from the servers' tandem_timing: ms percentiles, KV size and speed, and the
-    share of the client-measured TTFT spent on KV transfer (per request, then p50 / p99)."""
+    share of the client-measured TTFT spent waiting for the KV transfer (per request, then p50 / p99): its
+    exposed part (transfer_exposed_ms), since a layer-streamed transfer mostly runs under the prefill."""
 
     requests_with_timing: int
     queue_ms_p50: float
@@ -88,6 +89,8 @@ class DisaggMetrics:
     transfer_gb_per_s: float
     transfer_share_of_ttft_p50: float
     transfer_share_of_ttft_p99: float
+    transfer_exposed_ms_p50: float = 0.0
+    transfer_exposed_ms_p99: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +144,8 @@ def disagg_metrics(done: list[RequestResult]) -> DisaggMetrics:
     timings = [(result, result.timing) for result in done if result.timing]
     field = lambda name: [float(timing.get(name, 0.0)) for _, timing in timings]  # noqa: E731
     queue, prefill, transfer = field("queue_ms"), field("prefill_ms"), field("transfer_ms")
-    kv_bytes = field("kv_bytes")
-    shares = [timing.get("transfer_ms", 0.0) / (result.ttft * 1000) for result, timing in timings
+    kv_bytes, exposed = field("kv_bytes"), field("transfer_exposed_ms")
+    shares = [timing.get("transfer_exposed_ms", 0.0) / (result.ttft * 1000) for result, timing in timings
               if result.ttft > 0]
     transfer_s = sum(transfer) / 1000
     return DisaggMetrics(
@@ -150,7 +153,7 @@ def disagg_metrics(done: list[RequestResult]) -> DisaggMetrics:
         percentile(prefill, 99), percentile(transfer, 50), percentile(transfer, 99),
         float(np.mean(kv_bytes)) if kv_bytes else 0.0,
         sum(kv_bytes) / transfer_s / 1e9 if transfer_s > 0 else 0.0,
-        percentile(shares, 50), percentile(shares, 99))
+        percentile(shares, 50), percentile(shares, 99), percentile(exposed, 50), percentile(exposed, 99))
 
 
 def compute_metrics(results: list[RequestResult], duration: float,

@@ -45,6 +45,7 @@ def _disagg_rows(metrics: BenchmarkMetrics) -> list[str]:
             _row("P99 KV transfer (ms):", disagg.transfer_ms_p99),
             _row("Mean KV bytes:", disagg.mean_kv_bytes, ".0f"),
             _row("KV transfer throughput (GB/s):", disagg.transfer_gb_per_s),
+            _row("P50 exposed KV transfer (ms):", disagg.transfer_exposed_ms_p50),
             _row("P50 transfer share of TTFT (%):", 100 * disagg.transfer_share_of_ttft_p50),
             _row("P99 transfer share of TTFT (%):", 100 * disagg.transfer_share_of_ttft_p99)]
 

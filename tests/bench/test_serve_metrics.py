@@ -15,9 +15,11 @@ from cluster.bench.serve_workloads import (MixedWorkload, PrefixRepetitionWorklo
 # A: sent at 0, chunks at 0.1 (1 token), 0.3 (2 tokens), 0.4 (1 token): 4 tokens.
 # B: sent at 1, one chunk at 1.2 (1 token). C: failed.
 A = RequestResult(True, 10, 0.0, (0.1, 0.3, 0.4), (1, 2, 1),
-                  timing={"queue_ms": 10, "prefill_ms": 40, "transfer_ms": 25, "kv_bytes": 2_000_000})
+                  timing={"queue_ms": 10, "prefill_ms": 40, "transfer_ms": 25, "transfer_exposed_ms": 5,
+                          "kv_bytes": 2_000_000})
 B = RequestResult(True, 20, 1.0, (1.2,), (1,),
-                  timing={"queue_ms": 30, "prefill_ms": 60, "transfer_ms": 50, "kv_bytes": 4_000_000})
+                  timing={"queue_ms": 30, "prefill_ms": 60, "transfer_ms": 50, "transfer_exposed_ms": 20,
+                          "kv_bytes": 4_000_000})
 C = RequestResult(False, 30, 2.0, error="HTTP 500")
 
 
@@ -52,7 +54,9 @@ def test_disagg_breakdown_and_transfer_share_of_ttft():
     assert disagg.queue_ms_p50 == pytest.approx(20) and disagg.prefill_ms_p99 == pytest.approx(59.8)
     assert disagg.transfer_ms_p50 == pytest.approx(37.5) and disagg.mean_kv_bytes == 3_000_000
     assert disagg.transfer_gb_per_s == pytest.approx(6e6 / 0.075 / 1e9)
-    assert disagg.transfer_share_of_ttft_p50 == pytest.approx(0.25)  # shares 0.25 (A), 0.25 (B)
+    assert disagg.transfer_exposed_ms_p50 == pytest.approx(12.5)
+    # the share of TTFT the client waited for the transfer: exposed 5 of 100 ms (A), 20 of 200 ms (B)
+    assert disagg.transfer_share_of_ttft_p50 == pytest.approx(0.075)
 
 
 def test_random_workload_lengths_range_and_seed():
