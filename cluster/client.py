@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if last is not None:
         t = last.timing
         print(f"\n[{last.finish_reason}] ttft {t.ttft_ms:.1f} ms (queue {t.queue_ms:.1f}, prefill "
-              f"{t.prefill_ms:.1f}, transfer {t.transfer_ms:.1f} ms, {t.kv_bytes} KV bytes) "
+              f"{t.prefill_ms:.1f}, transfer {t.transfer_ms:.1f} ms of which {t.transfer_exposed_ms:.1f} after the "
+              f"prefill, {t.kv_bytes} KV bytes) "
               f"prefill={t.prefill_worker or '-'} decode={t.decode_worker or '-'}")
     return 0
 

@@ -124,11 +124,13 @@ def percentile(values, fraction: float) -> float:
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> WorkloadSummary:
-    """TTFT / ITL percentiles, generated tokens per wall second, and the median transfer share of TTFT."""
+    """TTFT / ITL percentiles, generated tokens per wall second, and the median share of TTFT spent waiting
+    for the KV transfer (its exposed part: a layer-streamed transfer mostly runs under the prefill)."""
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft_ms for r in ok]
     gaps = [g for r in ok for g in r.token_gaps_ms]
-    shares = [r.timing.transfer_ms / r.timing.ttft_ms for r in ok if r.timing is not None and r.timing.ttft_ms > 0]
+    shares = [r.timing.transfer_exposed_ms / r.timing.ttft_ms for r in ok
+              if r.timing is not None and r.timing.ttft_ms > 0]
     tokens = sum(r.output_tokens for r in ok)
     kv_bytes = sum(r.timing.kv_bytes for r in ok if r.timing is not None)
     return WorkloadSummary(percentile(ttfts, 0.5), percentile(ttfts, 0.99), percentile(gaps, 0.5),

@@ -165,5 +165,6 @@ def print_table(rows: list[tuple[str, WorkloadSummary]]) -> None:
         kv = f"{s.kv_bytes:,}" if mode == "disaggregated" else "-"
         print(f"{mode:<14}{s.ttft_p50:>8.1f}ms{s.ttft_p99:>8.1f}ms{s.itl_p50:>7.1f}ms{s.itl_p99:>7.1f}ms"
               f"{s.tokens_per_s:>8.1f}{share:>15}{kv:>11}{s.failed:>8}")
-    print("(latencies measured at the gRPC client; xfer/TTFT = timing.transfer_ms / timing.ttft_ms; "
+    print("(latencies measured at the gRPC client; xfer/TTFT = timing.transfer_exposed_ms / timing.ttft_ms, "
+          "the transfer's part of TTFT after the prefill (layer-streamed, the rest runs under it); "
           "one run on a shared machine, so read ratios, not absolutes)", flush=True)
