@@ -53,10 +53,10 @@ def test_a_step_that_hangs_makes_the_worker_unhealthy_until_it_returns(worker_an
     worker, engine = worker_and_engine
     release, entered, real_step = threading.Event(), threading.Event(), engine.step
 
-    def hanging_step():
+    def hanging_step(*observer):  # a prefill worker passes its layer-streaming observer
         entered.set()
         release.wait()
-        return real_step()
+        return real_step(*observer)
 
     monkeypatch.setattr(engine, "step", hanging_step)
     give_work(worker)
@@ -73,7 +73,7 @@ def test_a_step_that_hangs_makes_the_worker_unhealthy_until_it_returns(worker_an
 def test_a_dead_step_thread_makes_the_worker_unhealthy(worker_and_engine, monkeypatch):
     worker, engine = worker_and_engine
 
-    def fatal_step():
+    def fatal_step(*observer):
         raise SystemExit("the step thread ends")  # not an Exception: nothing in the loop catches it
 
     monkeypatch.setattr(engine, "step", fatal_step)
