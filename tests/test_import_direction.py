@@ -6,8 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.support.import_graph import (ALLOWED_CLUSTER_ROOMS, CLUSTER_ENTRY_POINTS, PRODUCT_PACKAGES,
-                                        cluster_room, installed_sources, package_sources, violations)
+from tests.support.import_graph import (ALLOWED_CLUSTER_ROOMS, CLUSTER_ENTRY_POINTS, PRODUCT_PACKAGES, cluster_room,
+                                        installed_sources, package_sources, violations)
 
 
 def test_imports_point_one_way():

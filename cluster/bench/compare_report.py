@@ -50,8 +50,8 @@ def _rate(rate: float) -> str:
 
 
 _TABLE_HEADER = ("| mode | hardware | rate | ok / failed | req/s | goodput | out tok/s | TTFT p50 / p99 ms | "
-                 "TPOT p50 / p99 ms | ITL p99 ms | transfer p50 / p99 ms | exposed p50 / p99 ms | exposed % of TTFT p50 | "
-                 "KV pool whole |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+                 "TPOT p50 / p99 ms | ITL p99 ms | transfer p50 / p99 ms | exposed p50 / p99 ms | "
+                 "exposed % of TTFT p50 | KV pool whole |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def _table_row(run: ModeRun) -> str:
@@ -125,7 +125,8 @@ def format_markdown(runs: list[ModeRun], command: str = "") -> str:
     parts += multiturn_markdown(runs)
     parts.append("Latencies are measured at the HTTP client (vLLM's definitions); transfer = the server's "
                  "tandem_timing.transfer_ms (first byte -> ack; layer-streamed, mostly under the prefill), exposed "
-                 "= transfer_exposed_ms (prefill step end -> ack: what the client waits for); KV pool whole = free == total blocks on /metrics after the run.")
+                 "= transfer_exposed_ms (prefill step end -> ack: what the client waits for); KV pool whole = "
+                 "free == total blocks on /metrics after the run.")
     return "\n".join(parts) + "\n"
 
 

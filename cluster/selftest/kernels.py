@@ -32,8 +32,8 @@ class MixedStep:
 
 def mixed_step(device: torch.device, dtype: torch.dtype, seed: int = 0) -> MixedStep:
     from engine.attention import build_step_tensors
-    from engine.attention.metadata import padded_tables
     from engine.attention.backends import TorchBackend
+    from engine.attention.metadata import padded_tables
 
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()

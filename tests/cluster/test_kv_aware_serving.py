@@ -1,8 +1,8 @@
 """Chats through the coordinator on a real local Ray (1 prefill + 2 decode workers), KV over gloo, with
 decoder-side prefix reuse, KV-aware routing and the `uncached` disaggregation policy (local_prefill_tokens
 24); the same reuse over gRPC, worker to worker, is in test_decode_prefix_reuse.py (the coordinator's part
-does not depend on the transport, and one cluster start is most of this test's time). Two conversations of three turns run concurrently; each turn's prompt is the
-conversation so far (prompts and the answers actually streamed) plus a new user message:
+does not depend on the transport, and one cluster start is most of this test's time). Two conversations of
+three turns run concurrently; each turn's prompt is the conversation so far (prompts and the answers actually streamed) plus a new user message:
 - turn 1 ships the whole prompt; turn 2 goes to the decode worker that holds turn 1's blocks and ships only
   what it lacks (the bytes counted exactly, Timing.decode_cached_tokens says how many tokens it held);
 - turn 3 leaves fewer than 24 tokens uncached on that worker, so the policy prefills it there (local, no KV);

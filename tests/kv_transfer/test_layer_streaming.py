@@ -48,7 +48,8 @@ class Rig:
         fill_blocks(self.src.kv, SENDER_BLOCKS, seed)
         clock = LayerClock(FP.num_layers, torch.device("cpu"))
         stream = LayerStream(clock)
-        handle = self.sender.send(self.receiver.address, SendRequest(request_id, SENDER_BLOCKS, 18, None, stream=stream))
+        request = SendRequest(request_id, SENDER_BLOCKS, 18, None, stream=stream)
+        handle = self.sender.send(self.receiver.address, request)
         return clock, stream, handle
 
     def outcome(self) -> ReceivedKV | ReceiveFailed:
