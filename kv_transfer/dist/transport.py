@@ -114,6 +114,11 @@ class SenderLink:
 class TorchDistSender(KVSender):
     """KVSender over torch.distributed point-to-point (backend 'gloo' or 'nccl')."""
 
+    @property
+    def lanes(self) -> int:
+        """Channels per receiver (TransferConfig.dist_lanes)."""
+        return self.config.dist_lanes
+
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous, backend: str = "gloo"):
         self.config, self.pool, self.rendezvous, self.backend = config, pool, rendezvous, backend
         self.staging = StagingPool(staging_device(backend, pool), pin_memory=pool.device.type == "cuda",
@@ -135,7 +140,7 @@ class TorchDistSender(KVSender):
             if not self.closed:
                 if peer.rank not in self._jobs:  # the pair's lanes start with its first transfer
                     jobs = self._jobs[peer.rank] = queue.SimpleQueue()
-                    self._links += [self._new_link(peer.rank, lane, jobs) for lane in range(self.config.dist_lanes)]
+                    self._links += [self._new_link(peer.rank, lane, jobs) for lane in range(self.lanes)]
                 self._jobs[peer.rank].put((request, handle, ready))
                 return handle
         release_send_blocks(request, self.pool.free)
@@ -217,6 +222,11 @@ class TorchDistReceiver(KVReceiver):
 
     link_class = ReceiverLink
 
+    @property
+    def lanes(self) -> int:
+        """Channels per sender (TransferConfig.dist_lanes; both ends must agree)."""
+        return self.config.dist_lanes
+
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous,
                  peers: Sequence[int], backend: str = "gloo"):
         self.config, self.pool, self.rendezvous, self.backend = config, pool, rendezvous, backend
@@ -226,7 +236,7 @@ class TorchDistReceiver(KVReceiver):
         self.stopping = threading.Event()
         self._control_store = connect_store(rendezvous.host, rendezvous.port, config.connect_timeout_s)
         self._links_lock = threading.Lock()
-        self._links = [self.link_class(self, peer, lane) for peer in peers for lane in range(config.dist_lanes)]
+        self._links = [self.link_class(self, peer, lane) for peer in peers for lane in range(self.lanes)]
 
     @property
     def address(self) -> ReceiverAddress:
@@ -236,7 +246,7 @@ class TorchDistReceiver(KVReceiver):
         """Listens to sender `rank` too, from its first epoch (no-op if it already does, or once closed)."""
         with self._links_lock:
             if not self.stopping.is_set() and all(link.peer_rank != rank for link in self._links):
-                self._links += [self.link_class(self, rank, lane) for lane in range(self.config.dist_lanes)]
+                self._links += [self.link_class(self, rank, lane) for lane in range(self.lanes)]
 
     def remove_peer(self, rank: int) -> None:
         """Retires the link from sender `rank`: its thread wakes, closes the channel and ends."""

@@ -1,9 +1,10 @@
 """IpcSender / IpcReceiver: the dist transport's pairs, threads and epochs, with the ipc message order.
 
 Each (sender rank, receiver rank) pair is a gloo PairChannel of the cluster's TCPStore rendezvous, exactly
-as for gloo/nccl (TransferConfig.dist_lanes channels per pair, one thread per lane on each side, a new epoch's process
-group after a break). Only control words, the pool handle and manifests cross it; the KV is copied by the
-receiver straight out of the sender's pool, mapped once per channel.
+as for gloo/nccl but with one lane (a pair's transfers in order, one thread per peer on each side: ipc sends
+whole requests, and each channel maps the sender's pool once; a new epoch's process group after a break).
+Only control words, the pool handle and manifests cross it; the KV is copied by the receiver straight out of
+the sender's pool, mapped once per channel.
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ class IpcSender(TorchDistSender):
             raise ValueError("transport 'ipc' does not stream layer by layer: use kv streaming 'request'")
         return super().send(peer, request)
 
+    @property
+    def lanes(self) -> int:
+        return 1  # one channel (and one mapping of this pool) per receiver
+
     def _new_link(self, peer_rank: int, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
         return _IpcSenderLink(self, peer_rank, lane, jobs)
 
@@ -108,10 +113,14 @@ class IpcReceiver(TorchDistReceiver):
 
     link_class = _IpcReceiverLink
 
+    @property
+    def lanes(self) -> int:
+        return 1  # as IpcSender
+
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous, peers: Sequence[int]):
         super().__init__(config, pool, rendezvous, (), backend=CONTROL_BACKEND)
         self.staging = NO_STAGING
-        self._links = [_IpcReceiverLink(self, peer, lane) for peer in peers for lane in range(config.dist_lanes)]
+        self._links = [_IpcReceiverLink(self, peer, 0) for peer in peers]
 
     @property
     def address(self) -> ReceiverAddress:
