@@ -67,10 +67,13 @@ class OutgoingTransfer:
         written = self.stream.wait_layer(layer, self.deadline)
         fp, payload = self.manifest.fingerprint, self.run_payloads[layer]
         out = payload.view(self.pool.kv.dtype).view(layer_piece_shape(fp, self.manifest.num_blocks))
-        with copy_stream(self.pool.device, after=written):
+        with copy_stream(self.pool.device, after=written):  # complete on exit
             ids = torch.tensor(self.manifest.block_ids, dtype=torch.long, device=self.pool.device)
-            torch.index_select(self.pool.kv[layer], 1, ids, out=out)  # [2, N, bs, H, D]
-            self.layer_checksums[layer] = checksum_blocks(out.unsqueeze(0))
+            if out.device == self.pool.device:
+                torch.index_select(self.pool.kv[layer], 1, ids, out=out)  # [2, N, bs, H, D]
+            else:  # a CUDA pool, host staging (gloo, gRPC): gather on the device, then one copy
+                out.copy_(self.pool.kv[layer].index_select(1, ids), non_blocking=True)
+        self.layer_checksums[layer] = checksum_blocks(out.unsqueeze(0))
 
     def checksum(self, index: int) -> int:
         """Piece `index`'s rowsum64 (for a manifest that leaves it out): a run's read straight from the
