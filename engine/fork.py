@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from engine.block_allocator import BlockAllocator
 from engine.kv_cache import KVCache
+from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
 
@@ -32,3 +33,18 @@ def fork_sequence(parent: Sequence, child: Sequence, allocator: BlockAllocator, 
     child.block_hashes = list(parent.block_hashes)
     child.num_hashed_blocks = parent.num_hashed_blocks
     return True
+
+
+def fork_samples(first: Sequence, scheduler: Scheduler, kv_cache: KVCache) -> None:
+    """The other samples of `first`'s request share its just-prefilled prompt and start running (or, with
+    no block free for a copy, wait at the head of the queue, in sample order, to recompute it)."""
+    unforked = []
+    for sample in first.forks:
+        sample.prompt_logprobs = first.prompt_logprobs  # complete: computed once, for all samples
+        if fork_sequence(first, sample, kv_cache.allocator, kv_cache):
+            scheduler.add_running(sample)
+        else:
+            unforked.append(sample)
+    for sample in reversed(unforked):
+        scheduler.requeue(sample)
+    first.forks = []

@@ -17,7 +17,7 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig, max_model_len
 from engine.decode_graphs import decode_graphs_for
-from engine.fork import fork_sequence
+from engine.fork import fork_samples
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.logprobs import TokenLogprobs
 from engine.memory_plan import plan_memory
@@ -188,24 +188,10 @@ class LLMEngine:
             self.scheduler.register_full_blocks(chunk.seq)
         for seq in seqs:
             if seq.forks:  # a prefill of n samples just ended: the others take their share of its KV
-                self._fork_samples(seq)
+                fork_samples(seq, self.scheduler, self.kv_cache)
         self.stats.record_step(chunks, time.perf_counter() - started)
         return [self._append_token(seq, token, logprobs)
                 for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
-
-    def _fork_samples(self, first: Sequence) -> None:
-        """The other samples of `first`'s request share its just-prefilled prompt and start running (or,
-        with no block free for a copy, wait to recompute it)."""
-        unforked = []
-        for sample in first.forks:
-            sample.prompt_logprobs = first.prompt_logprobs  # complete: computed once, for all samples
-            if fork_sequence(first, sample, self.kv_cache.allocator, self.kv_cache):
-                self.scheduler.add_running(sample)
-            else:
-                unforked.append(sample)
-        for sample in reversed(unforked):  # at the head of the queue, in sample order
-            self.scheduler.requeue(sample)
-        first.forks = []
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepDelta:
         first = seq.first_token_time is None

@@ -18,7 +18,8 @@ from cluster.bench.serve_metrics import compute_metrics, parse_goodput
 from cluster.bench.serve_multiturn import MultiturnSummary, format_multiturn, run_conversations
 from cluster.bench.serve_report import RunSettings, format_report, result_json
 from cluster.bench.serve_workloads import (MixedWorkload, MultiturnWorkload, PrefixRepetitionWorkload, RandomWorkload,
-                                           Workload, arrival_gaps, generate_conversations, generate_requests)
+                                           Workload, add_shape_arguments, arrival_gaps, generate_conversations,
+                                           generate_requests)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,17 +42,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
     parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn in [0, this)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128,
-                        help="output length (max_tokens) for every dataset but prefix-repetition")
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    parser.add_argument("--mixed-long-fraction", type=float, default=0.1)
-    parser.add_argument("--mixed-long-len", type=int, default=2048)
-    parser.add_argument("--mixed-short-len", type=int, default=128)
+    add_shape_arguments(parser, "output length (max_tokens) for every dataset but prefix-repetition")
     parser.add_argument("--multiturn-first-len", type=int, default=512, help="first user message (tokens)")
     parser.add_argument("--multiturn-user-len", type=int, default=64, help="each later user message (tokens)")
     parser.add_argument("--multiturn-min-turns", type=int, default=4)

@@ -80,6 +80,21 @@ class Conversation:
 Workload = RandomWorkload | PrefixRepetitionWorkload | MixedWorkload | MultiturnWorkload
 
 
+def add_shape_arguments(parser, output_help: str) -> None:
+    """The flags that shape the random, prefix-repetition and mixed datasets (vLLM's names and defaults),
+    shared by `bench serve` and `tandem plan` so one workload means the same to both."""
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128, help=output_help)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    parser.add_argument("--mixed-long-fraction", type=float, default=0.1)
+    parser.add_argument("--mixed-long-len", type=int, default=2048)
+    parser.add_argument("--mixed-short-len", type=int, default=128)
+
+
 def _length_range(length: int, range_ratio: float) -> tuple[int, int]:
     low, high = int(length * (1 - range_ratio)), int(length * (1 + range_ratio))
     return max(low, 1), max(high, 1)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.bench.serve import workload_from_args
-from cluster.bench.serve_workloads import RandomWorkload, arrival_gaps, generate_requests
+from cluster.bench.serve_workloads import RandomWorkload, add_shape_arguments, arrival_gaps, generate_requests
 from cluster.plan.simulator import SimRequest
 
 RESULT_KEYS = ("completed", "total_input_tokens", "total_output_tokens", "request_rate")
@@ -46,18 +46,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="as `bench serve`'s (the planner computes every prompt whole: no prefix cache hits)")
     parser.add_argument("--num-prompts", type=int, default=200, help="requests simulated per deployment")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128,
-                        help="output length for every dataset but prefix-repetition (every output is this long: "
-                             "the planner assumes no early EOS)")
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
-    parser.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
-    parser.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
-    parser.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
-    parser.add_argument("--prefix-repetition-output-len", type=int, default=128)
-    parser.add_argument("--mixed-long-fraction", type=float, default=0.1)
-    parser.add_argument("--mixed-long-len", type=int, default=2048)
-    parser.add_argument("--mixed-short-len", type=int, default=128)
+    add_shape_arguments(parser, "output length for every dataset but prefix-repetition (every output is this "
+                                "long: the planner assumes no early EOS)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     parser.add_argument("--arrival-seed", type=int, default=None,
                         help="seed of the arrival gaps (default: --seed); `bench compare` draws the prompts of its "
