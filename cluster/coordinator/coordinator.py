@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 
 from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.coordinator.disagg_policy import DisaggPolicy, PrefillPlacer
-from cluster.coordinator.health_monitor import HealthMonitor, health_details
+from cluster.coordinator.health_monitor import HealthMonitor, collect_stats, health_details
 from cluster.coordinator.latency_window import LatencyWindow
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
@@ -43,8 +43,6 @@ from cluster.workers.worker_template import WorkerTemplate
 from decode_worker import ExpectedRequest
 
 logger = logging.getLogger("tandem.cluster.coordinator")
-
-STATS_TIMEOUT_S = 5.0
 
 
 class Coordinator:
@@ -257,17 +255,8 @@ class Coordinator:
     async def worker_stats(self) -> dict:
         """PrefillStats / DecodeStats of every alive worker, by name (a worker that does not answer
         because it died is marked dead and left out). Changes nothing on the workers."""
-        names = [name for name in self._workers if self.is_alive(name)]
-        refs = [self._workers[name].actor.stats.remote() for name in names]
-        results = await asyncio.gather(*(asyncio.wait_for(ref, STATS_TIMEOUT_S) for ref in refs),
-                                       return_exceptions=True)
-        stats = {}
-        for name, result in zip(names, results):
-            if isinstance(result, RayActorError):
-                self._worker_lost(name, result)
-            elif not isinstance(result, BaseException):
-                stats[name] = result
-        return stats
+        return await collect_stats(self._workers, [name for name in self._workers if self.is_alive(name)],
+                                   self._worker_lost)
 
     async def health(self) -> BackendHealth:
         """Serving while at least one prefill and one decode worker (or one replica) are alive; details sum

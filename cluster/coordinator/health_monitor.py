@@ -18,6 +18,24 @@ from cluster.workers.actors import WorkerInfo
 
 logger = logging.getLogger("tandem.cluster.health")
 
+STATS_TIMEOUT_S = 5.0
+
+
+async def collect_stats(workers: Mapping[str, object], names: list[str],
+                        worker_lost: Callable[[str, BaseException], None]) -> dict:
+    """The stats (PrefillStats / DecodeStats) of each named worker, asked at once; one whose actor is gone
+    is handed to worker_lost and left out, as is one that does not answer within STATS_TIMEOUT_S."""
+    refs = [workers[name].actor.stats.remote() for name in names]
+    results = await asyncio.gather(*(asyncio.wait_for(ref, STATS_TIMEOUT_S) for ref in refs),
+                                   return_exceptions=True)
+    stats = {}
+    for name, result in zip(names, results):
+        if isinstance(result, RayActorError):
+            worker_lost(name, result)
+        elif not isinstance(result, BaseException):
+            stats[name] = result
+    return stats
+
 
 class HealthMonitor:
     def __init__(self, workers: Mapping[str, object], is_alive: Callable[[str], bool],
