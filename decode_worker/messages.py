@@ -44,18 +44,22 @@ class Admission:
 @dataclass(frozen=True)
 class DecodeChunk:
     """New tokens and stable text of one request; the first one carries the prefill's first token, the
-    last one has finish_reason ("stop" | "length"). logprobs: one per token when the request asked."""
+    last one has finish_reason ("stop" | "length"). logprobs: one per token when the request asked.
+    prompt_logprobs: on the first chunk of a request this worker prefilled itself that asked for them
+    (SamplingParams.prompt_logprobs); a request prefilled elsewhere gets them from its prefill worker."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
     @classmethod
     def of(cls, delta) -> "DecodeChunk":
         """The chunk of an engine StepDelta."""
-        return cls(delta.request_id, delta.new_token_ids, delta.new_text, delta.finish_reason, delta.logprobs)
+        return cls(delta.request_id, delta.new_token_ids, delta.new_text, delta.finish_reason, delta.logprobs,
+                   delta.prompt_logprobs)
 
 
 class DecodeStatus(str, Enum):

@@ -54,7 +54,8 @@ class PrefillReport:
     """The one answer to a PrefillTask. first_token / text are set once the prefill sampled (SHIPPED,
     FINISHED, and a TRANSFER_FAILED or CANCELLED after sampling), with first_logprobs when the request
     asked for logprobs (they also travel to the decode worker in the KV manifest); finish_reason only
-    for FINISHED."""
+    for FINISHED. prompt_logprobs: with the sampled first token, when the task asked for them
+    (SamplingParams.prompt_logprobs: one per prompt token, the first None); they come back here only."""
 
     request_id: str
     status: PrefillStatus
@@ -63,6 +64,7 @@ class PrefillReport:
     first_token: int | None = None
     text: str = ""
     first_logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
     finish_reason: str | None = None
     prefill_started: float | None = None
     prefill_ended: float | None = None

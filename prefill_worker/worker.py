@@ -187,7 +187,8 @@ class PrefillWorker:
         cached = delta.metrics.num_cached_tokens if delta.metrics is not None else 0
         first_logprobs = delta.logprobs[0] if delta.logprobs else None
         live.report = dataclasses.replace(live.report, first_token=delta.new_token_ids[0], text=delta.new_text,
-                                          first_logprobs=first_logprobs, prefill_ended=now, num_cached_tokens=cached)
+                                          first_logprobs=first_logprobs, prompt_logprobs=delta.prompt_logprobs,
+                                          prefill_ended=now, num_cached_tokens=cached)
         if live.stream is not None and self._streaming.complete(delta, live):
             return  # its KV is streaming; the transfer's end reports it
         if delta.kv_block_ids is None:  # the first token ended the request; the engine freed its blocks

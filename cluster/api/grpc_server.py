@@ -114,7 +114,7 @@ def _sampling_params(request: tandem_pb2.GenerateRequest):
         return getattr(request, name) if request.HasField(name) else None
 
     processors = {name: optional(name) for name in ("min_p", "presence_penalty", "frequency_penalty",
-                                                    "repetition_penalty", "min_tokens", "logprobs", *TEXT_ARGS)}
+                                                    "repetition_penalty", "min_tokens", "logprobs", "n", *TEXT_ARGS)}
     return build_sampling_params(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
                                  top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
                                  stop=list(request.stop) or None, ignore_eos=request.ignore_eos,
@@ -134,7 +134,8 @@ def _status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]
 
 def _response(request_id: str, chunk: GenerationChunk) -> tandem_pb2.GenerateResponse:
     response = tandem_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
-                                           finish_reason=chunk.finish_reason or "", request_id=request_id)
+                                           finish_reason=chunk.finish_reason or "", request_id=request_id,
+                                           index=chunk.index)
     for lp in chunk.logprobs or ():
         response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top_ids=lp.top_ids,
                               top_logprobs=lp.top_logprobs)

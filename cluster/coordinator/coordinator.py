@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import ray
-from ray.exceptions import RayActorError
 
 from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
+from cluster.coordinator.decode_admission import DecodeAdmissions
 from cluster.coordinator.disagg_policy import DisaggPolicy, PrefillPlacer
 from cluster.coordinator.health_monitor import HealthMonitor, collect_stats, health_details
 from cluster.coordinator.latency_window import LatencyWindow
@@ -32,7 +32,7 @@ from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
 from cluster.coordinator.request_flow import FlowHooks, RequestFlow, WorkerLost
 from cluster.coordinator.routing import Router
-from cluster.coordinator.samples import request_chunks
+from cluster.coordinator.samples import SampleGroup, request_chunks
 from cluster.coordinator.scaling import Scaling, ScalingHooks
 from cluster.coordinator.worker_set import Worker, WorkerSet
 from cluster.workers.actors import WorkerInfo
@@ -63,6 +63,8 @@ class Coordinator:
         self._router = Router([w.info.name for w in workers if w.info.role == "prefill"], decode_blocks,
                               self._block_size, kv_overlap_weight=kv_weight)
         self._placer = PrefillPlacer(DisaggPolicy(config.disagg_policy, config.local_prefill_tokens))
+        self._decoders = DecodeAdmissions(self._router, self._set, bool(config.replicas), self._worker_lost,
+                                          self._stream_lost)
         self._numbers = itertools.count()
         self._monitor: HealthMonitor | None = None
         self._latency = LatencyWindow()
@@ -83,11 +85,13 @@ class Coordinator:
         return self._set.is_alive(name)
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """See Backend.generate (and _generate_one). n > 1: each sample a request of its own (samples.py)."""
+        """See Backend.generate (and _generate_one). n > 1: each sample a request of its own, the prompt's KV
+        shipped once (samples.py)."""
         return request_chunks(self._generate_one, request)
 
-    async def _generate_one(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """One sample. BackendUnavailable when no prefill or decode worker is alive,
+    async def _generate_one(self, request: GenerationRequest,
+                            samples: SampleGroup | None = None) -> AsyncIterator[GenerationChunk]:
+        """One sample (of `samples`, the request's SampleGroup, when n > 1). BackendUnavailable when no prefill or decode worker is alive,
         BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
         mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed.
 
@@ -102,7 +106,8 @@ class Coordinator:
         progress, clock = StreamProgress(request), self._latency.request(request.arrival_time)
         while True:
             try:
-                async with aclosing(self._attempt(progress.next_attempt(), progress.num_resumed_tokens)) as chunks:
+                attempt = self._attempt(progress.next_attempt(), progress.num_resumed_tokens, samples)
+                async with aclosing(attempt) as chunks:
                     async for chunk in chunks:
                         yield clock.delivered(progress.delivered(chunk))
                 return
@@ -115,12 +120,14 @@ class Coordinator:
                 logger.warning("request %s: %s; it continues on the surviving workers after %d streamed tokens",
                                request.request_id, lost, progress.num_resumed_tokens)
 
-    async def _attempt(self, request: GenerationRequest, resumed: int = 0) -> AsyncIterator[GenerationChunk]:
+    async def _attempt(self, request: GenerationRequest, resumed: int = 0,
+                       samples: SampleGroup | None = None) -> AsyncIterator[GenerationChunk]:
         """One try at the request under a new internal id: decode admission (the decode worker matches the
         prompt in its prefix cache and, by the disaggregation policy, may prefill it itself), then prefill,
         transfer of the blocks it lacks and decode (or prefill and decode on the decode worker). `resumed`:
-        the last that many prompt tokens were streamed by an earlier attempt. Whatever way it ends, the
-        router's claims for it are released and no worker keeps it."""
+        the last that many prompt tokens were streamed by an earlier attempt. A follower of `samples` asks
+        the leader's decode worker first and is prefilled there when that worker holds all but its prompt's
+        last block. Whatever way it ends, the router's claims for it are released and no worker keeps it."""
         prompt = request.prompt_token_ids
         forced = bool(self._replicas) or self._placer.forced_local(len(prompt))
         if not forced and self._router.alive_counts()[0] == 0:
@@ -130,9 +137,15 @@ class Coordinator:
                                                     self.max_model_len))
         queued = len(prompt) if forced else 0  # prefilled on the decode worker itself
         bound = 0 if forced else self._placer.local_bound(self._router.prefill_queue_tokens())
+        follows = samples is not None and not samples.leads(request)
+        if follows and not forced:  # the leader's KV is there: at most the last block is left to compute
+            bound = max(bound, self._block_size + 1)
         expected = ExpectedRequest(request_id, prompt, request.params, prefill_locally=forced,
                                    num_resumed_tokens=resumed, local_below_uncached_tokens=bound)
-        decode, mailbox, admission = await self._open_decode(expected, blocks, queued)
+        decode, mailbox, admission = await self._decoders.open(expected, blocks, queued,
+                                                             samples.decode_worker if follows else None)
+        if samples is not None and not follows:
+            samples.decode_worker = decode.info.name
         outputs: list[int] = []
         try:
             source = LocalPrefillFlow(request, request_id, decode.ref, mailbox, self._worker_lost,
@@ -152,7 +165,7 @@ class Coordinator:
                     yield chunk
             self._router.decode_holds(prompt + tuple(outputs), decode.info.name)
         finally:
-            self._unclaim(decode.info.name, request_id, blocks, queued)
+            self._decoders.release(decode.info.name, request_id, blocks, queued)
 
     async def _disaggregated(self, request: GenerationRequest, request_id: str, decode: Worker, mailbox: asyncio.Queue,
                              resumed: int, cached_blocks: int) -> AsyncIterator[GenerationChunk]:
@@ -181,48 +194,6 @@ class Coordinator:
                     yield chunk
         finally:
             release_prefill()
-
-    async def _open_decode(self, expected: ExpectedRequest, blocks: int, queued: int):
-        """The first decode worker (in routing order) that accepts the request, the request's mailbox on
-        that worker's event stream, and its Admission. The request's blocks (and, prefilled there, its
-        `queued` prompt tokens) are claimed on that worker (the caller releases them with prefilled and
-        decode_done, and closes the mailbox with the pump's close())."""
-        prompt, request_id = expected.prompt_token_ids, expected.request_id
-        order = self._router.replica_order(prompt, blocks) if self._replicas else \
-            self._router.decode_order(prompt, blocks)
-        refusals = []
-        for name in order:
-            if not self._router.is_alive(name):  # drained or lost while an earlier one was asked
-                continue
-            worker, pump = self._workers[name], self._set.pump(name, self._stream_lost)
-            self._router.claim_decode(name, blocks, queued)
-            if self._replicas:  # at once, so that the prompts right behind it with its prefix follow it
-                self._router.served_prefix(prompt, name)
-            mailbox = pump.open(request_id)
-            try:
-                admission = await worker.actor.expect.remote(expected)
-            except RayActorError as error:
-                admission = None
-                self._worker_lost(name, error)
-            except BaseException:  # the consumer left meanwhile: drop what the worker may have accepted
-                worker.actor.cancel.remote(request_id)
-                self._unclaim(name, request_id, blocks, queued)
-                raise
-            if admission is not None and admission.accepted:
-                self._router.decode_holds(prompt, name)  # its KV will be there: prompts sharing it follow
-                return worker, mailbox, admission
-            self._unclaim(name, request_id, blocks, queued)
-            if admission is not None:
-                refusals.append(f"{name}: {admission.reason}")
-        role = "replica" if self._replicas else "decode worker"
-        if not refusals:
-            raise BackendUnavailable(f"no {role} is alive")
-        raise BackendOverloaded(f"every {role} refused the request: " + "; ".join(refusals))
-
-    def _unclaim(self, name: str, request_id: str, blocks: int, queued: int) -> None:
-        self._router.prefilled(name, queued)
-        self._router.decode_done(name, blocks)
-        self._set.close_mailbox(name, request_id)
 
     def _stream_lost(self, name: str, error: BaseException) -> None:
         if not self._closed:

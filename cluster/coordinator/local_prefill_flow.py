@@ -43,7 +43,8 @@ class LocalPrefillFlow:
                 first = first if first is not None else time.perf_counter()
                 ended = event.finish_reason is not None
                 timing = self._timing(dispatched, first) if ended else None
-                yield GenerationChunk(event.token_ids, event.text, event.finish_reason, timing, event.logprobs)
+                yield GenerationChunk(event.token_ids, event.text, event.finish_reason, timing, event.logprobs,
+                                      prompt_logprobs=event.prompt_logprobs)
         finally:
             if not ended and self._is_alive(self._decode.name):
                 self._decode.actor.cancel.remote(self._rid)

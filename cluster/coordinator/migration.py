@@ -25,11 +25,13 @@ class StreamProgress:
         self.migrations = 0
 
     def next_attempt(self) -> GenerationRequest:
-        """The request to run now: the original, or prompt + streamed tokens once something was streamed."""
+        """The request to run now: the original, or prompt + streamed tokens once something was streamed
+        (without prompt logprobs then: the first chunk delivered them)."""
         if not self.token_ids:
             return self.request
         prompt = (*self.request.prompt_token_ids, *self.token_ids)
-        return dataclasses.replace(self.request, prompt_token_ids=prompt)
+        params = dataclasses.replace(self.request.params, prompt_logprobs=None)
+        return dataclasses.replace(self.request, prompt_token_ids=prompt, params=params)
 
     @property
     def num_resumed_tokens(self) -> int:

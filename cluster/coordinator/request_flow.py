@@ -4,7 +4,8 @@ The decode worker has already accepted the request (its expect() answered with a
 sends the PrefillTask to the prefill worker and merges two sources into one event queue: the prefill worker's
 PrefillReport (first token, timings, KV bytes, or why it failed) and the request's mailbox on the decode
 worker's event stream (DecodeChunk / DecodeEnded, cluster/coordinator/decode_events.py). Decode chunks go to
-the consumer as they arrive; the final one waits for the report, whose timings it carries. A worker that dies
+the consumer as they arrive; the final one waits for the report, whose timings it carries (with prompt logprobs
+asked for, every chunk waits for it: they come back in the report and go out on the first chunk). A worker that dies
 ends the request with WorkerLost (its `role` says which side), except a prefill worker that dies after the KV
 landed (the decode worker already streams): the request then goes on and ends without prefill timings. Any
 other failure ends it with RequestFailed (or ValueError for input a worker rejected); either way the other
@@ -92,7 +93,8 @@ class RequestFlow:
         self._task = PrefillTask(request_id, request.prompt_token_ids, request.params, decode_address,
                                  num_resumed_tokens, decode_cached_blocks)
         self._report: PrefillReport | None = None
-        self._held_final: DecodeChunk | None = None
+        self._held: DecodeChunk | None = None  # decoded before the report came: the chunks merged, in order
+        self._wants_prompt_logprobs = request.params.prompt_logprobs is not None
         self._decoded_any = self._ended = self._decode_ended = False
         self._dispatched = self._first_delivered = None
 
@@ -151,12 +153,13 @@ class RequestFlow:
     def _on_report(self, report: PrefillReport) -> GenerationChunk | None:
         self._report = report
         if report.status is PrefillStatus.SHIPPED or self._decoded_any:  # a late failure after the KV landed
-            return self._final(self._held_final) if self._held_final is not None else None
+            return self._release_held()
         self._cancel_decode()
         if report.status is PrefillStatus.FINISHED:  # the first token ended it: nothing was shipped
             self._ended = True
             logprobs = None if report.first_logprobs is None else (report.first_logprobs,)
-            chunk = GenerationChunk((report.first_token,), report.text, report.finish_reason, logprobs=logprobs)
+            chunk = GenerationChunk((report.first_token,), report.text, report.finish_reason, logprobs=logprobs,
+                                    prompt_logprobs=report.prompt_logprobs)
             return dataclasses.replace(chunk, timing=dataclasses.replace(self._timing(), decode_worker=""))
         self._ended = True
         if report.status is PrefillStatus.INVALID:
@@ -169,14 +172,28 @@ class RequestFlow:
         raise RequestFailed(f"prefill worker {self._prefill.name}: {report.status.value}: {report.error}")
 
     def _on_decoded(self, chunk: DecodeChunk) -> GenerationChunk | None:
+        first = not self._decoded_any
         self._decoded_any = True
-        if chunk.finish_reason is None:
-            return GenerationChunk(chunk.token_ids, chunk.text, logprobs=chunk.logprobs)
-        self._decode_ended = True
-        if self._report is None:  # its timings are still on the way
-            self._held_final = chunk
+        if chunk.finish_reason is not None:
+            self._decode_ended = True
+        if self._report is None and (chunk.finish_reason is not None or self._wants_prompt_logprobs):
+            self._held = chunk if self._held is None else _merged(self._held, chunk)  # the report is on its way
             return None
-        return self._final(chunk)
+        if chunk.finish_reason is not None:
+            return self._final(chunk, first)
+        return GenerationChunk(chunk.token_ids, chunk.text, logprobs=chunk.logprobs,
+                               prompt_logprobs=self._report.prompt_logprobs if first and self._report else None)
+
+    def _release_held(self) -> GenerationChunk | None:
+        """The chunks decoded before the report came, as one (the first of the request's: it carries the
+        prompt logprobs), final if the request ended meanwhile; None if there are none."""
+        held, self._held = self._held, None
+        if held is None:
+            return None
+        if held.finish_reason is not None:
+            return self._final(held, first=True)
+        return GenerationChunk(held.token_ids, held.text, logprobs=held.logprobs,
+                               prompt_logprobs=self._report.prompt_logprobs)
 
     def _on_broken(self, broken: _Broken) -> GenerationChunk | None:
         """A worker call failed: ends the request (raises), unless the prefill worker died after its KV
@@ -185,7 +202,7 @@ class RequestFlow:
             self._hooks.worker_lost(broken.worker)
         if broken.role == "prefill" and broken.lost and self._decoded_any:
             self._report = _no_report(self._rid, broken.worker)
-            return self._final(self._held_final) if self._held_final is not None else None
+            return self._release_held()
         self._ended = True
         if broken.role == "decode":
             self._decode_ended = True
@@ -197,9 +214,11 @@ class RequestFlow:
             raise WorkerLost(f"{broken.role} worker {broken.worker} died: {broken.error}", broken.role)
         raise RequestFailed(f"{broken.role} worker {broken.worker} failed: {broken.error}")
 
-    def _final(self, chunk: DecodeChunk) -> GenerationChunk:
+    def _final(self, chunk: DecodeChunk, first: bool) -> GenerationChunk:
+        """`chunk` is the request's last (first: and the first of its decoded ones)."""
         self._ended = True
-        return GenerationChunk(chunk.token_ids, chunk.text, chunk.finish_reason, self._timing(), chunk.logprobs)
+        return GenerationChunk(chunk.token_ids, chunk.text, chunk.finish_reason, self._timing(), chunk.logprobs,
+                               prompt_logprobs=self._report.prompt_logprobs if first else None)
 
     def _timing(self) -> Timing:
         """Everything but ttft_ms, which is set when the chunk is handed to the consumer."""
@@ -227,6 +246,13 @@ class RequestFlow:
         if not self._decode_ended and self._hooks.is_alive(self._decode.name):
             self._decode_ended = True
             self._decode.actor.cancel.remote(self._rid)
+
+
+def _merged(earlier: DecodeChunk, later: DecodeChunk) -> DecodeChunk:
+    """Two consecutive chunks of one request as one."""
+    logprobs = None if earlier.logprobs is None else earlier.logprobs + (later.logprobs or ())
+    return DecodeChunk(earlier.request_id, earlier.token_ids + later.token_ids, earlier.text + later.text,
+                       later.finish_reason, logprobs)
 
 
 def _no_report(request_id: str, worker: str) -> PrefillReport:

@@ -103,6 +103,26 @@ def test_concurrent_requests_all_complete_correctly(served, reference):
     assert all(r[-1].finish_reason == "length" for r in results)
 
 
+def test_n_samples_stream_with_their_index(served, reference):
+    """n=3 seeded samples in one stream: each message names its sample; each sample's tokens are the offline
+    engine's sample of that index, and each sample's last message has its finish_reason and timing."""
+    prompt_ids = [72, 101, 108, 108, 111, 44, 32, 119]
+    params = SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=11, ignore_eos=True)
+    want = reference.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0].outputs
+
+    async def scenario():
+        async with grpc_stub(served) as stub:
+            return await collect(stub, prompt_token_ids=prompt_ids, n=3, max_tokens=6, temperature=0.8, seed=11,
+                                 ignore_eos=True)
+
+    responses = asyncio.run(scenario())
+    for j in range(3):
+        mine = [r for r in responses if r.index == j]
+        assert tokens_of(mine) == list(want[j].token_ids)
+        assert [r.finish_reason for r in mine if r.finish_reason] == ["length"]
+        assert mine[-1].finish_reason == "length" and mine[-1].timing.ttft_ms > 0
+
+
 def test_client_cancel_mid_stream_frees_every_block(served):
     async def scenario():
         async with grpc_stub(served) as stub:
@@ -133,6 +153,8 @@ BAD_REQUESTS = [
     ({"prompt": "x", "top_k": 0}, "top_k"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "request_id": "r" * 300}, "request_id"),
+    ({"prompt": "x", "n": 0}, "n must be"),
+    ({"prompt": "x", "n": 1000}, "n must be"),
 ]
 
 

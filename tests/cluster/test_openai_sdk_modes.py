@@ -10,13 +10,12 @@ import asyncio
 import contextlib
 import dataclasses
 
-import openai
 import pytest
 import torch
 
 from cluster.api.http_server import start_http_server
-from engine import LLM
-from tests.support.cluster_rig import cluster_config, running_cluster, wait_until_idle
+from engine import LLM, SamplingParams
+from tests.support.cluster_rig import cluster_config, request, running_cluster, wait_until_idle
 from tests.support.factories import load_hf_model
 from tests.support.frontend_rig import local_backend
 from tests.support.http_rig import KV_BYTES, openai_client
@@ -140,10 +139,11 @@ def _chat_text(events: list[dict]) -> dict[int, str]:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_echo_returns_the_prompt_and_colocated_its_logprobs(mode, checkpoint, colocated, cluster):
+def test_echo_returns_the_prompt_and_its_logprobs(mode, checkpoint, colocated, cluster):
     """echo: each choice starts with its prompt's text (a text prompt as sent, token ids decoded), whole and
-    in the first streamed chunk of each choice. With logprobs, colocated: the prompt tokens' logprobs (the
-    first None) are transformers' log-softmax; disaggregated answers 400 naming echo (not carried back yet)."""
+    in the first streamed chunk of each choice. With logprobs, for each of n=2 samples of a prompt prefilled
+    on the decode worker and of one prefilled on the prefill worker: the prompt tokens' logprobs (the first
+    None) are transformers' log-softmax."""
     model = load_hf_model(checkpoint)
     tokenizer = colocated.tokenizer
     text = "The quick brown fox"
@@ -155,21 +155,16 @@ def test_echo_returns_the_prompt_and_colocated_its_logprobs(mode, checkpoint, co
             ids = await client.completions.create(prompt=PROMPTS[1], echo=True, n=2, **request)
             stream = await client.completions.create(prompt=text, echo=True, stream=True, **request)
             first_chunk = [event async for event in stream][0]
-            if mode == "disaggregated":
-                with pytest.raises(openai.BadRequestError) as refused:
-                    await client.completions.create(prompt=text, echo=True, logprobs=2, **request)
-                return whole, ids, first_chunk, refused.value
-            return whole, ids, first_chunk, await client.completions.create(
-                prompt=PROMPTS, echo=True, logprobs=2, **request)
+            with_logprobs = await client.completions.create(prompt=PROMPTS, echo=True, logprobs=2, n=2, **request)
+            return whole, ids, first_chunk, with_logprobs
 
     whole, ids, first_chunk, with_logprobs = asyncio.run(scenario())
     assert whole.choices[0].text.startswith(text) and len(whole.choices[0].text) > len(text)
     assert [c.text.startswith(tokenizer.decode(PROMPTS[1])) for c in whole.choices[1:] + ids.choices] == [True] * 3
     assert first_chunk.choices[0].text.startswith(text)
-    if mode == "disaggregated":
-        assert with_logprobs.status_code == 400 and with_logprobs.body["param"] == "echo"
-        return
-    for prompt, choice in zip(PROMPTS, with_logprobs.choices):
+    assert len(with_logprobs.choices) == 4
+    for choice in with_logprobs.choices:
+        prompt = PROMPTS[choice.index // 2]
         logprobs = choice.logprobs
         assert len(logprobs.tokens) == len(prompt) + 4 and logprobs.token_logprobs[0] is None
         assert logprobs.top_logprobs[0] is None and logprobs.text_offset[0] == 0
@@ -177,3 +172,32 @@ def test_echo_returns_the_prompt_and_colocated_its_logprobs(mode, checkpoint, co
         for row, token, value in zip(expected, prompt[1:], logprobs.token_logprobs[1:len(prompt)]):
             assert abs(value - row[token].item()) < ATOL
         assert logprobs.tokens[:len(prompt)] == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+
+
+def test_n_samples_ship_the_prompt_once_and_fork_on_the_decode_worker(checkpoint, cluster):
+    """Disaggregated n=3 of a prompt the prefill worker prefills: sample 0's KV is shipped; samples 1 and 2
+    are prefilled on its decode worker, which holds the prompt's full blocks (shared with sample 0), so they
+    ship nothing; the seeded samples are the colocated engine's, token for token."""
+    block_size = next(w.block_size for w in cluster.workers.values() if w.role == "decode")
+    prompt = [(7 * i + 3) % 250 + 2 for i in range(3 * block_size + 5)]
+    params = SamplingParams(n=3, max_tokens=6, temperature=0.9, seed=23, ignore_eos=True)
+    want = LLM(model=str(checkpoint), kv_cache_memory=KV_BYTES).generate(
+        prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].outputs
+
+    async def scenario():
+        tokens, timings = {}, {}
+        async for chunk in cluster.generate(request("n-shared", prompt, params)):
+            tokens[chunk.index] = tokens.get(chunk.index, []) + list(chunk.token_ids)
+            if chunk.timing is not None:
+                timings[chunk.index] = chunk.timing
+        await wait_until_idle(cluster)
+        return tokens, timings
+
+    tokens, timings = asyncio.run(scenario())
+    assert tokens == {j: list(want[j].token_ids) for j in range(3)}
+    assert timings[0].prefill_location == "remote" and timings[0].kv_bytes > 0
+    full_blocks = len(prompt) // block_size * block_size
+    for j in (1, 2):
+        assert (timings[j].prefill_location, timings[j].kv_bytes) == ("local", 0)
+        assert timings[j].decode_cached_tokens == full_blocks
+        assert timings[j].decode_worker == timings[0].decode_worker
