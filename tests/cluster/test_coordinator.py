@@ -2,8 +2,10 @@
 KV over real gRPC on 127.0.0.1, the Coordinator driving them from this process.
 
 1 prefill + 1 decode: greedy output equals a colocated engine.LLM token for token, timing is filled in,
-cancel frees everything, a KV sender from outside the cluster (no secret, or another one) is refused. 1 prefill + 2 decode: a killed decode worker fails only its own requests and
-the survivors keep serving. Every test ends with every alive worker's pool empty.
+cancel frees everything, a KV sender from outside the cluster (no secret, or another one) is refused.
+1 prefill + 2 decode: a killed decode worker's requests (and, in a cluster of their own, the n samples of
+one request) migrate to the survivor and finish token for token. Every test ends with every alive worker's
+pool empty.
 """
 from __future__ import annotations
 
@@ -250,3 +252,35 @@ def test_killed_decode_workers_requests_migrate_and_finish_token_for_token(one_b
             await collect(one_by_two, request("none", prompts[0], greedy(2)))
 
     asyncio.run(last_one_dies())
+
+
+def test_n_samples_migrate_each_on_its_own_when_their_decode_worker_dies(local_ray, colocated):
+    """n=3 seeded samples share one decode worker (sample 0's KV shipped there, the others prefilled there
+    from its cached blocks); SIGKILL of that worker while all three decode: each sample continues on the
+    survivor and the client gets the colocated engine's three samples, token for token, no error."""
+    coordinator = start_cluster(cluster_config(1, 2))
+    prompt = random_prompts([40], VOCAB, seed=21)[0]
+    params = SamplingParams(n=3, max_tokens=200, temperature=0.8, seed=5, ignore_eos=True)
+    expected = [list(o.token_ids) for o in colocated.generate(prompt_token_ids=[prompt], sampling_params=params,
+                                                               use_tqdm=False)[0].outputs]
+
+    async def run():
+        tokens, timings, killed = {0: [], 1: [], 2: []}, {}, None
+        async with aclosing(coordinator.generate(request("n3", prompt, params))) as chunks:
+            async for chunk in chunks:
+                tokens[chunk.index] += chunk.token_ids
+                if chunk.timing is not None:
+                    timings[chunk.index] = chunk.timing
+                if killed is None and all(tokens.values()):  # every sample decodes: kill their worker
+                    stats = await coordinator.worker_stats()
+                    killed = next(name for name, s in stats.items() if getattr(s, "running", 0) == 3)
+                    os.kill(coordinator.workers[killed].pid, signal.SIGKILL)
+        await wait_until_idle(coordinator)
+        return tokens, timings, killed
+
+    try:
+        tokens, timings, killed = asyncio.run(run())
+    finally:
+        asyncio.run(coordinator.shutdown())
+    assert [tokens[j] for j in range(3)] == expected
+    assert all(timings[j].migrations == 1 and timings[j].decode_worker != killed for j in range(3))
