@@ -2,10 +2,11 @@
 
 Adding k workers of a role (`POST /admin/workers`, `tandem scale`, the autoscaler): each is a new member
 of the WorkerSet (starting), placed in a free bundle of the start group or a small placement group of its
-own, its engine loaded, its KV plane wired (a new prefill worker's rank is added to every decode worker's
-receiver for gloo/nccl/ipc; a new decode worker listens to every prefill rank; gRPC needs only the
-address each decode worker reports), and only then routed to (serving). If any of the k does not start,
-all k are released and nothing changes.
+own that follows the cluster's placement strategy (cluster/workers/added_placement.py), its engine loaded,
+its KV plane wired (a new prefill worker's rank is added to every decode worker's receiver for
+gloo/nccl/ipc; a new decode worker listens to every prefill rank; gRPC needs only the address each decode
+worker reports), and only then routed to (serving). If any of the k does not start, all k are released and
+nothing changes.
 
 Draining k: the least loaded serving workers of the role leave routing at once (draining); each keeps
 running what it holds, and once the coordinator's claims on it are gone (its requests ended) its KV peers
@@ -30,10 +31,11 @@ from cluster.coordinator.autoscaler import AutoscalePolicy, RoleSnapshot, ScaleS
 from cluster.coordinator.latency_window import LatencyWindow
 from cluster.coordinator.routing import Router
 from cluster.coordinator.worker_set import Member, Worker, WorkerSet, WorkerState
-from cluster.workers.added_worker import StartedWorker, release_added_worker, start_added_worker
+from cluster.workers.added_placement import place_added_bundles, room_for_added
+from cluster.workers.added_worker import BundleSlot, StartedWorker, release_added_worker, start_added_worker
 from cluster.workers.cluster_config import ClusterConfig
-from cluster.workers.placement import alive_node_resources, stop_actors
-from cluster.workers.placement_check import PlacementInfeasible, check_placement
+from cluster.workers.placement import stop_actors
+from cluster.workers.placement_check import PlacementInfeasible
 from cluster.workers.worker_template import WorkerTemplate
 
 logger = logging.getLogger("tandem.cluster.scaling")
@@ -106,7 +108,7 @@ class Scaling:
 
     async def _check_bounds(self, role: str, delta: int) -> None:
         """ScaleRefused when the role's serving and starting workers would pass a bound, or (no maximum
-        given) the new bundles with those held are more than the alive nodes can hold."""
+        given) the alive nodes cannot hold the new bundles beside those held by the placement strategy."""
         low, high = self._config.bounds.of(role)
         active = self._set.count(role, STARTING, SERVING)
         target, flag = active + delta, BOUND_FLAGS[role]
@@ -117,39 +119,38 @@ class Scaling:
             raise ScaleRefused(f"adding {delta} {role} workers to the {active} would make {target}, above the "
                                f"maximum of {high} (--max-{flag})", "delta")
         if high is None and delta > 0:   # free start-group bundles of the role are reused, the rest are new
-            held = [(r, self._template.bundle(r)) for r in self._set.held_bundles()]
-            new = [(role, self._template.bundle(role))] * max(0, delta - self._set.held_bundles(free=True).count(role))
+            held = self._set.held_slots()
+            new = max(0, delta - self._set.held_bundles(free=True).count(role))
+            bundles = {r: self._template.bundle(r) for r in self.roles}
             try:
-                check_placement(held + new, "PACK", await asyncio.to_thread(alive_node_resources))
+                await asyncio.to_thread(room_for_added, self._config.placement_strategy, role, new, held, bundles)
             except PlacementInfeasible as error:
                 raise ScaleRefused(f"{delta} more {role} workers are more than the Ray cluster can hold beside "
                                    f"the {len(held)} it holds (--max-{flag} lets them wait for nodes the Ray "
                                    f"autoscaler adds): {error}", "delta") from None
 
     async def _add(self, role: str, count: int) -> list[str]:
-        """Start `count` workers of `role`, wire their KV, then route to them; on any failure release them
-        all and raise BackendUnavailable (nothing changed)."""
+        """Place `count` workers of `role`, start them, wire their KV, then route to them; on any failure
+        release them all and raise ScaleRefused or BackendUnavailable (nothing changed)."""
         members = [self._set.reserve(role) for _ in range(count)]
-        peers = self._peer_ranks(role)
-        timeout = self._config.worker_start_timeout_s
-        results = await asyncio.gather(*(asyncio.to_thread(start_added_worker, self._template, role, m.name, m.rank,
-                                                           peers, m.slot, timeout) for m in members),
-                                       return_exceptions=True)
-        started = [r for r in results if isinstance(r, StartedWorker)]
-        failure = next((r for r in results if isinstance(r, BaseException)), None)
-        if failure is None and not self._closed:
-            try:
-                await self._wire(role, [m.rank for m in members])
-            except Exception as error:  # noqa: BLE001 - released below, reported to the caller
-                failure = error
-        if failure is not None or self._closed:
+        started: list[StartedWorker] = []
+        try:
+            slots, peers = await self._place(role, members), self._peer_ranks(role)
+            results = await asyncio.gather(*(asyncio.to_thread(start_added_worker, self._template, role, m.name,
+                                                               m.rank, peers, slot, self._config.worker_start_timeout_s)
+                                             for m, slot in zip(members, slots)), return_exceptions=True)
+            started = [r for r in results if isinstance(r, StartedWorker)]
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None or self._closed:
+                raise failure or BackendUnavailable("the coordinator is shutting down")
+            await self._wire(role, [m.rank for m in members])
+        except Exception as error:
             await asyncio.to_thread(lambda: [release_added_worker(s.actor, s.slot) for s in started])
             for member in members:
                 self._set.stopped(member.name)
-            if isinstance(failure, PlacementInfeasible):   # no alive node can ever hold one
-                raise ScaleRefused(f"no {role} worker can be added: {failure}", "delta") from failure
-            raise BackendUnavailable(f"could not add {count} {role} worker(s), nothing changed: "
-                                     f"{failure or 'the coordinator is shutting down'}") from failure
+            if isinstance(error, PlacementInfeasible):   # no alive node can ever hold one
+                raise ScaleRefused(f"no {role} worker can be added: {error}", "delta") from error
+            raise BackendUnavailable(f"could not add {count} {role} worker(s), nothing changed: {error}") from error
         for member, worker in zip(members, started):
             self._set.started(member.name, Worker(worker.info, worker.actor), worker.slot)
             if role == "prefill":
@@ -158,6 +159,15 @@ class Scaling:
                 self._router.add_decode(member.name, worker.info.total_blocks)
             logger.info("%s serves (added; %d %s workers serving)", member.name, self._set.count(role, SERVING), role)
         return [m.name for m in members]
+
+    async def _place(self, role: str, members: list[Member]) -> list[BundleSlot]:
+        """Each new member's bundle: the free start-group bundle it reserved, or a group of its own placed by
+        the cluster's placement strategy beside every bundle the cluster holds (added_placement.py)."""
+        held, count = [slot for _, slot in self._set.held_slots()], sum(m.slot is None for m in members)
+        placed = iter(await asyncio.to_thread(place_added_bundles, role, self._template.bundle(role),
+                                              self._config.placement_strategy, held, count,
+                                              self._config.worker_start_timeout_s))
+        return [m.slot or next(placed) for m in members]
 
     def _peer_ranks(self, role: str) -> tuple[int, ...]:
         """A new decode worker's prefill peers (rank transports): every prefill worker that runs."""

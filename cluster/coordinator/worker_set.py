@@ -116,6 +116,12 @@ class WorkerSet:
         taken = [] if free else [m.role for m in self._members.values() if m.slot is not None]
         return taken + [r for r, _ in self._free_slots]
 
+    def held_slots(self) -> list[tuple[str, BundleSlot]]:
+        """(role, bundle) of every bundle the cluster holds, as held_bundles() counts them (where an added
+        worker may go depends on their nodes: cluster/workers/added_placement.py)."""
+        taken = [(m.role, m.slot) for m in self._members.values() if m.slot is not None]
+        return taken + list(self._free_slots)
+
     def owned_groups(self) -> list:
         """The placement groups of added workers (released at shutdown with the start group)."""
         return [m.slot.group for m in self._members.values() if m.slot is not None and m.slot.owned]

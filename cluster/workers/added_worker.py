@@ -1,16 +1,16 @@
-"""One worker started (or released) while the cluster serves: its bundle, its actor, its engine loaded.
+"""One worker started (or released) while the cluster serves: its actor in its bundle, its engine loaded.
 
-    started = start_added_worker(template, "decode", "decode-2", rank=5, peer_ranks=(0,), slot=None,
+    started = start_added_worker(template, "decode", "decode-2", rank=5, peer_ranks=(0,), slot=slot,
                                  timeout_s=300)
     ... started.info, started.actor ...
     release_added_worker(started.actor, started.slot)
 
-A Ray placement group cannot grow or shrink, so an added worker gets a small group of its own (one bundle
-of its role's shape; on a cluster with the Ray autoscaler a pending group is what asks for a new node),
-or a bundle of the start group that a drained worker of the same role left free (`slot`). Releasing a
-worker kills its actor and removes its own group; a bundle of the start group stays reserved for the next
-worker of that role until the cluster shuts down. Blocking: the coordinator calls these through
-asyncio.to_thread.
+A Ray placement group cannot grow or shrink, so an added worker sits in a small group of its own (one bundle
+of its role's shape, placed by the cluster's placement strategy: cluster/workers/added_placement.py; on a
+cluster with the Ray autoscaler a pending group is what asks for a new node), or in a bundle of the start
+group that a drained worker of the same role left free. Releasing a worker kills its actor and removes its
+own group; a bundle of the start group stays reserved for the next worker of that role until the cluster
+shuts down. Blocking: the coordinator calls these through asyncio.to_thread.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import ray
 
 from cluster.workers.actors import WorkerInfo
 from cluster.workers.bounded import run_bounded
-from cluster.workers.placement import RELEASE_TIMEOUT_S, place_bundles, start_actor
+from cluster.workers.placement import RELEASE_TIMEOUT_S, start_actor
 from cluster.workers.worker_template import WorkerTemplate
 
 logger = logging.getLogger("tandem.cluster.added_worker")
@@ -45,14 +45,10 @@ class StartedWorker:
 
 
 def start_added_worker(template: WorkerTemplate, role: str, name: str, rank: int, peer_ranks: tuple[int, ...],
-                       slot: BundleSlot | None, timeout_s: float) -> StartedWorker:
-    """Place (unless `slot` is given), start and load worker `name` of `role`; returns once its engine is
-    loaded. On any failure what this call placed and started is released before the error propagates:
-    PlacementInfeasible (a ValueError) when no alive node can ever hold its bundle, RuntimeError when Ray
-    did not place it or the worker did not load within timeout_s."""
-    if slot is None:
-        group = place_bundles([(role, template.bundle(role))], "PACK", timeout_s)
-        slot = BundleSlot(group, 0, owned=True)
+                       slot: BundleSlot, timeout_s: float) -> StartedWorker:
+    """Start worker `name` of `role` in its placed bundle `slot` and load it; returns once its engine is
+    loaded. On any failure the actor and the slot (if owned) are released before the error propagates
+    (RuntimeError / GetTimeoutError when the worker did not load within timeout_s)."""
     actor = None
     try:
         actor_class, args = template.actor_args(role, name, rank, peer_ranks)

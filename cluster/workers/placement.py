@@ -41,13 +41,18 @@ def create_placement_group(num_workers: int, gpus: float, cpu_threads: int, stra
     return place_bundles([("worker", dict(bundle)) for _ in range(num_workers)], strategy, timeout_s)
 
 
-def place_bundles(bundles: list[tuple[str, dict]], strategy: str, timeout_s: float) -> PlacementGroup:
+def place_bundles(bundles: list[tuple[str, dict]], strategy: str, timeout_s: float,
+                  label_selector: dict[str, str] | None = None, soft_target: str | None = None) -> PlacementGroup:
     """A placement group of `bundles` ((role, resources) per worker, in bundle order), placed. Fails fast
     with PlacementInfeasible (a ValueError naming what is missing) when the alive nodes can never hold
     them with `strategy`; otherwise waits at most timeout_s for Ray to place them, then removes the group
-    and raises RuntimeError with what is free on each node."""
+    and raises RuntimeError with what is free on each node. label_selector: the node labels every bundle
+    needs; soft_target: the node id Ray tries first (STRICT_PACK only); both for workers added while
+    serving (cluster/workers/added_placement.py)."""
     check_placement(bundles, strategy, alive_node_resources())
-    group = placement_group([dict(bundle) for _, bundle in bundles], strategy=strategy)
+    selectors = [dict(label_selector) for _ in bundles] if label_selector else None
+    group = placement_group([dict(bundle) for _, bundle in bundles], strategy=strategy,
+                            bundle_label_selector=selectors, _soft_target_node_id=soft_target)
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except Exception:
@@ -59,7 +64,7 @@ def place_bundles(bundles: list[tuple[str, dict]], strategy: str, timeout_s: flo
 
 def alive_node_resources() -> dict[str, dict]:
     """The total resources of each alive node, by "node-id-prefix (node ip)"."""
-    return {_node_name(node["NodeID"], node["NodeManagerAddress"]): dict(node["Resources"])
+    return {node_name(node["NodeID"], node["NodeManagerAddress"]): dict(node["Resources"])
             for node in ray.nodes() if node.get("Alive")}
 
 
@@ -68,7 +73,7 @@ def _why_pending(bundles: list[tuple[str, dict]], strategy: str) -> str:
     try:
         free = ray._private.state.available_resources_per_node()
         addresses = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")}
-        free = {_node_name(node_id, addresses.get(node_id, "?")): res for node_id, res in free.items()}
+        free = {node_name(node_id, addresses.get(node_id, "?")): res for node_id, res in free.items()}
         check_placement(bundles, strategy, free)
     except PlacementInfeasible as error:
         return f"with the resources free now (the rest is held by others), {error}"
@@ -79,7 +84,8 @@ def _why_pending(bundles: list[tuple[str, dict]], strategy: str) -> str:
                                          for name, res in free.items())
 
 
-def _node_name(node_id: str, address: str) -> str:
+def node_name(node_id: str, address: str) -> str:
+    """How errors name a node: its id's first 8 digits and its address."""
     return f"{node_id[:8]} ({address})"
 
 

@@ -63,17 +63,17 @@ def check_placement(bundles: list[tuple[str, dict]], strategy: str, nodes: dict[
     """PlacementInfeasible, naming what is missing, when `nodes` (name -> total resources of each alive
     node) can never hold `bundles` ((role, resources) per worker) with `strategy`."""
     keys = sorted({key for _, bundle in bundles for key in bundle})
-    where = "; nodes: " + (", ".join(f"{name} {_show(res, keys)}" for name, res in nodes.items()) or "none alive")
+    where = "; nodes: " + (", ".join(f"{name} {show(res, keys)}" for name, res in nodes.items()) or "none alive")
     for role, bundle in _distinct(bundles):
-        if not any(_fits(bundle, res) for res in nodes.values()):
+        if not any(fits(bundle, res) for res in nodes.values()):
             raise PlacementInfeasible(f"no node of the Ray cluster can hold a {role} worker, which needs "
-                                      f"{_show(bundle, sorted(bundle))}: {_missing(bundle, nodes)}{where}")
+                                      f"{show(bundle, sorted(bundle))}: {_missing(bundle, nodes)}{where}")
     if strategy == "STRICT_SPREAD":
         _check_spread(bundles, nodes, where)
     total = _sum(bundle for _, bundle in bundles)
-    if strategy == "STRICT_PACK" and not any(_fits(total, res) for res in nodes.values()):
+    if strategy == "STRICT_PACK" and not any(fits(total, res) for res in nodes.values()):
         raise PlacementInfeasible(f"STRICT_PACK puts all {len(bundles)} workers on one node: they need "
-                                  f"{_show(total, keys)} together, no node has that much{where}")
+                                  f"{show(total, keys)} together, no node has that much{where}")
     cluster = _sum(nodes.values())
     short = [key for key in keys if total.get(key, 0) > cluster.get(key, 0) + EPS]
     if short:
@@ -87,17 +87,18 @@ def _check_spread(bundles: list[tuple[str, dict]], nodes: dict[str, dict], where
     advice = "add nodes, start fewer workers, or choose another placement strategy"
     for role, bundle in _distinct(bundles):
         count = sum(1 for other in bundles if other == (role, bundle))
-        able = sum(1 for res in nodes.values() if _fits(bundle, res))
+        able = sum(1 for res in nodes.values() if fits(bundle, res))
         if able < count:
             raise PlacementInfeasible(f"{rule}{count} {role} workers need {count} nodes that can each hold one "
-                                      f"({_show(bundle, sorted(bundle))}), the Ray cluster has {able}: {advice}{where}")
+                                      f"({show(bundle, sorted(bundle))}), the Ray cluster has {able}: {advice}{where}")
     placed = _distinct_nodes(bundles, nodes)
     if placed < len(bundles):
         raise PlacementInfeasible(f"{rule}{len(bundles)} workers need {len(bundles)} nodes that can each hold one, "
                                   f"the Ray cluster has {placed} such nodes (of {len(nodes)} alive): {advice}{where}")
 
 
-def _fits(bundle: dict, resources: dict) -> bool:
+def fits(bundle: dict, resources: dict) -> bool:
+    """Whether `resources` hold all of `bundle`."""
     return all(resources.get(key, 0) + EPS >= amount for key, amount in bundle.items())
 
 
@@ -130,11 +131,11 @@ def _missing(bundle: dict, nodes: dict[str, dict]) -> str:
 
 def _distinct_nodes(bundles: list[tuple[str, dict]], nodes: dict[str, dict]) -> int:
     """How many bundles can sit on distinct nodes at most (bipartite matching, augmenting paths)."""
-    fits = [[name for name, res in nodes.items() if _fits(bundle, res)] for _, bundle in bundles]
+    able = [[name for name, res in nodes.items() if fits(bundle, res)] for _, bundle in bundles]
     owner: dict[str, int] = {}
 
     def assign(index: int, visited: set[str]) -> bool:
-        for name in fits[index]:
+        for name in able[index]:
             if name not in visited:
                 visited.add(name)
                 if name not in owner or assign(owner[name], visited):
@@ -145,6 +146,6 @@ def _distinct_nodes(bundles: list[tuple[str, dict]], nodes: dict[str, dict]) -> 
     return sum(assign(index, set()) for index in range(len(bundles)))
 
 
-def _show(resources: dict, keys: list[str]) -> str:
+def show(resources: dict, keys: list[str]) -> str:
     """{CPU: 1, GPU: 0} over `keys` (the resources the bundles ask for)."""
     return "{" + ", ".join(f"{key}: {resources.get(key, 0):g}" for key in keys) + "}"

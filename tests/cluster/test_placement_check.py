@@ -1,5 +1,6 @@
-"""The placement pre-check on its own (no Ray): what a cluster of given nodes can never hold, and the
-flags that feed it. Placement on real Ray nodes: tests/cluster/test_multinode.py."""
+"""The placement pre-check on its own (no Ray): what a cluster of given nodes can never hold, the flags that
+feed it, and where a worker added while serving may go by the placement strategy. Placement on real Ray
+nodes: tests/cluster/test_multinode.py and tests/cluster/test_multinode_scaling.py."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +8,7 @@ import argparse
 import pytest
 
 from cluster.serve import add_arguments, cluster_config, config_from_args
+from cluster.workers.added_placement import NODE_ID_LABEL, NodeRoom, added_placement, check_added_room
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.placement_check import PlacementInfeasible, check_placement, role_resources, worker_bundles
 
@@ -67,3 +69,46 @@ def test_serve_flags_reach_the_cluster_config():
         config_from_args(parser.parse_args(["--prefill-workers", "1", "--node-ip-address", "127.0.0.2"]))
     with pytest.raises(ValueError, match="need --mode disaggregated"):
         config_from_args(parser.parse_args(["--prefill-resources", '{"p": 1}']))
+
+
+def room(total: dict, free: dict | None = None) -> NodeRoom:
+    return NodeRoom("10.0.0.1", total, total if free is None else free)
+
+
+def test_where_an_added_worker_goes_follows_the_strategy():
+    """Hard rules pin the added worker's one-bundle group by node id; soft ones name a node with room now."""
+    nodes = {"n1": room({"CPU": 4}, {"CPU": 2}), "n2": room({"CPU": 2}, {"CPU": 1}), "n3": room({"CPU": 2}),
+             "n4": room({"CPU": 2}, {"CPU": 0})}
+    held = ["n2", "n1", "n1", "n4"]
+    spread = added_placement("STRICT_SPREAD", {"CPU": 1}, held, nodes)
+    assert (spread.label_selector, spread.soft_target) == ({NODE_ID_LABEL: "!in(n1,n2,n4)"}, None)
+    assert added_placement("STRICT_SPREAD", {"CPU": 1}, [], nodes).label_selector == {}
+    assert added_placement("STRICT_PACK", {"CPU": 1}, ["n1", "n1"], nodes).label_selector == {NODE_ID_LABEL: "n1"}
+    pack, soft_spread = (added_placement(s, {"CPU": 1}, held, nodes) for s in ("PACK", "SPREAD"))
+    assert (pack.group_strategy, pack.label_selector, pack.soft_target) == ("STRICT_PACK", {}, "n1")
+    assert (soft_spread.soft_target, soft_spread.label_selector) == ("n3", {})      # n4 holds 1 but has no room
+    assert added_placement("SPREAD", {"CPU": 1}, ["n1", "n2", "n3"], nodes).soft_target == "n1"   # 1 each: by id
+    full = added_placement("PACK", {"CPU": 3}, held, nodes)
+    assert (full.soft_target, full.label_selector, full.group_strategy) == (None, {}, "PACK")
+
+
+def test_room_for_added_workers_is_checked_by_the_configured_strategy():
+    """The same cluster and workers: PACK has room for two more; STRICT_SPREAD only on a node holding none of
+    them (role resources included); STRICT_PACK only on the node that holds them all."""
+    nodes = {"n1": room({"CPU": 4}), "n2": room({"CPU": 2, "decode_pool": 1}), "n3": room({"CPU": 1})}
+    held = [("prefill", {"CPU": 1}, "n1"), ("decode", {"CPU": 1}, "n2")]
+    check_added_room("PACK", "decode", {"CPU": 1}, 2, held, nodes)
+    check_added_room("STRICT_SPREAD", "decode", {"CPU": 1}, 1, held, nodes)
+    with pytest.raises(PlacementInfeasible, match=r"STRICT_SPREAD puts every worker on a node of its own: 2 more "
+                                                  r"decode worker\(s\) need 2 node\(s\) that hold none of this "
+                                                  r"cluster's 2 workers .* has 1 \(of 3 alive; 2 hold its workers\)"):
+        check_added_room("STRICT_SPREAD", "decode", {"CPU": 1}, 2, held, nodes)
+    with pytest.raises(PlacementInfeasible, match=r"\(\{CPU: 1, decode_pool: 1\}\), the Ray cluster has 0"):
+        check_added_room("STRICT_SPREAD", "decode", {"CPU": 1, "decode_pool": 1}, 1, held, nodes)
+    packed = [("prefill", {"CPU": 1}, "n1"), ("decode", {"CPU": 1}, "n1")]
+    check_added_room("STRICT_PACK", "decode", {"CPU": 1}, 2, packed, nodes)
+    with pytest.raises(PlacementInfeasible, match=r"STRICT_PACK keeps every worker on the node that holds them: "
+                                                  r"STRICT_PACK puts all 5 workers on one node: they need \{CPU: 5\}"):
+        check_added_room("STRICT_PACK", "decode", {"CPU": 1}, 3, packed, nodes)
+    check_added_room("PACK", "decode", {"CPU": 1}, 3, packed, nodes)
+    check_added_room("STRICT_SPREAD", "decode", {"CPU": 1}, 0, held, {})    # a free start-group bundle: no node

@@ -19,7 +19,7 @@ import ray
 
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from cluster.api.metrics import ServingMetrics
-from cluster.backend import ScaleRefused
+from cluster.backend import BackendUnavailable, ScaleRefused
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.coordinator.start import start_cluster
 from cluster.scale_client import add_arguments as add_scale_arguments
@@ -226,6 +226,39 @@ def test_a_drain_past_its_timeout_moves_what_is_left_to_the_other_workers(replic
     assert [tokens for tokens, _ in results] == [out.outputs[0].token_ids for out in outs]
     assert sorted(last.timing.migrations for _, last in results) == [0, 1]
     assert "drain ran past" in health.details["worker_failures"][name] and len(workers_in(replicas, "replica")) == 1
+
+
+def test_an_added_worker_follows_the_placement_strategy_on_the_one_node_of_a_local_ray(disaggregated):
+    """The same cluster with STRICT_SPREAD as its strategy: its only node holds workers, so one prefill worker
+    more than the free start-group bundles (placed by the start group's rule) is refused before anything
+    starts (PACK added one above); with a maximum that check is skipped, and the added worker's group, pinned
+    away from that node, waits worker_start_timeout_s and is removed."""
+    scaling, packed = disaggregated.scaling, disaggregated.scaling._config
+    before, groups = scaling.describe(), live_groups()
+    assert not scaling._set.failures()   # no lost worker whose start-group bundle a scale call would free
+    delta = scaling._set.held_bundles(free=True).count("prefill") + 1
+    serving = len(workers_in(disaggregated, "prefill"))
+
+    async def run():
+        scaling._config = dataclasses.replace(packed, placement_strategy="STRICT_SPREAD", bounds=WorkerBounds())
+        with pytest.raises(ScaleRefused, match="STRICT_SPREAD puts every worker on a node of its own: 1 more "
+                                               r"prefill worker\(s\) need 1 node\(s\) that hold none"):
+            await scaling.scale("prefill", delta)
+        scaling._config = dataclasses.replace(scaling._config, bounds=WorkerBounds(max_prefill=serving + delta),
+                                              worker_start_timeout_s=2.0)
+        with pytest.raises(BackendUnavailable, match="nothing changed: Ray could not place 1 workers .* within 2s"
+                                                     ".* STRICT_SPREAD: on a node that holds none"):
+            await scaling.scale("prefill", delta)
+
+    try:
+        asyncio.run(run())
+    finally:
+        scaling._config = packed
+    assert scaling.describe() == before and live_groups() == groups
+
+
+def live_groups() -> list[str]:
+    return sorted(g["placement_group_id"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")
 
 
 def test_the_autoscaler_adds_a_decode_worker_under_load_and_drains_it_after(disaggregated, oracle):
