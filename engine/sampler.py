@@ -6,9 +6,9 @@ On the logits' device (CPU or CUDA), vectorised over rows. First `process_logits
 included (it changes their argmax); no row asking, nothing runs. Greedy rows are then an argmax; the
 others go through `transform_logits` (temperature), `cut_min_p`, then `candidate_probs`: no cut is a
 softmax, nothing sorted; top-k is a `torch.topk` partial sort of the largest k asked for (each row masks
-past its own k), top-p then cut within those candidates; top-p without top-k sorts the whole vocabulary
-(the nucleus is defined on the sorted order and no fixed candidate count is sure to hold it; vLLM sorts
-too: cheap on a GPU, the slow case on a CPU). The draw is an inverse CDF, one uniform per row, in two
+past its own k), top-p then cut within those candidates; top-p without top-k takes each row's top tokens
+by a ladder of partial sorts that stops where they hold the nucleus, a full sort only past the ladder and
+on a GPU (engine/nucleus.py). The draw is an inverse CDF, one uniform per row, in two
 levels (block sums, then a cumsum inside the chosen block). Rows asking for logprobs get
 `engine.logprobs.logprob_tensors` (log_softmax of the processed logits after temperature, before the
 cuts) beside the draw. The host only builds small index / parameter tensors (non-blocking copies) and
@@ -26,6 +26,7 @@ import torch
 from engine.host_lists import to_device as _to_device
 from engine.logits_processors import History, cut_min_p, process_logits
 from engine.logprobs import TokenLogprobs, logprob_tensors, unpack
+from engine.nucleus import nucleus_candidates
 from engine.sampling_params import SamplingParams
 
 _BLOCK = 1024  # columns per block in the two-level argmax and draw
@@ -121,7 +122,7 @@ def transform_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
 
 def _row_groups(params: Sequence[SamplingParams], vocab: int) -> list[list[int]]:
-    """Rows by the work their cuts need: top-k (partial sort), top-p alone (full sort), no cut."""
+    """Rows by the work their cuts need: top-k (partial sort), top-p alone (engine/nucleus.py), no cut."""
     top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     top_p = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
     plain = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
@@ -138,13 +139,14 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]):
     top_p = [p.top_p for p in params]
     if max(ks) < vocab:
         values, ids = logits.topk(max(ks), dim=-1)  # [R, k] high to low: a partial sort
+        rank = torch.arange(values.shape[-1], device=device).unsqueeze(0)  # [1, k]
+        k = _to_device(ks, torch.long, device).unsqueeze(1)  # [R, 1]
+        probs = values.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)  # [R, k]
     elif min(top_p) < 1.0:
-        values, ids = logits.sort(dim=-1, descending=True)  # [R, vocab]: the nucleus needs the order
+        probs, ids = nucleus_candidates(logits, top_p)  # [R, n] high to low, enough to hold each nucleus
+        rank = torch.arange(probs.shape[-1], device=device).unsqueeze(0)  # [1, n]
     else:
         return logits.softmax(dim=-1), None  # [R, vocab]
-    rank = torch.arange(values.shape[-1], device=device).unsqueeze(0)  # [1, n]
-    k = _to_device(ks, torch.long, device).unsqueeze(1)  # [R, 1]
-    probs = values.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)  # [R, n]
     if min(top_p) < 1.0:
         p = _to_device(top_p, probs.dtype, device).unsqueeze(1)  # [R, 1]
         mass_before = probs.cumsum(dim=-1) - probs  # [R, n]: mass of the higher-ranked tokens

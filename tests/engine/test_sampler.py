@@ -210,3 +210,27 @@ def test_cuda_processors_and_logprobs_keep_one_sync():
         assert (got is None) == (want is None)
         if got is not None:
             assert got.top_ids == want.top_ids and abs(got.logprob - want.logprob) < 1e-4
+
+
+def test_top_p_candidates_climb_the_ladder_and_cut_as_a_full_sort_would():
+    """top-p alone on a 40k vocabulary: a peaked row's nucleus sits in the first rung's partial sort, a
+    flatter one's in the second, a near-flat one needs the full sort. Each row's kept probabilities equal
+    transformers' warpers whether it comes alone or with the others, and a seeded row draws the same token
+    either way."""
+    from engine.nucleus import NUCLEUS_LADDER, nucleus_candidates
+
+    vocab = 40000
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.stack([torch.randn(vocab, generator=generator) * scale for scale in (8.0, 2.5, 0.3)])
+    params = [SP(top_p=0.9, seed=1), SP(top_p=0.9, seed=2), SP(top_p=0.9, seed=3)]
+    widths = [nucleus_candidates(logits[i:i + 1], [0.9])[0].shape[-1] for i in range(3)]
+    assert widths == [NUCLEUS_LADDER[0], NUCLEUS_LADDER[1], vocab]
+    expected = _reference_probs(logits, params)
+    together = sampling_probs(logits, params)
+    torch.testing.assert_close(together, expected, atol=1e-6, rtol=1e-4)
+    assert torch.equal(together > 0, expected > 0)
+    for i in range(3):
+        torch.testing.assert_close(sampling_probs(logits[i:i + 1], params[i:i + 1]), expected[i:i + 1],
+                                   atol=1e-6, rtol=1e-4)
+    batch = _sample(logits, params, [40, 41, 42])
+    assert batch == [_sample(logits[i:i + 1], [params[i]], [40 + i])[0] for i in range(3)]
