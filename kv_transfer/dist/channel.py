@@ -8,10 +8,14 @@ Every wait has a deadline; after any failed or timed-out operation the channel i
 A pair survives that: each channel belongs to an *epoch* of the pair (its keys live under
 pair_prefix(...)/e<epoch>), and after a break both ends open the next epoch's channel, a new process
 group, so one failed or slow transfer fails only itself (kv_transfer/dist/transport.py).
+The planes of a run go out as one grouped operation where the process group coalesces point-to-point
+calls (NCCL: one group, one launch, like batch_isend_irecv); gloo does not, and posts them one by one.
 """
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Callable, NoReturn
 
@@ -20,6 +24,7 @@ import torch.distributed as dist
 
 from kv_transfer.status import KVTransferError, TransferStatus
 
+logger = logging.getLogger("tandem.kv_transfer.dist")
 SENDER, RECEIVER = 0, 1
 _IDLE_WAIT = timedelta(hours=1)
 _STOP = b"stop"
@@ -55,6 +60,7 @@ class PairChannel:
         self.group_timeout_s = connect_timeout_s + transfer_timeout_s
         self.waiting_key = ""
         self._group: dist.ProcessGroup | None = None
+        self._coalesces: bool | None = None  # whether the group groups point-to-point calls (found on first use)
         self._broken: str | None = None
 
     # --- doorbells (store) ---
@@ -126,6 +132,44 @@ class PairChannel:
         """Starts sending tensor (which must stay untouched until wait() on the returned work)."""
         group = self._live_group()
         return self._post(lambda: group.send([tensor], self.peer, 0), "send")
+
+    def post_sends(self, tensors: Sequence[torch.Tensor]) -> list[dist.Work]:
+        """Starts sending tensors, in order, as one grouped operation where the process group coalesces
+        point-to-point calls (NCCL), else one by one. Returns the works to wait for; the tensors must stay
+        untouched until then."""
+        return self._post_many(tensors, "send")
+
+    def post_recvs(self, tensors: Sequence[torch.Tensor]) -> list[dist.Work]:
+        """Starts receiving the other end's next len(tensors) messages into tensors, grouped as post_sends."""
+        return self._post_many(tensors, "recv")
+
+    def _post_many(self, tensors: Sequence[torch.Tensor], what: str) -> list[dist.Work]:
+        group = self._live_group()
+        post = group.send if what == "send" else group.recv
+        if len(tensors) < 2 or not self._coalescing(group):
+            return [self._post(lambda t=t: post([t], self.peer, 0), what) for t in tensors]
+
+        def grouped() -> dist.Work:
+            group._start_coalescing()
+            for tensor in tensors:
+                post([tensor], self.peer, 0)
+            return group._end_coalescing()
+        return [self._post(grouped, what)]
+
+    def _coalescing(self, group) -> bool:
+        """Whether `group` groups point-to-point calls: it says so and starting a group works (a torch whose
+        backend binding differs falls back to one call per tensor, once, with a warning)."""
+        if self._coalesces is None:
+            self._coalesces = bool(getattr(group, "supports_coalescing", False))
+            if self._coalesces:
+                try:
+                    group._start_coalescing()
+                    group._end_coalescing()
+                except Exception as exc:  # noqa: BLE001 - no grouping then; each call goes alone
+                    logger.warning("link %s: %s does not group point-to-point calls here (%s); one call per "
+                                   "tensor", self.prefix, self.backend, exc)
+                    self._coalesces = False
+        return self._coalesces
 
     def code_tensor(self, code: int) -> torch.Tensor:
         """A control word as the one-element int64 tensor that travels."""

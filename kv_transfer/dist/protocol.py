@@ -49,9 +49,9 @@ def send_manifest(channel: PairChannel, outgoing: OutgoingTransfer, deadline: fl
 
 def _post_run(channel: PairChannel, outgoing: OutgoingTransfer, index: int) -> list:
     """Posts run `index`: NEXT_PLANES + its 2 * num_layers pool planes (direct), or NEXT_RUN + its
-    gathered staging piece. Returns the works to wait for."""
+    gathered staging piece (the planes grouped where the backend groups them). Returns the works to wait for."""
     control = NEXT_PLANES if outgoing.direct[index] else NEXT_RUN
-    return [channel.post_send(channel.code_tensor(control))] + [channel.post_send(p) for p in outgoing.pieces(index)]
+    return [channel.post_send(channel.code_tensor(control))] + channel.post_sends(outgoing.pieces(index))
 
 
 def _stream_stop(step: Callable[[], object]) -> KVTransferError | None:
@@ -163,7 +163,7 @@ def _receive_run(channel: PairChannel, incoming: IncomingTransfer, index: int, c
         raise KVTransferError(TransferStatus.MALFORMED, "a streamed layer announced as planes",
                               incoming.manifest.request_id)
     targets, in_place = incoming.plane_targets(index, channel.device)
-    works = [channel.post_recv(target) for target in targets]
+    works = channel.post_recvs(targets)
     for work in works:
         channel.wait(work, deadline, "recv")
     incoming.landed(index, in_place=in_place)

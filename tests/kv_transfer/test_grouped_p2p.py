@@ -1,0 +1,100 @@
+"""How a PairChannel posts several tensors: one grouped operation where the process group coalesces
+point-to-point calls (NCCL's ProcessGroupNCCL does; it cannot run here, so a recording stand-in with the
+same backend methods plays it), one call per tensor where it does not (gloo, for real, over loopback), and
+one call per tensor, with a warning, where starting a group fails (a torch whose binding differs)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kv_transfer.dist.channel import RECEIVER, SENDER, PairChannel, connect_store, start_store
+
+
+class _Work:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class RecordingGroup:
+    """The backend methods a PairChannel calls, recording them; coalescing as NCCL's group offers it."""
+
+    supports_coalescing = True
+
+    def __init__(self, start_error: Exception | None = None) -> None:
+        self.calls: list[str] = []
+        self.start_error = start_error
+
+    def _start_coalescing(self) -> None:
+        if self.start_error is not None:
+            raise self.start_error
+        self.calls.append("start")
+
+    def _end_coalescing(self) -> _Work:
+        self.calls.append("end")
+        return _Work()
+
+    def send(self, tensors, peer, tag) -> _Work:
+        self.calls.append(f"send {tensors[0].numel()} to {peer}")
+        return _Work()
+
+    def recv(self, tensors, peer, tag) -> _Work:
+        self.calls.append(f"recv {tensors[0].numel()} from {peer}")
+        return _Work()
+
+
+def _channel(group, role: int = SENDER) -> PairChannel:
+    channel = PairChannel("gloo", store=None, prefix="test/0->1/l0/e0", role=role, device=torch.device("cpu"),
+                          connect_timeout_s=1.0)
+    channel._group = group  # as connect() leaves it
+    return channel
+
+
+def test_a_coalescing_group_gets_the_planes_as_one_grouped_operation():
+    group = RecordingGroup()
+    channel = _channel(group)
+    planes = [torch.zeros(n) for n in (3, 4, 5)]
+    works = channel.post_sends(planes)
+    assert len(works) == 1
+    assert group.calls == ["start", "end", "start", "send 3 to 1", "send 4 to 1", "send 5 to 1", "end"]
+    group.calls.clear()
+    assert len(_channel(group, RECEIVER).post_recvs(planes[:2])) == 1
+    assert group.calls == ["start", "end", "start", "recv 3 from 0", "recv 4 from 0", "end"]
+    group.calls.clear()
+    assert len(channel.post_sends(planes[:1])) == 1 and group.calls == ["send 3 to 1"]  # one alone: no group
+
+
+def test_a_group_that_cannot_start_falls_back_to_one_call_per_tensor(caplog):
+    group = RecordingGroup(start_error=TypeError("_start_coalescing(): incompatible function arguments"))
+    channel = _channel(group)
+    works = channel.post_sends([torch.zeros(2), torch.zeros(3)])
+    assert len(works) == 2 and group.calls == ["send 2 to 1", "send 3 to 1"]
+    assert "does not group point-to-point calls" in caplog.text
+    group.calls.clear()
+    channel.post_sends([torch.zeros(2), torch.zeros(3)])
+    assert group.calls == ["send 2 to 1", "send 3 to 1"]  # decided once
+
+
+def test_gloo_posts_one_call_per_tensor_and_the_tensors_arrive_in_order():
+    server = start_store("127.0.0.1")
+    ends = [PairChannel("gloo", connect_store("127.0.0.1", server.port), "test/grouped/e0", role,
+                        torch.device("cpu"), connect_timeout_s=30.0) for role in (SENDER, RECEIVER)]
+    sent = [torch.arange(n, dtype=torch.float32) for n in (5, 7, 11)]
+    received = [torch.zeros(n) for n in (5, 7, 11)]
+    connected = threading.Thread(target=ends[RECEIVER].connect)
+    connected.start()
+    ends[SENDER].connect()
+    connected.join()
+    try:
+        sends, recvs = ends[SENDER].post_sends(sent), ends[RECEIVER].post_recvs(received)
+        assert len(sends) == len(recvs) == 3  # gloo groups nothing
+        deadline = time.monotonic() + 30
+        for work in recvs:
+            ends[RECEIVER].wait(work, deadline, "recv")
+        for work in sends:
+            ends[SENDER].wait(work, deadline, "send")
+        assert all(torch.equal(a, b) for a, b in zip(sent, received))
+    finally:
+        for end in ends:
+            end.close()
