@@ -185,8 +185,9 @@ class RequestFlow:
                                prompt_logprobs=self._report.prompt_logprobs if first and self._report else None)
 
     def _release_held(self) -> GenerationChunk | None:
-        """The chunks decoded before the report came, as one (the first of the request's: it carries the
-        prompt logprobs), final if the request ended meanwhile; None if there are none."""
+        """The chunks decoded before the report came, as one, final if the request ended meanwhile; None if
+        there are none. With prompt logprobs asked for, every chunk before the report is held, so this is
+        the request's first and carries them; without, the report has none to give."""
         held, self._held = self._held, None
         if held is None:
             return None
