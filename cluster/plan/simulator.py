@@ -14,6 +14,10 @@ they compute; a request that arrives during a step joins the next one, as in a r
                    prompt tokens without a first token) -> chunked prefill within the replica's step budget,
                    after its running decodes (the decodes wait for the prefill chunks that share their step)
 
+Every step and every KV transfer is work that runs on the host's cores (cluster/plan/host_model.py): with
+the serving path's CPU costs and the host's cores given, a step or a transfer takes longer while more
+threads want the cores than there are; with cores = inf (the default) each takes its own time.
+
 A request with one output token ends at its first token (nothing is shipped). Same inputs, same result:
 the simulation draws nothing at random.
 """
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits, SimEngine, SimSequence, step_work
+from cluster.plan.host_model import CoreSharing, HostModel
 from cluster.plan.step_model import StepTimeModel
 from cluster.plan.transfer_model import TransferModel
 
@@ -43,7 +49,7 @@ class ServingShape:
     """How the workers of every deployment run: their engines' limits, the KV transfer, and two costs of the
     serving path outside the engines: a fixed time every request spends before its first token (front end,
     coordinator, Ray calls) and a fixed time every worker step adds to the engine's (the worker's loop, its
-    events to the coordinator, the serving processes sharing the machine)."""
+    events to the coordinator), run on the host's cores with the steps (`host`: how they are shared)."""
 
     prefill_limits: EngineLimits     # prefill workers
     decode_limits: EngineLimits      # decode workers
@@ -51,6 +57,7 @@ class ServingShape:
     transfer: TransferModel
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    host: HostModel = field(default_factory=HostModel)
 
     def __post_init__(self) -> None:
         if self.request_overhead_s < 0 or self.step_overhead_s < 0:
@@ -85,7 +92,9 @@ class _Simulation:
                        for i in range(deployment.num_decode)]
         self.token_times: list[list[float]] = [[] for _ in requests]
         self.decode_of: dict[int, _Worker] = {}     # request -> its decode worker (disaggregated)
-        self.channel_free: dict[tuple[int, int], float] = {}
+        self.transfers: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> KV to ship, the first in flight
+        self.cpu = CoreSharing(shape.host)
+        self.cpu_version = 0
         self.events: list = []
         self.order = itertools.count()
 
@@ -100,6 +109,34 @@ class _Simulation:
     def _push(self, when: float, handler, payload) -> None:
         heapq.heappush(self.events, (when, next(self.order), handler, payload))
 
+    def _run_on_host(self, now: float, seconds: float, threads: int, handler, payload) -> None:
+        """Work of `seconds` on a core per thread; `handler(end, payload)` when it is done at its share."""
+        self.cpu.advance(now)
+        self.cpu.start(seconds, threads, (handler, payload))
+        self._host_changed()
+
+    def _serving_work(self, now: float, cpu_seconds: float) -> None:
+        if cpu_seconds > 0:
+            self.cpu.advance(now)
+            self.cpu.add_serving_work(cpu_seconds)
+            self._host_changed()
+
+    def _host_changed(self) -> None:
+        """The shares changed: the one pending host event is the next job's end at the new shares."""
+        self.cpu_version += 1
+        when = self.cpu.next_change()
+        if when is not None:
+            self._push(when, self._host_tick, self.cpu_version)
+
+    def _host_tick(self, now: float, version: int) -> None:
+        if version != self.cpu_version:
+            return
+        self.cpu.advance(now)
+        for job in self.cpu.pop_finished():
+            handler, payload = job.payload
+            handler(now, payload)
+        self._host_changed()
+
     def _arrive(self, now: float, index: int) -> None:
         """Routes as cluster/coordinator/routing.py does, from the coordinator's own accounting: a decode worker
         by the most free blocks (its pool less prompt + max tokens of each request routed there), then the
@@ -107,6 +144,7 @@ class _Simulation:
         when the KV has landed); a replica by its requests plus the prompt tokens routed there without a first
         token."""
         request = self.requests[index]
+        self._serving_work(now, self.shape.host.request_cpu_s)
         if self.deployment.is_disaggregated:
             decode = min(self.decode, key=lambda w: (_claimed_tokens(w), len(w.live), w.index))
             prefill = min(self.prefill, key=lambda w: (_waiting_prompt_tokens(w), w.index))
@@ -131,7 +169,7 @@ class _Simulation:
         chunks = worker.engine.schedule()
         worker.busy = True
         seconds = self.model.seconds(step_work(chunks)) + self.shape.step_overhead_s
-        self._push(now + seconds, self._end_step, (worker, chunks))
+        self._run_on_host(now, seconds, self.shape.host.worker_threads, self._end_step, (worker, chunks))
 
     def _end_step(self, now: float, payload) -> None:
         worker, chunks = payload
@@ -148,6 +186,7 @@ class _Simulation:
 
     def _token(self, worker: _Worker, seq: SimSequence, now: float) -> None:
         self.token_times[seq.request].append(now)
+        self._serving_work(now, self.shape.host.token_cpu_s)
         if seq.is_done:
             worker.live.pop(seq.request, None)
 
@@ -159,14 +198,23 @@ class _Simulation:
             self._token(decode, seq, now)
             return
         pair = (prefill.index, decode.index)
-        start = max(now, self.channel_free.get(pair, 0.0))
-        landed = start + self.shape.transfer.seconds(seq.prompt_len)
-        self.channel_free[pair] = landed
-        self._push(landed, self._landed, (prefill, seq))
+        queue = self.transfers.setdefault(pair, deque())
+        queue.append((prefill, seq))
+        if len(queue) == 1:
+            self._start_transfer(now, pair)
 
-    def _landed(self, now: float, payload) -> None:
-        """The decode worker's step thread admits the request between steps, and then emits its first token."""
-        prefill, seq = payload
+    def _start_transfer(self, now: float, pair: tuple[int, int]) -> None:
+        _, seq = self.transfers[pair][0]
+        self._run_on_host(now, self.shape.transfer.seconds(seq.prompt_len), self.shape.host.transfer_threads,
+                          self._landed, pair)
+
+    def _landed(self, now: float, pair: tuple[int, int]) -> None:
+        """The decode worker's step thread admits the request between steps, and then emits its first token;
+        the pair's next transfer starts."""
+        queue = self.transfers[pair]
+        prefill, seq = queue.popleft()
+        if queue:
+            self._start_transfer(now, pair)
         prefill.live.pop(seq.request)
         decode = self.decode_of[seq.request]
         if decode.busy:
@@ -177,6 +225,7 @@ class _Simulation:
 
     def _admit(self, decode: _Worker, seq: SimSequence, now: float) -> None:
         self.token_times[seq.request].append(now)
+        self._serving_work(now, self.shape.host.token_cpu_s)
         seq.prefill_only = False
         decode.engine.add_running(seq)
 
