@@ -53,6 +53,39 @@ class HostModel:
         return min(1.0, (self.cores - self.baseline_cores) / threads)
 
 
+@dataclass(frozen=True)
+class ServingCosts:
+    """The serving path's costs for one kind of deployment (colocated or disaggregated), fitted by `tandem plan
+    --calibrate` (cluster/plan/calibrate.py): CPU per request and per token and at idle (HostModel's), and two
+    fixed times that are not CPU of the host (ServingShape's): before every first token, and in every step."""
+
+    request_cpu_s: float = 0.0
+    token_cpu_s: float = 0.0
+    baseline_cores: float = 0.0
+    request_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.request_cpu_s, self.token_cpu_s, self.baseline_cores, self.request_overhead_s,
+               self.step_overhead_s) < 0:
+            raise ValueError(f"serving costs must be >= 0, got {self}")
+
+    def as_dict(self) -> dict[str, float]:
+        return {"request_cpu_ms": self.request_cpu_s * 1e3, "token_cpu_ms": self.token_cpu_s * 1e3,
+                "baseline_cores": self.baseline_cores, "request_overhead_ms": self.request_overhead_s * 1e3,
+                "step_overhead_ms": self.step_overhead_s * 1e3}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ServingCosts":
+        """The inverse of as_dict; ValueError when a key is missing or a value is not a number >= 0."""
+        try:
+            return cls(float(data["request_cpu_ms"]) / 1e3, float(data["token_cpu_ms"]) / 1e3,
+                       float(data["baseline_cores"]), float(data["request_overhead_ms"]) / 1e3,
+                       float(data["step_overhead_ms"]) / 1e3)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not saved serving costs ({type(error).__name__}: {error})") from None
+
+
 @dataclass(eq=False)
 class Job:
     """Work of `threads` threads that takes `work` seconds at a full core per thread; `payload` is the caller's."""
@@ -78,6 +111,7 @@ class CoreSharing:
         self.jobs: list[Job] = []
         self.serving_backlog = 0.0   # CPU seconds of serving-path work queued
         self.serving_cpu = 0.0       # CPU seconds of serving-path work done so far
+        self.jobs_cpu = 0.0          # CPU seconds of the jobs started so far (work x threads)
         self.clock = 0.0
 
     @property
@@ -108,6 +142,7 @@ class CoreSharing:
             raise ValueError(f"a job needs work >= 0 and threads >= 0, got {work}, {threads}")
         job = Job(work, threads, payload)
         self.jobs.append(job)
+        self.jobs_cpu += work * threads
         return job
 
     def add_serving_work(self, cpu_seconds: float) -> None:

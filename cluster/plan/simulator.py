@@ -26,11 +26,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits, SimEngine, SimSequence, step_work
-from cluster.plan.host_model import CoreSharing, HostModel
+from cluster.plan.host_model import CoreSharing, HostModel, ServingCosts
 from cluster.plan.step_model import StepTimeModel
 from cluster.plan.transfer_model import TransferModel
 
@@ -63,6 +63,19 @@ class ServingShape:
         if self.request_overhead_s < 0 or self.step_overhead_s < 0:
             raise ValueError(f"serving overheads must be >= 0, got {self.request_overhead_s} and "
                              f"{self.step_overhead_s}")
+
+    @property
+    def costs(self) -> ServingCosts:
+        """Its serving-path costs (the inverse of with_costs)."""
+        return ServingCosts(self.host.request_cpu_s, self.host.token_cpu_s, self.host.baseline_cores,
+                            self.request_overhead_s, self.step_overhead_s)
+
+    def with_costs(self, costs: ServingCosts) -> "ServingShape":
+        """This shape with `costs` in place of its serving-path costs (the host's cores stay)."""
+        host = replace(self.host, baseline_cores=costs.baseline_cores, request_cpu_s=costs.request_cpu_s,
+                       token_cpu_s=costs.token_cpu_s)
+        return replace(self, request_overhead_s=costs.request_overhead_s, step_overhead_s=costs.step_overhead_s,
+                       host=host)
 
 
 @dataclass(frozen=True)
@@ -241,11 +254,28 @@ def _waiting_prompt_tokens(worker: _Worker) -> int:
     return sum(seq.prompt_len for seq in worker.live.values() if seq.num_generated == 0 or seq.prefill_only)
 
 
+@dataclass(frozen=True)
+class HostUsage:
+    """CPU seconds a simulated run spent: in worker steps and KV transfers (work x threads), and on the
+    serving path (shape.host's costs of its requests and tokens)."""
+
+    jobs_cpu_s: float
+    serving_cpu_s: float
+
+
 def simulate(deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
              shape: ServingShape) -> list[RequestTrace]:
     """Serves `requests` on `deployment` and returns each request's token times (seconds from the start),
     in the order of `requests`. Every request gets all its output tokens."""
+    return simulate_with_usage(deployment, requests, model, shape)[0]
+
+
+def simulate_with_usage(deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
+                        shape: ServingShape) -> tuple[list[RequestTrace], HostUsage]:
+    """simulate(), and the CPU the run spent."""
     for request in requests:
         if request.prompt_len < 1 or request.output_len < 1 or request.arrival_s < 0:
             raise ValueError(f"a simulated request needs a prompt and an output token and a time >= 0: {request}")
-    return _Simulation(deployment, list(requests), model, shape).run()
+    simulation = _Simulation(deployment, list(requests), model, shape)
+    traces = simulation.run()
+    return traces, HostUsage(simulation.cpu.jobs_cpu, simulation.cpu.serving_cpu)
