@@ -6,12 +6,14 @@ compare_modes.py), sends two warm-ups, and then, reading the CPU time of the ser
 process, Ray's daemons and workers: cluster/plan/process_cpu.py) and of this process (the benchmark client):
 
     idle       IDLE_S seconds with nothing sent                         -> baseline_cores = CPU / seconds
-    run A, B   LIGHT_RUNS: 64-token prompts at LIGHT_RATE req/s, with   -> CPU of each run
-               many and with few output tokens per request
+    runs A-C   LIGHT_RUNS: 64-token prompts at 2 req/s with many (A)    -> CPU of each run
+               and with few (B) output tokens per request, and a burst
+               of them sent at once (C: many tokens per step)
 
 A run's CPU is the engines' steps and KV transfers (what the planner's simulation of the same requests, sent
 at the same times, spends in them), the baseline, and the serving path's: `request_cpu_s` x requests +
-`token_cpu_s` x tokens. The two runs give the two costs (non-negative least squares). The fixed times follow
+`token_cpu_s` x tokens + `step_cpu_s` x steps (the simulation's). The three runs give the three costs
+(non-negative least squares). The fixed times follow
 from run A's latencies: `step_overhead_s` is what the measured TPOT p50 has over the simulated one, then
 `request_overhead_s` what the measured TTFT p50 has over it. The CPU costs and the fixed times depend on each
 other a little (the fixed step time is worker CPU), so the fit is repeated FIT_ROUNDS times.
@@ -19,6 +21,7 @@ other a little (the fixed step time is worker CPU), so the fit is repeated FIT_R
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import sys
 import tempfile
@@ -39,12 +42,22 @@ from cluster.plan.process_cpu import cpu_between, snapshot
 from cluster.plan.simulator import ServingShape, SimRequest, simulate, simulate_with_usage
 from cluster.plan.step_model import StepTimeModel, nonnegative_least_squares
 
-LIGHT_RATE = 2.0
-LIGHT_RUNS = (RandomWorkload(64, 32), RandomWorkload(64, 2))
-REQUESTS_PER_RUN = 30
 IDLE_S = 3.0
 FIT_ROUNDS = 3
 VOCAB_SIZE = 256
+
+
+@dataclass(frozen=True)
+class LightRun:
+    """`count` requests of `workload` at `rate` req/s (inf: all at once)."""
+
+    workload: RandomWorkload
+    rate: float
+    count: int
+
+
+LIGHT_RUNS = (LightRun(RandomWorkload(64, 32), 2.0, 30), LightRun(RandomWorkload(64, 2), 2.0, 30),
+              LightRun(RandomWorkload(64, 32), math.inf, 16))
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,12 @@ class MeasuredRun:
     results: tuple[RequestResult, ...]
     seconds: float
     cpu_s: float
+    cpu_by_process: tuple[tuple[str, float], ...] = ()  # ("client", s), ("serve", s), ("workers", s), ("ray", s)
+
+    def describe(self) -> str:
+        shares = ", ".join(f"{name} {seconds:.2f}" for name, seconds in self.cpu_by_process)
+        return (f"{len(self.requests)} requests, {self.tokens} tokens in {self.seconds:.1f} s: CPU {self.cpu_s:.2f} s "
+                f"({shares})")
 
     @property
     def tokens(self) -> int:
@@ -82,14 +101,17 @@ def measure(deployment: Deployment, settings: ModeSettings) -> tuple[float, list
         print(f"calibrating {deployment.name}: tandem serve {' '.join(mode.serve_flags)}", file=sys.stderr)
         with ServerProcess(list(mode.serve_flags), Path(tmp) / "serve.log") as server:
             config = ClientConfig(server.base_url)
-            warmups = generate_requests(LIGHT_RUNS[0], 2, VOCAB_SIZE, seed=1)
+            warmups = generate_requests(LIGHT_RUNS[0].workload, 2, VOCAB_SIZE, seed=1)
             _send(config, warmups, [0.0] * len(warmups))
             time.sleep(1.0)
             before = _cpu(server.pid)
             time.sleep(IDLE_S)
             after = _cpu(server.pid)
             baseline = (after[1] - before[1]) / (after[0] - before[0])
-            runs = [_measured_run(config, server.pid, workload, index) for index, workload in enumerate(LIGHT_RUNS)]
+            runs = [_measured_run(config, server.pid, run, index) for index, run in enumerate(LIGHT_RUNS)]
+    print(f"  idle: {baseline:.3f} cores", file=sys.stderr)
+    for name, run in zip("ABC", runs):
+        print(f"  run {name}: {run.describe()}", file=sys.stderr)
     return baseline, runs
 
 
@@ -98,16 +120,25 @@ def _cpu(server_pid: int) -> tuple[float, float, dict]:
     return time.monotonic(), time.process_time(), snapshot(server_pid)
 
 
-def _measured_run(config: ClientConfig, server_pid: int, workload: RandomWorkload, index: int) -> MeasuredRun:
-    samples = generate_requests(workload, REQUESTS_PER_RUN, VOCAB_SIZE, seed=100 + index)
-    gaps = arrival_gaps(len(samples), LIGHT_RATE, 1.0, seed=index)
+def _measured_run(config: ClientConfig, server_pid: int, light: LightRun, index: int) -> MeasuredRun:
+    samples = generate_requests(light.workload, light.count, VOCAB_SIZE, seed=100 + index)
+    gaps = arrival_gaps(len(samples), light.rate, 1.0, seed=index)
     wall, client, tree = _cpu(server_pid)
     results = _send(config, samples, gaps)
     wall_after, client_after, tree_after = _cpu(server_pid)
-    cpu = client_after - client + sum(p.cpu_s for p in cpu_between(tree, tree_after))
+    by_process = {"client": client_after - client, "serve": 0.0, "workers": 0.0, "ray": 0.0}
+    for process in cpu_between(tree, tree_after):
+        kind = "serve" if process.pid == server_pid else "workers" if _is_worker(process.name) else "ray"
+        by_process[kind] += process.cpu_s
     first = min(r.send_time for r in results)
     requests = tuple(SimRequest(r.send_time - first, r.prompt_len, r.output_tokens) for r in results)
-    return MeasuredRun(requests, tuple(results), wall_after - wall, cpu)
+    return MeasuredRun(requests, tuple(results), wall_after - wall, sum(by_process.values()),
+                       tuple(by_process.items()))
+
+
+def _is_worker(name: str) -> bool:
+    """A Ray actor process of a worker (ray::PrefillActor, ray::DecodeActor: replicas are DecodeActors)."""
+    return name.startswith("ray::") and "Actor" in name and "Agent" not in name
 
 
 def _send(config: ClientConfig, samples, gaps: list[float]) -> list[RequestResult]:
@@ -134,10 +165,11 @@ def _fit_cpu(runs: list[MeasuredRun], deployment: Deployment, model: StepTimeMod
     counts, serving = [], []
     for run in runs:
         _, usage = simulate_with_usage(deployment, list(run.requests), model, shape.with_costs(costs))
-        counts.append((len(run.requests), run.tokens))
+        counts.append((len(run.requests), run.tokens, usage.steps))
         serving.append(run.cpu_s - usage.jobs_cpu_s - costs.baseline_cores * run.seconds)
-    request_cpu, token_cpu = nonnegative_least_squares(np.asarray(counts, dtype=float), np.asarray(serving))
-    return replace(costs, request_cpu_s=float(request_cpu), token_cpu_s=float(token_cpu))
+    request_cpu, token_cpu, step_cpu = nonnegative_least_squares(np.asarray(counts, dtype=float),
+                                                                 np.asarray(serving))
+    return replace(costs, request_cpu_s=float(request_cpu), token_cpu_s=float(token_cpu), step_cpu_s=float(step_cpu))
 
 
 def _fit_latency(run: MeasuredRun, deployment: Deployment, model: StepTimeModel, shape: ServingShape,

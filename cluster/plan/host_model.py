@@ -13,9 +13,9 @@ runnable threads are:
     a KV transfer in flight   `transfer_threads` (a sender and a receiver thread: the idle transfer
                               measurement gave each a core of its own)
     the serving path          1 while it has CPU work queued: `request_cpu_s` for every request that
-                              arrives and `token_cpu_s` for every token a worker emits (the front end, the
-                              coordinator, Ray's event streams, the client: measured by `tandem plan
-                              --calibrate` as CPU time of those processes per request and per token)
+                              arrives, `token_cpu_s` for every token a worker emits and `step_cpu_s` for
+                              every worker step (the front end, the coordinator, Ray's event streams, the
+                              client: measured by `tandem plan --calibrate` as CPU time of those processes)
 
 `baseline_cores` is what the serving processes use while nothing is served (Ray's daemons polling); it is
 taken off the top. With cores = inf nothing is shared and every piece of work takes its own time: the
@@ -38,12 +38,14 @@ class HostModel:
     baseline_cores: float = 0.0
     request_cpu_s: float = 0.0
     token_cpu_s: float = 0.0
+    step_cpu_s: float = 0.0
     transfer_threads: int = 2
 
     def __post_init__(self) -> None:
         if not self.cores > 0 or self.worker_threads < 1 or self.transfer_threads < 0:
             raise ValueError(f"a host needs cores > 0 and worker threads >= 1, got {self}")
-        if min(self.baseline_cores, self.request_cpu_s, self.token_cpu_s) < 0 or self.baseline_cores >= self.cores:
+        if min(self.baseline_cores, self.request_cpu_s, self.token_cpu_s, self.step_cpu_s) < 0 \
+                or self.baseline_cores >= self.cores:
             raise ValueError(f"serving-path CPU costs must be >= 0 and the baseline below the cores, got {self}")
 
     def share(self, threads: int) -> float:
@@ -56,7 +58,7 @@ class HostModel:
 @dataclass(frozen=True)
 class ServingCosts:
     """The serving path's costs for one kind of deployment (colocated or disaggregated), fitted by `tandem plan
-    --calibrate` (cluster/plan/calibrate.py): CPU per request and per token and at idle (HostModel's), and two
+    --calibrate` (cluster/plan/calibrate.py): CPU per request, token and step and at idle (HostModel's), and two
     fixed times that are not CPU of the host (ServingShape's): before every first token, and in every step."""
 
     request_cpu_s: float = 0.0
@@ -64,16 +66,17 @@ class ServingCosts:
     baseline_cores: float = 0.0
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    step_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.request_cpu_s, self.token_cpu_s, self.baseline_cores, self.request_overhead_s,
-               self.step_overhead_s) < 0:
+               self.step_overhead_s, self.step_cpu_s) < 0:
             raise ValueError(f"serving costs must be >= 0, got {self}")
 
     def as_dict(self) -> dict[str, float]:
         return {"request_cpu_ms": self.request_cpu_s * 1e3, "token_cpu_ms": self.token_cpu_s * 1e3,
                 "baseline_cores": self.baseline_cores, "request_overhead_ms": self.request_overhead_s * 1e3,
-                "step_overhead_ms": self.step_overhead_s * 1e3}
+                "step_overhead_ms": self.step_overhead_s * 1e3, "step_cpu_ms": self.step_cpu_s * 1e3}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ServingCosts":
@@ -81,7 +84,7 @@ class ServingCosts:
         try:
             return cls(float(data["request_cpu_ms"]) / 1e3, float(data["token_cpu_ms"]) / 1e3,
                        float(data["baseline_cores"]), float(data["request_overhead_ms"]) / 1e3,
-                       float(data["step_overhead_ms"]) / 1e3)
+                       float(data["step_overhead_ms"]) / 1e3, float(data.get("step_cpu_ms", 0.0)) / 1e3)
         except (KeyError, TypeError) as error:
             raise ValueError(f"not saved serving costs ({type(error).__name__}: {error})") from None
 

@@ -52,7 +52,8 @@ def format_serving(shapes: dict[str, ServingShape], calibrated: dict) -> str:
         costs = shape.costs.as_dict()
         source = "calibrated" if kind in calibrated else "not calibrated: engine-bound, see --calibrate"
         lines.append(f"serving path, {kind}: {costs['request_cpu_ms']:.2f} ms CPU per request, "
-                     f"{costs['token_cpu_ms']:.3f} ms CPU per token, {costs['baseline_cores']:.3f} cores idle; "
+                     f"{costs['token_cpu_ms']:.3f} per token, {costs['step_cpu_ms']:.3f} per step, "
+                     f"{costs['baseline_cores']:.3f} cores idle; "
                      f"{costs['request_overhead_ms']:.1f} ms before each first token, "
                      f"{costs['step_overhead_ms']:.2f} ms per step ({source})")
     return "\n".join(lines)

@@ -68,12 +68,12 @@ class ServingShape:
     def costs(self) -> ServingCosts:
         """Its serving-path costs (the inverse of with_costs)."""
         return ServingCosts(self.host.request_cpu_s, self.host.token_cpu_s, self.host.baseline_cores,
-                            self.request_overhead_s, self.step_overhead_s)
+                            self.request_overhead_s, self.step_overhead_s, self.host.step_cpu_s)
 
     def with_costs(self, costs: ServingCosts) -> "ServingShape":
         """This shape with `costs` in place of its serving-path costs (the host's cores stay)."""
         host = replace(self.host, baseline_cores=costs.baseline_cores, request_cpu_s=costs.request_cpu_s,
-                       token_cpu_s=costs.token_cpu_s)
+                       token_cpu_s=costs.token_cpu_s, step_cpu_s=costs.step_cpu_s)
         return replace(self, request_overhead_s=costs.request_overhead_s, step_overhead_s=costs.step_overhead_s,
                        host=host)
 
@@ -108,6 +108,7 @@ class _Simulation:
         self.transfers: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> KV to ship, the first in flight
         self.cpu = CoreSharing(shape.host)
         self.cpu_version = 0
+        self.steps = 0
         self.events: list = []
         self.order = itertools.count()
 
@@ -187,6 +188,8 @@ class _Simulation:
     def _end_step(self, now: float, payload) -> None:
         worker, chunks = payload
         worker.busy = False
+        self.steps += 1
+        self._serving_work(now, self.shape.host.step_cpu_s)
         for seq in worker.engine.finish_step(chunks):
             if seq.prefill_only:
                 self._prefilled(worker, seq, now)
@@ -257,10 +260,11 @@ def _waiting_prompt_tokens(worker: _Worker) -> int:
 @dataclass(frozen=True)
 class HostUsage:
     """CPU seconds a simulated run spent: in worker steps and KV transfers (work x threads), and on the
-    serving path (shape.host's costs of its requests and tokens)."""
+    serving path (shape.host's costs of its requests, tokens and steps); and its steps, every worker's."""
 
     jobs_cpu_s: float
     serving_cpu_s: float
+    steps: int
 
 
 def simulate(deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
@@ -278,4 +282,4 @@ def simulate_with_usage(deployment: Deployment, requests: list[SimRequest], mode
             raise ValueError(f"a simulated request needs a prompt and an output token and a time >= 0: {request}")
     simulation = _Simulation(deployment, list(requests), model, shape)
     traces = simulation.run()
-    return traces, HostUsage(simulation.cpu.jobs_cpu, simulation.cpu.serving_cpu)
+    return traces, HostUsage(simulation.cpu.jobs_cpu, simulation.cpu.serving_cpu, simulation.steps)

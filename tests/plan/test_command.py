@@ -107,7 +107,8 @@ def test_calibrated_serving_costs_in_the_profile_slow_the_prediction_on_shared_c
              "--host-cores", cores, "--ttft-slo-ms", "2000", "--itl-slo-ms", "500", *WORKLOAD, *TRANSFER, "--json")
         runs[path.name, cores] = json.loads(capsys.readouterr().out)
     shared = runs["calibrated.json", "3"]
-    assert shared["serving"]["colocated"] == {**costs, "calibrated": True} and shared["host_cores"] == 3
+    assert shared["serving"]["colocated"] == {**costs, "step_cpu_ms": 0.0, "calibrated": True}
+    assert shared["host_cores"] == 3
     assert not shared["serving"]["disaggregated"]["calibrated"]
     colocated = {key: next(d for d in run["deployments"] if d["name"] == "colocated-3") for key, run in runs.items()}
     bare, slowed, unshared = colocated[profile.name, "inf"], colocated["calibrated.json", "3"], \
