@@ -10,8 +10,9 @@ and a piece of work that takes T seconds on a core of its own progresses at `sha
 runnable threads are:
 
     a worker in a step        `worker_threads` (its torch threads; the profile measured its steps with them)
-    a KV transfer in flight   `transfer_threads` (a sender and a receiver thread: the idle transfer
-                              measurement gave each a core of its own)
+    a KV transfer's copy      `transfer_threads` while its bytes move (a sender and a receiver thread:
+                              the idle transfer measurement gave each a core of its own); its fixed cost
+                              per transfer (round trips) is a wait that takes no core
     the serving path          1 while it has CPU work queued: `request_cpu_s` for every request that
                               arrives, `token_cpu_s` for every token a worker emits and `step_cpu_s` for
                               every worker step (the front end, the coordinator, Ray's event streams, the

@@ -220,9 +220,15 @@ class _Simulation:
             self._start_transfer(now, pair)
 
     def _start_transfer(self, now: float, pair: tuple[int, int]) -> None:
+        """The transfer's fixed cost is a wait (round trips: manifest, acknowledgement), not CPU; then its bytes
+        are copied by its threads on the host's cores."""
+        self._push(now + self.shape.transfer.latency_s, self._copy_kv, pair)
+
+    def _copy_kv(self, now: float, pair: tuple[int, int]) -> None:
         _, seq = self.transfers[pair][0]
-        self._run_on_host(now, self.shape.transfer.seconds(seq.prompt_len), self.shape.host.transfer_threads,
-                          self._landed, pair)
+        transfer = self.shape.transfer
+        self._run_on_host(now, transfer.seconds(seq.prompt_len) - transfer.latency_s,
+                          self.shape.host.transfer_threads, self._landed, pair)
 
     def _landed(self, now: float, pair: tuple[int, int]) -> None:
         """The decode worker's step thread admits the request between steps, and then emits its first token;

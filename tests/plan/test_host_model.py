@@ -84,15 +84,16 @@ def test_replicas_steps_slow_down_while_the_serving_path_works_for_their_request
     assert [t.token_times for t in unshared] == [pytest.approx((1.0,))] * 2
 
 
-def test_a_kv_transfer_and_the_decode_steps_beside_it_slow_each_other():
+def test_a_kv_transfers_copy_and_the_decode_steps_beside_it_slow_each_other_but_not_its_wait():
     model = step_model(prefill_tokens=0.001, decode_rows=0.1)
-    a, b = SimRequest(0.0, 16, 3), SimRequest(0.25, 16, 2)  # one block each: a 0.1 s transfer at 10 kB/s
-    host = HostModel(cores=2, transfer_threads=2)
-    first, second = simulate(Deployment(1, 1), [a, b], model, shape(host, latency_s=0.1))
-    # a: prefill 0.016, transfer 0.2 alone -> first token 0.216, decode step from 0.216. b: prefill 0.25-0.266
-    # beside it (2 threads), then its transfer from 0.266: 3 threads, 2/3 each. a's step has 0.05 left -> ends
-    # 0.341; the next step (0.1) ends 0.491; the transfer then has 0.2 - 0.25 x 2/3 = 0.05 left alone -> 0.541
-    assert first.token_times == pytest.approx((0.216, 0.341, 0.491))
-    assert second.token_times == pytest.approx((0.541, 0.641))
+    a, b = SimRequest(0.0, 16, 3), SimRequest(0.25, 16, 2)  # one block each: 0.1 s wait + 0.1 s copy at 10 kB/s
+    first, second = simulate(Deployment(1, 1), [a, b], model, shape(HostModel(cores=2), latency_s=0.1))
+    # a: prefill 0.016, wait to 0.116, copy alone to 0.216 (first token), decode steps from 0.216 and 0.316.
+    # b: prefill 0.25-0.266 beside a's step (2 threads: a core each), waits to 0.366 taking no core, then copies
+    # with 2 threads beside a's second step: 2/3 of a core each. a's step has 0.05 left -> ends 0.441; the copy
+    # has done 0.05 by then and the rest alone -> lands 0.491; b's decode step ends 0.591
+    assert first.token_times == pytest.approx((0.216, 0.316, 0.441))
+    assert second.token_times == pytest.approx((0.491, 0.591))
     plenty = simulate(Deployment(1, 1), [a, b], model, shape(HostModel(cores=4), latency_s=0.1))
-    assert plenty[1].token_times == pytest.approx((0.466, 0.566))  # 0.266 + 0.2 when every thread has a core
+    assert plenty[0].token_times == pytest.approx((0.216, 0.316, 0.416))  # every thread has a core
+    assert plenty[1].token_times == pytest.approx((0.466, 0.566))
