@@ -60,6 +60,11 @@ class ServerProcess:
     def __exit__(self, *exc_info) -> None:
         self.stop()
 
+    @property
+    def pid(self) -> int | None:
+        """The `tandem serve` process's id (the root of its process tree: Ray's processes are below it)."""
+        return None if self._process is None else self._process.pid
+
     def _copy_log(self) -> None:
         """Copies the server's output into the log file and catches the announced HTTP address."""
         with open(self.log_path, "w") as log:

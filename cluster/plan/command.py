@@ -6,9 +6,12 @@
 1. profiles one prefill worker's and one decode worker's engine for real (cluster/plan/profile.py), with the
    thread share a CPU worker gets (cores / workers, as `tandem bench compare` gives them) or one GPU;
 2. measures the KV transfer (`tandem bench transfer`) unless --transfer-gbps gives it;
-3. simulates every deployment of the workers (colocated-W, disagg-1p(W-1)d ... (W-1)p1d) on the same
-   requests (cluster/plan/simulator.py) and scores each as `tandem bench serve` scores a run;
-4. prints the table and the recommendation (cluster/plan/predict.py); --json for machines.
+3. with --calibrate, serves a light load on a real colocated and disaggregated deployment and fits the serving
+   path's costs (cluster/plan/calibrate.py; kept in the profile JSON), else takes them from a loaded profile;
+4. simulates every deployment of the workers (colocated-W, disagg-1p(W-1)d ... (W-1)p1d) on the same
+   requests, on --host-cores cores shared by the workers, the KV transfers and the serving path
+   (cluster/plan/simulator.py, host_model.py) and scores each as `tandem bench serve` scores a run;
+5. prints the table and the recommendation (cluster/plan/predict.py); --json for machines.
 
 Exit status: 0 with a recommendation; 2 when no deployment meets the SLOs (the table and the closest are
 still printed, and the JSON written), and for bad flags or a workload file that is not a bench result.
@@ -20,13 +23,15 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from cluster.plan.deployment import deployments_for
+from cluster.plan.deployment import Deployment, deployments_for
 from cluster.plan.engine_sim import EngineLimits
+from cluster.plan.host_model import HostModel, ServingCosts
 from cluster.plan.predict import Slos, predict, recommend
 from cluster.plan.profile import GRIDS, EngineProfile, WorkerEngines, profile_workers
-from cluster.plan.report import format_profile, format_table, plan_json, sample_curves
+from cluster.plan.report import format_profile, format_serving, format_table, plan_json, sample_curves
 from cluster.plan.simulator import ServingShape
 from cluster.plan.transfer_model import TransferModel, given_transfer, measured_transfer
 from cluster.plan.workload import add_workload_arguments, workload_from_flags
@@ -54,12 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fixed cost per KV transfer, with --transfer-gbps")
     parser.add_argument("--transport", default="auto", choices=["auto", "gloo", "grpc", "nccl", "ipc"],
                         help="the transport to measure (auto: gloo on CPU, nccl with 2 GPUs, ipc with one)")
-    parser.add_argument("--request-overhead-ms", type=float, default=0.0,
+    parser.add_argument("--calibrate", action="store_true",
+                        help="serve a light load on a real colocated and disaggregated deployment first and fit the "
+                             "serving path's CPU and fixed costs; kept in --save-profile (or the --load-profile "
+                             "file)")
+    parser.add_argument("--host-cores", type=float, default=None,
+                        help="host cores the workers, KV transfers and serving processes share (default: this "
+                             "machine's; 'inf': nothing shared)")
+    parser.add_argument("--request-overhead-ms", type=float, default=None,
                         help="fixed time a request spends before its first token outside the engines (front end, "
-                             "coordinator, Ray calls), added to every TTFT (default 0: engine-bound)")
-    parser.add_argument("--step-overhead-ms", type=float, default=0.0,
-                        help="fixed time every worker step adds to the engine's (the worker's loop, its events, "
-                             "the serving processes on the same machine) (default 0: engine-bound)")
+                             "coordinator, Ray calls), added to every TTFT (default: calibrated, else 0)")
+    parser.add_argument("--step-overhead-ms", type=float, default=None,
+                        help="fixed time every worker step adds to the engine's (the worker's loop, its events) "
+                             "(default: calibrated, else 0)")
     parser.add_argument("--profile-grid", choices=sorted(GRIDS), default="full",
                         help="quick: a few points (a rough profile in seconds)")
     parser.add_argument("--save-profile", default=None, metavar="FILE", help="write the measured steps here")
@@ -90,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     deployments = deployments_for(workers)
     workload = workload_from_flags(args)
     limits = _serving_flags(args)
+    host = HostModel(_host_cores(args), threads if device == "cpu" else 1)
     profile = _profile(args, device, threads)
     longest = max(r.prompt_len + r.output_len for r in workload.requests)
     if longest > profile.max_model_len:
@@ -97,8 +110,11 @@ def run(args: argparse.Namespace) -> int:
     model = profile.fit()
     transfer = _transfer(args, profile, device) if workers > 1 else TransferModel(
         profile.bytes_per_block, profile.block_size, 1e9, 0.0, "none (one worker: no split to move KV in)")
-    shape = ServingShape(*limits, transfer, args.request_overhead_ms / 1e3, args.step_overhead_ms / 1e3)
-    predictions = [predict(d, list(workload.requests), model, shape, slos) for d in deployments]
+    base = ServingShape(*limits, transfer, host=host)
+    if args.calibrate:
+        profile = _calibrate(args, profile, model, base, device, workers)
+    shapes = {kind: _shape(args, base, profile.serving.get(kind)) for kind in ("colocated", "disaggregated")}
+    predictions = [predict(d, list(workload.requests), model, shapes[_kind(d)], slos) for d in deployments]
     recommendation = recommend(predictions, slos)
     out = sys.stderr if args.json == "-" else sys.stdout
     print(format_profile(profile, model), file=out)
@@ -106,20 +122,72 @@ def run(args: argparse.Namespace) -> int:
           file=out)
     print(f"KV transfer: {transfer.source}; {transfer.bytes_per_block} bytes per {transfer.block_size}-token block",
           file=out)
-    print(f"serving path: {args.request_overhead_ms:g} ms per request, {args.step_overhead_ms:g} ms per step"
-          + (" (engine-bound: see --request-overhead-ms, --step-overhead-ms)"
-             if not args.request_overhead_ms and not args.step_overhead_ms else ""), file=out)
+    print(format_serving(shapes, profile.serving), file=out)
     print(format_table(predictions, recommendation, slos), file=out)
     if args.json is not None:
         context = {"model": profile.model, "device": profile.device, "workers": workers, "cpu_threads": threads,
                    "workload": {"description": workload.description, "request_rate": _rate(workload.request_rate),
                                 "num_requests": len(workload.requests)},
-                   "profile": {"steps": len(profile.steps), "coefficients": model.as_dict(), **sample_curves(model)},
-                   "transfer": {"source": transfer.source, "bytes_per_second": transfer.bytes_per_second,
-                                "latency_s": transfer.latency_s, "bytes_per_block": transfer.bytes_per_block},
-                   "request_overhead_ms": args.request_overhead_ms, "step_overhead_ms": args.step_overhead_ms}
+                   **_model_context(profile, model, transfer, shapes)}
         _write_json(plan_json(predictions, recommendation, slos, context), args.json)
     return 0 if recommendation.meets_slos else 2
+
+
+def _model_context(profile: EngineProfile, model, transfer: TransferModel, shapes: dict) -> dict:
+    """The JSON's words for what the prediction rests on: the fitted steps, the transfer, the host."""
+    host = next(iter(shapes.values())).host
+    return {"profile": {"steps": len(profile.steps), "coefficients": model.as_dict(), **sample_curves(model)},
+            "transfer": {"source": transfer.source, "bytes_per_second": transfer.bytes_per_second,
+                         "latency_s": transfer.latency_s, "bytes_per_block": transfer.bytes_per_block},
+            "host_cores": _rate(host.cores),
+            "serving": {kind: {**shape.costs.as_dict(), "calibrated": kind in profile.serving}
+                        for kind, shape in shapes.items()}}
+
+
+def _kind(deployment: Deployment) -> str:
+    return "disaggregated" if deployment.is_disaggregated else "colocated"
+
+
+def _shape(args: argparse.Namespace, base: ServingShape, calibrated: ServingCosts | None) -> ServingShape:
+    """`base` with the calibrated costs of its kind (none: engine-bound), the overhead flags over them."""
+    costs = calibrated or ServingCosts()
+    if args.request_overhead_ms is not None:
+        costs = replace(costs, request_overhead_s=args.request_overhead_ms / 1e3)
+    if args.step_overhead_ms is not None:
+        costs = replace(costs, step_overhead_s=args.step_overhead_ms / 1e3)
+    return base.with_costs(costs)
+
+
+def _calibrate(args: argparse.Namespace, profile: EngineProfile, model, base: ServingShape, device: str,
+               workers: int) -> EngineProfile:
+    """The profile with freshly calibrated serving costs, written to --save-profile or --load-profile's file."""
+    from cluster.bench.compare_modes import ModeSettings
+    from cluster.plan.calibrate import calibrate, calibration_deployments
+    settings = ModeSettings(args.model, args.dtype, device, "auto", 256, args.chunk_size, args.kv_cache_memory_mib,
+                            args.long_prefill_threshold, num_gpus=_num_gpus(device))
+    try:
+        here = replace(base, host=replace(base.host, cores=float(os.cpu_count() or 1)))  # measured on this host
+        serving = {_kind(d): calibrate(d, settings, model, here) for d in calibration_deployments(workers)}
+    except (RuntimeError, OSError) as error:
+        raise ValueError(f"--calibrate: {error}") from None
+    profile = replace(profile, serving=serving)
+    destination = args.save_profile or args.load_profile
+    if destination is not None:
+        Path(destination).write_text(json.dumps(profile.as_dict(), indent=1))
+        print(f"tandem plan: calibrated serving costs saved in {destination}", file=sys.stderr)
+    return profile
+
+
+def _num_gpus(device: str) -> int:
+    import torch
+    return torch.cuda.device_count() if device == "cuda" else 0
+
+
+def _host_cores(args: argparse.Namespace) -> float:
+    cores = float(os.cpu_count() or 1) if args.host_cores is None else args.host_cores
+    if not cores > 0:
+        raise ValueError(f"--host-cores must be > 0 (or inf), got {args.host_cores}")
+    return cores
 
 
 def _hardware(args: argparse.Namespace) -> tuple[str, int, int]:
@@ -144,7 +212,7 @@ def _hardware(args: argparse.Namespace) -> tuple[str, int, int]:
 def _serving_flags(args: argparse.Namespace) -> tuple[EngineLimits, EngineLimits, EngineLimits]:
     """(prefill worker, decode worker, replica) limits, after checking every flag of the serving path;
     ValueError names the flag."""
-    if args.request_overhead_ms < 0 or args.step_overhead_ms < 0:
+    if (args.request_overhead_ms or 0) < 0 or (args.step_overhead_ms or 0) < 0:
         raise ValueError("--request-overhead-ms and --step-overhead-ms must be >= 0")
     if args.transfer_gbps is not None and not args.transfer_gbps > 0 or args.transfer_latency_ms < 0:
         raise ValueError("--transfer-gbps must be > 0 and --transfer-latency-ms >= 0")

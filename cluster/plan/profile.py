@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from cluster.plan.host_model import ServingCosts
 from cluster.plan.step_model import StepTimeModel, StepWork, fit_outliers, fit_step_model
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
@@ -68,7 +69,9 @@ class MeasuredStep:
 
 @dataclass(frozen=True)
 class EngineProfile:
-    """What was measured and on what: the planner's only input about the hardware besides the transfer."""
+    """What was measured and on what: the planner's only input about the hardware besides the transfer.
+    `serving`: the serving path's costs per kind of deployment ("colocated", "disaggregated"), once
+    `tandem plan --calibrate` has measured them."""
 
     model: str
     device: str
@@ -78,6 +81,7 @@ class EngineProfile:
     block_size: int
     bytes_per_block: int
     steps: tuple[MeasuredStep, ...] = field(repr=False)
+    serving: dict[str, ServingCosts] = field(default_factory=dict, repr=False, compare=False)
 
     def fit(self) -> StepTimeModel:
         return fit_step_model([s.work for s in self.steps], [s.seconds for s in self.steps])
@@ -91,15 +95,18 @@ class EngineProfile:
                                               "block_size", "bytes_per_block")}
         steps = [{"phase": s.phase, "point": s.point, "prefill_chunks": [list(c) for c in s.work.prefill_chunks],
                   "decode_contexts": list(s.work.decode_contexts), "seconds": s.seconds} for s in self.steps]
-        return {**head, "steps": steps}
+        serving = {kind: costs.as_dict() for kind, costs in self.serving.items()}
+        return {**head, "steps": steps, **({"serving": serving} if serving else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "EngineProfile":
         """The inverse of as_dict; ValueError when `data` is not a saved profile."""
         try:
             steps = tuple(MeasuredStep(s["phase"], s["point"], _work(s), float(s["seconds"])) for s in data["steps"])
+            serving = {str(kind): ServingCosts.from_dict(costs) for kind, costs in data.get("serving", {}).items()}
             return cls(str(data["model"]), str(data["device"]), str(data["dtype"]), int(data["cpu_threads"]),
-                       int(data["max_model_len"]), int(data["block_size"]), int(data["bytes_per_block"]), steps)
+                       int(data["max_model_len"]), int(data["block_size"]), int(data["bytes_per_block"]), steps,
+                       serving)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"not a saved `tandem plan` profile ({type(error).__name__}: {error})") from None
 

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from cluster.plan.predict import Prediction, Recommendation, Slos
 from cluster.plan.profile import EngineProfile
+from cluster.plan.simulator import ServingShape
 from cluster.plan.step_model import OUTLIER_RATIO, StepTimeModel, StepWork
 
 _HEADER = (f"{'deployment':<14} {'goodput':>8} {'meet SLOs':>9} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
@@ -39,6 +40,22 @@ def format_profile(profile: EngineProfile, model: StepTimeModel) -> str:
             else:
                 lines.append(f"    {point:>14} -> {measured * 1e3:9.2f} / {fitted * 1e3:9.2f}")
     lines.append("  fit, seconds per unit: " + ", ".join(f"{k} {v:.3g}" for k, v in model.as_dict().items()))
+    return "\n".join(lines)
+
+
+def format_serving(shapes: dict[str, ServingShape], calibrated: dict) -> str:
+    """The host's cores and, per kind of deployment, the serving path's costs and where they came from."""
+    host = next(iter(shapes.values())).host
+    lines = [f"host: {host.cores:g} cores shared by the workers' steps ({host.worker_threads} thread(s) each), KV "
+             f"transfers ({host.transfer_threads} threads each) and the serving path"]
+    for kind, shape in shapes.items():
+        costs = shape.costs.as_dict()
+        source = "calibrated" if kind in calibrated else "not calibrated: engine-bound, see --calibrate"
+        lines.append(f"serving path, {kind}: {costs['request_cpu_ms']:.2f} ms CPU per request, "
+                     f"{costs['token_cpu_ms']:.3f} per token, {costs['step_cpu_ms']:.3f} per step, "
+                     f"{costs['baseline_cores']:.3f} cores idle; "
+                     f"{costs['request_overhead_ms']:.1f} ms before each first token, "
+                     f"{costs['step_overhead_ms']:.2f} ms per step ({source})")
     return "\n".join(lines)
 
 

@@ -14,6 +14,10 @@ they compute; a request that arrives during a step joins the next one, as in a r
                    prompt tokens without a first token) -> chunked prefill within the replica's step budget,
                    after its running decodes (the decodes wait for the prefill chunks that share their step)
 
+Every step and every KV transfer is work that runs on the host's cores (cluster/plan/host_model.py): with
+the serving path's CPU costs and the host's cores given, a step or a transfer takes longer while more
+threads want the cores than there are; with cores = inf (the default) each takes its own time.
+
 A request with one output token ends at its first token (nothing is shipped). Same inputs, same result:
 the simulation draws nothing at random.
 """
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits, SimEngine, SimSequence, step_work
+from cluster.plan.host_model import CoreSharing, HostModel, ServingCosts
 from cluster.plan.step_model import StepTimeModel
 from cluster.plan.transfer_model import TransferModel
 
@@ -43,7 +49,7 @@ class ServingShape:
     """How the workers of every deployment run: their engines' limits, the KV transfer, and two costs of the
     serving path outside the engines: a fixed time every request spends before its first token (front end,
     coordinator, Ray calls) and a fixed time every worker step adds to the engine's (the worker's loop, its
-    events to the coordinator, the serving processes sharing the machine)."""
+    events to the coordinator), run on the host's cores with the steps (`host`: how they are shared)."""
 
     prefill_limits: EngineLimits     # prefill workers
     decode_limits: EngineLimits      # decode workers
@@ -51,11 +57,25 @@ class ServingShape:
     transfer: TransferModel
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
+    host: HostModel = field(default_factory=HostModel)
 
     def __post_init__(self) -> None:
         if self.request_overhead_s < 0 or self.step_overhead_s < 0:
             raise ValueError(f"serving overheads must be >= 0, got {self.request_overhead_s} and "
                              f"{self.step_overhead_s}")
+
+    @property
+    def costs(self) -> ServingCosts:
+        """Its serving-path costs (the inverse of with_costs)."""
+        return ServingCosts(self.host.request_cpu_s, self.host.token_cpu_s, self.host.baseline_cores,
+                            self.request_overhead_s, self.step_overhead_s, self.host.step_cpu_s)
+
+    def with_costs(self, costs: ServingCosts) -> "ServingShape":
+        """This shape with `costs` in place of its serving-path costs (the host's cores stay)."""
+        host = replace(self.host, baseline_cores=costs.baseline_cores, request_cpu_s=costs.request_cpu_s,
+                       token_cpu_s=costs.token_cpu_s, step_cpu_s=costs.step_cpu_s)
+        return replace(self, request_overhead_s=costs.request_overhead_s, step_overhead_s=costs.step_overhead_s,
+                       host=host)
 
 
 @dataclass(frozen=True)
@@ -85,7 +105,10 @@ class _Simulation:
                        for i in range(deployment.num_decode)]
         self.token_times: list[list[float]] = [[] for _ in requests]
         self.decode_of: dict[int, _Worker] = {}     # request -> its decode worker (disaggregated)
-        self.channel_free: dict[tuple[int, int], float] = {}
+        self.transfers: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> KV to ship, the first in flight
+        self.cpu = CoreSharing(shape.host)
+        self.cpu_version = 0
+        self.steps = 0
         self.events: list = []
         self.order = itertools.count()
 
@@ -100,6 +123,34 @@ class _Simulation:
     def _push(self, when: float, handler, payload) -> None:
         heapq.heappush(self.events, (when, next(self.order), handler, payload))
 
+    def _run_on_host(self, now: float, seconds: float, threads: int, handler, payload) -> None:
+        """Work of `seconds` on a core per thread; `handler(end, payload)` when it is done at its share."""
+        self.cpu.advance(now)
+        self.cpu.start(seconds, threads, (handler, payload))
+        self._host_changed()
+
+    def _serving_work(self, now: float, cpu_seconds: float) -> None:
+        if cpu_seconds > 0:
+            self.cpu.advance(now)
+            self.cpu.add_serving_work(cpu_seconds)
+            self._host_changed()
+
+    def _host_changed(self) -> None:
+        """The shares changed: the one pending host event is the next job's end at the new shares."""
+        self.cpu_version += 1
+        when = self.cpu.next_change()
+        if when is not None:
+            self._push(when, self._host_tick, self.cpu_version)
+
+    def _host_tick(self, now: float, version: int) -> None:
+        if version != self.cpu_version:
+            return
+        self.cpu.advance(now)
+        for job in self.cpu.pop_finished():
+            handler, payload = job.payload
+            handler(now, payload)
+        self._host_changed()
+
     def _arrive(self, now: float, index: int) -> None:
         """Routes as cluster/coordinator/routing.py does, from the coordinator's own accounting: a decode worker
         by the most free blocks (its pool less prompt + max tokens of each request routed there), then the
@@ -107,6 +158,7 @@ class _Simulation:
         when the KV has landed); a replica by its requests plus the prompt tokens routed there without a first
         token."""
         request = self.requests[index]
+        self._serving_work(now, self.shape.host.request_cpu_s)
         if self.deployment.is_disaggregated:
             decode = min(self.decode, key=lambda w: (_claimed_tokens(w), len(w.live), w.index))
             prefill = min(self.prefill, key=lambda w: (_waiting_prompt_tokens(w), w.index))
@@ -131,11 +183,13 @@ class _Simulation:
         chunks = worker.engine.schedule()
         worker.busy = True
         seconds = self.model.seconds(step_work(chunks)) + self.shape.step_overhead_s
-        self._push(now + seconds, self._end_step, (worker, chunks))
+        self._run_on_host(now, seconds, self.shape.host.worker_threads, self._end_step, (worker, chunks))
 
     def _end_step(self, now: float, payload) -> None:
         worker, chunks = payload
         worker.busy = False
+        self.steps += 1
+        self._serving_work(now, self.shape.host.step_cpu_s)
         for seq in worker.engine.finish_step(chunks):
             if seq.prefill_only:
                 self._prefilled(worker, seq, now)
@@ -148,6 +202,7 @@ class _Simulation:
 
     def _token(self, worker: _Worker, seq: SimSequence, now: float) -> None:
         self.token_times[seq.request].append(now)
+        self._serving_work(now, self.shape.host.token_cpu_s)
         if seq.is_done:
             worker.live.pop(seq.request, None)
 
@@ -159,14 +214,29 @@ class _Simulation:
             self._token(decode, seq, now)
             return
         pair = (prefill.index, decode.index)
-        start = max(now, self.channel_free.get(pair, 0.0))
-        landed = start + self.shape.transfer.seconds(seq.prompt_len)
-        self.channel_free[pair] = landed
-        self._push(landed, self._landed, (prefill, seq))
+        queue = self.transfers.setdefault(pair, deque())
+        queue.append((prefill, seq))
+        if len(queue) == 1:
+            self._start_transfer(now, pair)
 
-    def _landed(self, now: float, payload) -> None:
-        """The decode worker's step thread admits the request between steps, and then emits its first token."""
-        prefill, seq = payload
+    def _start_transfer(self, now: float, pair: tuple[int, int]) -> None:
+        """The transfer's fixed cost is a wait (round trips: manifest, acknowledgement), not CPU; then its bytes
+        are copied by its threads on the host's cores."""
+        self._push(now + self.shape.transfer.latency_s, self._copy_kv, pair)
+
+    def _copy_kv(self, now: float, pair: tuple[int, int]) -> None:
+        _, seq = self.transfers[pair][0]
+        transfer = self.shape.transfer
+        self._run_on_host(now, transfer.seconds(seq.prompt_len) - transfer.latency_s,
+                          self.shape.host.transfer_threads, self._landed, pair)
+
+    def _landed(self, now: float, pair: tuple[int, int]) -> None:
+        """The decode worker's step thread admits the request between steps, and then emits its first token;
+        the pair's next transfer starts."""
+        queue = self.transfers[pair]
+        prefill, seq = queue.popleft()
+        if queue:
+            self._start_transfer(now, pair)
         prefill.live.pop(seq.request)
         decode = self.decode_of[seq.request]
         if decode.busy:
@@ -177,6 +247,7 @@ class _Simulation:
 
     def _admit(self, decode: _Worker, seq: SimSequence, now: float) -> None:
         self.token_times[seq.request].append(now)
+        self._serving_work(now, self.shape.host.token_cpu_s)
         seq.prefill_only = False
         decode.engine.add_running(seq)
 
@@ -192,11 +263,29 @@ def _waiting_prompt_tokens(worker: _Worker) -> int:
     return sum(seq.prompt_len for seq in worker.live.values() if seq.num_generated == 0 or seq.prefill_only)
 
 
+@dataclass(frozen=True)
+class HostUsage:
+    """CPU seconds a simulated run spent: in worker steps and KV transfers (work x threads), and on the
+    serving path (shape.host's costs of its requests, tokens and steps); and its steps, every worker's."""
+
+    jobs_cpu_s: float
+    serving_cpu_s: float
+    steps: int
+
+
 def simulate(deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
              shape: ServingShape) -> list[RequestTrace]:
     """Serves `requests` on `deployment` and returns each request's token times (seconds from the start),
     in the order of `requests`. Every request gets all its output tokens."""
+    return simulate_with_usage(deployment, requests, model, shape)[0]
+
+
+def simulate_with_usage(deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
+                        shape: ServingShape) -> tuple[list[RequestTrace], HostUsage]:
+    """simulate(), and the CPU the run spent."""
     for request in requests:
         if request.prompt_len < 1 or request.output_len < 1 or request.arrival_s < 0:
             raise ValueError(f"a simulated request needs a prompt and an output token and a time >= 0: {request}")
-    return _Simulation(deployment, list(requests), model, shape).run()
+    simulation = _Simulation(deployment, list(requests), model, shape)
+    traces = simulation.run()
+    return traces, HostUsage(simulation.cpu.jobs_cpu, simulation.cpu.serving_cpu, simulation.steps)

@@ -94,6 +94,29 @@ def test_a_detailed_vllm_result_gives_every_requests_lengths(profiled, tmp_path,
     assert code == 0 and result["workload"]["num_requests"] == 3 and result["workload"]["request_rate"] == "inf"
 
 
+def test_calibrated_serving_costs_in_the_profile_slow_the_prediction_on_shared_cores(profiled, tmp_path, capsys):
+    _, _, profile = profiled
+    saved = json.loads(profile.read_text())
+    costs = {"request_cpu_ms": 5.0, "token_cpu_ms": 2.0, "baseline_cores": 0.1, "request_overhead_ms": 3.0,
+             "step_overhead_ms": 1.0}
+    calibrated = tmp_path / "calibrated.json"
+    calibrated.write_text(json.dumps({**saved, "serving": {"colocated": costs}}))
+    runs = {}
+    for path, cores in ((profile, "inf"), (calibrated, "3"), (calibrated, "inf")):
+        plan("--load-profile", str(path), "--device", "cpu", "--workers", "3", "--cpu-threads", "1",
+             "--host-cores", cores, "--ttft-slo-ms", "2000", "--itl-slo-ms", "500", *WORKLOAD, *TRANSFER, "--json")
+        runs[path.name, cores] = json.loads(capsys.readouterr().out)
+    shared = runs["calibrated.json", "3"]
+    assert shared["serving"]["colocated"] == {**costs, "step_cpu_ms": 0.0, "calibrated": True}
+    assert shared["host_cores"] == 3
+    assert not shared["serving"]["disaggregated"]["calibrated"]
+    colocated = {key: next(d for d in run["deployments"] if d["name"] == "colocated-3") for key, run in runs.items()}
+    bare, slowed, unshared = colocated[profile.name, "inf"], colocated["calibrated.json", "3"], \
+        colocated["calibrated.json", "inf"]
+    assert slowed["tpot_p50_ms"] > unshared["tpot_p50_ms"] > bare["tpot_p50_ms"]  # CPU shared; then 1 ms per step
+    assert unshared["ttft_p50_ms"] > bare["ttft_p50_ms"] + 3.0 - 1e-6
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--workload-json", "{tmp}/not.json"], "not JSON"),
     (["--workload-json", "{tmp}/compare.json"], "not a `tandem bench serve` result (no completed"),
@@ -109,6 +132,7 @@ def test_a_detailed_vllm_result_gives_every_requests_lengths(profiled, tmp_path,
     (["--request-rate", "4", "--chunk-size", "0"], "--chunk-size"),
     (["--request-rate", "4", "--step-overhead-ms", "-1"], "--step-overhead-ms must be >= 0"),
     (["--request-rate", "4", "--transfer-gbps", "0"], "--transfer-gbps must be > 0"),
+    (["--request-rate", "4", "--host-cores", "0"], "--host-cores must be > 0"),
 ])
 def test_bad_input_exits_2_saying_what_is_wrong(flags, message, tmp_path, capsys):
     (tmp_path / "not.json").write_text("{ this is not json")

@@ -1,0 +1,99 @@
+"""The host model against hand-computed cases: processor sharing of the cores between jobs that start and end
+at different times, the serving path's queued CPU work taking its thread's share, and in the simulation steps
+and KV transfers slowed by what else runs beside them (and not slowed where the cores suffice)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cluster.plan.deployment import Deployment
+from cluster.plan.engine_sim import EngineLimits
+from cluster.plan.host_model import CoreSharing, HostModel
+from cluster.plan.simulator import ServingShape, SimRequest, simulate
+from cluster.plan.step_model import FEATURES, StepTimeModel
+from cluster.plan.transfer_model import TransferModel
+
+
+def step_model(**seconds) -> StepTimeModel:
+    return StepTimeModel(tuple(seconds.get(name, 0.0) for name in FEATURES))
+
+
+def shape(host: HostModel, latency_s: float = 0.0) -> ServingShape:
+    limits = EngineLimits(2048)
+    return ServingShape(limits, limits, limits, TransferModel(1000, 16, 1e4, latency_s, "test"), host=host)
+
+
+def run_until_idle(sharing: CoreSharing) -> list[tuple[str, float]]:
+    """Advances from change to change; (job, when it finished) in order."""
+    ended = []
+    while (when := sharing.next_change()) is not None:
+        sharing.advance(when)
+        ended += [(job.payload, when) for job in sharing.pop_finished()]
+    return ended
+
+
+def test_each_runnable_thread_gets_an_equal_share_of_the_cores_at_most_one():
+    host = HostModel(cores=2, baseline_cores=0.5)
+    assert host.share(0) == 1.0 and host.share(1) == 1.0
+    assert host.share(3) == pytest.approx(0.5)      # (2 - 0.5) / 3
+    assert HostModel().share(1000) == 1.0           # cores = inf: nothing is shared
+    for bad in (dict(cores=0), dict(worker_threads=0), dict(token_cpu_s=-1), dict(cores=2, baseline_cores=2)):
+        with pytest.raises(ValueError):
+            HostModel(**bad)
+
+
+def test_jobs_that_overlap_share_one_core_and_each_finishes_its_own_work():
+    sharing = CoreSharing(HostModel(cores=1))
+    sharing.start(1.0, 1, "a")
+    sharing.advance(0.5)                 # a alone: 0.5 s done
+    sharing.start(1.0, 1, "b")           # from now on half a core each
+    # a: 0.5 left at 0.5 -> ends at 1.5; b then has 0.5 done and runs alone: ends at 2.0
+    assert run_until_idle(sharing) == [("a", pytest.approx(1.5)), ("b", pytest.approx(2.0))]
+
+
+def test_a_job_of_two_threads_counts_twice():
+    sharing = CoreSharing(HostModel(cores=2))
+    sharing.start(0.3, 2, "transfer")
+    sharing.start(0.3, 1, "step")        # 3 threads on 2 cores: 2/3 each
+    assert sharing.share == pytest.approx(2 / 3)
+    assert run_until_idle(sharing) == [("transfer", pytest.approx(0.45)), ("step", pytest.approx(0.45))]
+
+
+def test_queued_serving_work_is_one_more_thread_until_it_is_done():
+    sharing = CoreSharing(HostModel(cores=2))
+    sharing.start(1.0, 1, "x")
+    sharing.start(1.0, 1, "y")
+    sharing.add_serving_work(0.3)        # 3 threads: 2/3 each; the 0.3 s are done at 0.45
+    assert sharing.next_change() == pytest.approx(0.45)
+    # by then x and y have 0.7 s left at a full core each
+    assert run_until_idle(sharing) == [("x", pytest.approx(1.15)), ("y", pytest.approx(1.15))]
+    assert sharing.serving_cpu == pytest.approx(0.3) and sharing.serving_backlog == 0.0
+
+
+def test_replicas_steps_slow_down_while_the_serving_path_works_for_their_requests():
+    model = step_model(prefill_tokens=0.01)  # a 100-token prompt: a 1 s step
+    requests = [SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1)]
+    alone = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=2)))
+    assert [t.token_times for t in alone] == [pytest.approx((1.0,))] * 2
+    served = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=2, request_cpu_s=0.15)))
+    assert [t.token_times for t in served] == [pytest.approx((1.15,))] * 2  # as in the case above
+    one_core = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=1)))
+    assert [t.token_times for t in one_core] == [pytest.approx((2.0,))] * 2
+    unshared = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=math.inf, request_cpu_s=0.15)))
+    assert [t.token_times for t in unshared] == [pytest.approx((1.0,))] * 2
+
+
+def test_a_kv_transfers_copy_and_the_decode_steps_beside_it_slow_each_other_but_not_its_wait():
+    model = step_model(prefill_tokens=0.001, decode_rows=0.1)
+    a, b = SimRequest(0.0, 16, 3), SimRequest(0.25, 16, 2)  # one block each: 0.1 s wait + 0.1 s copy at 10 kB/s
+    first, second = simulate(Deployment(1, 1), [a, b], model, shape(HostModel(cores=2), latency_s=0.1))
+    # a: prefill 0.016, wait to 0.116, copy alone to 0.216 (first token), decode steps from 0.216 and 0.316.
+    # b: prefill 0.25-0.266 beside a's step (2 threads: a core each), waits to 0.366 taking no core, then copies
+    # with 2 threads beside a's second step: 2/3 of a core each. a's step has 0.05 left -> ends 0.441; the copy
+    # has done 0.05 by then and the rest alone -> lands 0.491; b's decode step ends 0.591
+    assert first.token_times == pytest.approx((0.216, 0.316, 0.441))
+    assert second.token_times == pytest.approx((0.491, 0.591))
+    plenty = simulate(Deployment(1, 1), [a, b], model, shape(HostModel(cores=4), latency_s=0.1))
+    assert plenty[0].token_times == pytest.approx((0.216, 0.316, 0.416))  # every thread has a core
+    assert plenty[1].token_times == pytest.approx((0.466, 0.566))
