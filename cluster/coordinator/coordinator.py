@@ -91,8 +91,9 @@ class Coordinator:
 
     async def _generate_one(self, request: GenerationRequest,
                             samples: SampleGroup | None = None) -> AsyncIterator[GenerationChunk]:
-        """One sample (of `samples`, the request's SampleGroup, when n > 1). BackendUnavailable when no prefill or decode worker is alive,
-        BackendOverloaded when every decode worker refuses, ValueError for input a worker rejects;
+        """One sample (of `samples`, the request's SampleGroup, when n > 1). BackendUnavailable when no
+        prefill or decode worker is alive, BackendOverloaded when every decode worker refuses, ValueError for
+        input a worker rejects;
         mid-stream: WorkerLost (a BackendUnavailable) or RequestFailed.
 
         If a worker of the request is lost (its prefill worker before the KV landed, or its decode worker

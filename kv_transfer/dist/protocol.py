@@ -193,7 +193,8 @@ def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: fl
     return control == COMMIT
 
 
-def finish_receive(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, committed: bool, deadline: float) -> ReceiveOutcome:
+def finish_receive(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, committed: bool,
+                   deadline: float) -> ReceiveOutcome:
     """Verifies and writes the blocks (or not), then acks the sender with the outcome; frees on any failure."""
     if not committed:
         outcome = incoming.fail(TransferStatus.ABORTED_BY_SENDER, "the sender cancelled the transfer")
