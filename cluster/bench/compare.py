@@ -6,8 +6,10 @@
 For each mode (cluster/bench/compare_modes.py) it starts `tandem serve` as a subprocess, sends the
 warm-up requests, runs the workload once per request rate through the streaming HTTP API (the
 `tandem bench serve` client and metrics), checks that the server's KV pool is whole again, and stops
-the server. Then it writes into --results-dir: results.md (one row per mode and rate with the hardware
-it got, the goal check), results.json, ttft_cdf.png, itl_cdf.png, ttft_breakdown.png, and one server log per mode.
+the server; `--repeats N` does all of that N times, every mode once per round. Then it writes into
+--results-dir: results.md (one row per mode, rate and round with the hardware it got, the ratios and the
+goal check, on the median of the rounds), results.json, ttft_cdf.png, itl_cdf.png, ttft_breakdown.png (the
+first round's), and one server log per mode and round.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prefill-threshold", type=int, default=256,
                         help="disaggregated modes: max tokens of one prompt per step (0: off)")
     parser.add_argument("--kv-cache-memory-mib", type=int, default=None, help="KV pool per engine (MiB)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds: every mode runs once per round, rounds one after another; ratios pair the "
+                             "runs of a round and the goal is judged on their median (default 1)")
     parser.add_argument("--results-dir", default="bench_results/compare")
     parser.add_argument("--server-start-timeout", type=float, default=300.0)
     add_workload_arguments(parser)
@@ -99,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     require_matplotlib()
     num_gpus = _num_gpus(args.device)
     rates, names, slos = parse_rates(args.request_rates), _mode_names(args, num_gpus), parse_goodput(args.goodput)
-    if args.chunk_size < 1 or args.long_prefill_threshold < 0:
-        raise ValueError("--chunk-size must be >= 1 and --long-prefill-threshold >= 0")
+    if args.chunk_size < 1 or args.long_prefill_threshold < 0 or args.repeats < 1:
+        raise ValueError("--chunk-size and --repeats must be >= 1 and --long-prefill-threshold >= 0")
     if args.model is not None and args.shape is not None:
         raise ValueError("give --model or --shape, not both")
     workload = workload_from_args(args)
@@ -126,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
               f"modes {', '.join(f'{m.name} ({m.hardware})' for m in modes)}; "
               f"model {args.model or args.shape or 'embedded default'}", flush=True)
         try:
-            runs = [run for mode in modes
-                    for run in _run_mode(mode, args, rates, samples, warmups, slos, results_dir)]
+            runs = [run for repeat in range(args.repeats) for mode in modes
+                    for run in _run_mode(mode, args, rates, samples, warmups, slos, results_dir, repeat)]
         except (ServerStartError, ServerUnreachable) as error:
             print(f"tandem bench compare: {error}", file=sys.stderr)
             return 1
@@ -139,11 +144,12 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path) -> list[ModeRun]:
-    """One server for `mode`: warm-ups, then one measured run per rate (samples[i] at rates[i]), each
-    followed by the pool check."""
-    log_path = results_dir / f"server-{mode.name}.log"
-    print(f"[{mode.name}] starting tandem serve {' '.join(mode.serve_flags)}", flush=True)
+def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path, repeat: int = 0) -> list[ModeRun]:
+    """One server for `mode` (round `repeat`): warm-ups, then one measured run per rate (samples[i] at
+    rates[i]), each followed by the pool check."""
+    log_path = results_dir / (f"server-{mode.name}.log" if repeat == 0 else f"server-{mode.name}-{repeat + 1}.log")
+    tag = mode.name if args.repeats == 1 else f"{mode.name} #{repeat + 1}"
+    print(f"[{tag}] starting tandem serve {' '.join(mode.serve_flags)}", flush=True)
     runs = []
     with ServerProcess(list(mode.serve_flags), log_path, args.server_start_timeout) as server:
         for index, rate in enumerate(rates):
@@ -156,8 +162,8 @@ def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path) -> l
             _, results, duration = asyncio.run(run)
             pool_whole = _wait_for_whole_pool(server)
             run = ModeRun(mode.name, rate, compute_metrics(results, duration, slos), results, pool_whole,
-                          mode.hardware)
-            print(f"[{mode.name}] rate {rate:g}: {run.summary_line()}", flush=True)
+                          mode.hardware, repeat)
+            print(f"[{tag}] rate {rate:g}: {run.summary_line()}", flush=True)
             runs.append(run)
     return runs
 
@@ -186,6 +192,6 @@ def _write_results(runs: list[ModeRun], args: argparse.Namespace, results_dir: P
     markdown = format_markdown(runs, command)
     (results_dir / "results.md").write_text(markdown)
     (results_dir / "results.json").write_text(json.dumps(runs_json(runs, vars(args)), indent=2, default=str))
-    plots = write_plots(runs, results_dir)
+    plots = write_plots([run for run in runs if run.repeat == 0], results_dir)  # the first round's
     print("\n" + markdown)
     print(f"results in {results_dir}/: results.md, results.json, " + ", ".join(p.name for p in plots), flush=True)

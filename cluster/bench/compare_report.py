@@ -4,13 +4,17 @@ goal check, and the JSON.
 Goal (disaggregated vs colocated, same workload and rate): p99 ITL at most half, median TTFT at most 25%
 higher (TTFT is measured at the client, so the KV transfer is in it). The colocated baseline is the
 in-process engine without chunking when it ran (the issue's original goal), else the colocated replicas
-(`colocated-<N>`, the same hardware as the disaggregated modes).
+(`colocated-<N>`, the same hardware as the disaggregated modes). With repeats (`--repeats N`: every mode
+once per round, rounds one after another), ratios pair the runs of one round, and the verdict is on the
+median of the rounds' ratios: on a machine whose run-to-run spread is as large as the margins, one run
+decides nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
+import statistics
 
 from cluster.bench.serve_metrics import BenchmarkMetrics, RequestResult
 from cluster.bench.serve_multiturn import multiturn_markdown
@@ -25,8 +29,8 @@ _REPLICAS = re.compile(r"^colocated-\d+$")
 @dataclasses.dataclass(frozen=True)
 class ModeRun:
     """One mode at one request rate: its metrics, the raw per-request results (for the plots),
-    whether the server's KV pool was whole after the run (None: not reported), and the hardware the
-    mode got (compare_modes.ServingMode.hardware)."""
+    whether the server's KV pool was whole after the run (None: not reported), the hardware the mode got
+    (compare_modes.ServingMode.hardware) and the round it ran in (0-based, `--repeats`)."""
 
     mode: str
     rate: float
@@ -34,6 +38,7 @@ class ModeRun:
     results: list[RequestResult]
     pool_whole: bool | None
     hardware: str = ""
+    repeat: int = 0
 
     def summary_line(self) -> str:
         m = self.metrics
@@ -51,17 +56,19 @@ def _rate(rate: float) -> str:
 
 _TABLE_HEADER = ("| mode | hardware | rate | ok / failed | req/s | goodput | out tok/s | TTFT p50 / p99 ms | "
                  "TPOT p50 / p99 ms | ITL p99 ms | transfer p50 / p99 ms | exposed p50 / p99 ms | "
-                 "exposed % of TTFT p50 | KV pool whole |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+                 "exposed % of TTFT p50 | KV pool whole |\n"
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
-def _table_row(run: ModeRun) -> str:
+def _table_row(run: ModeRun, rounds: int = 1) -> str:
     m, d = run.metrics, run.metrics.disagg
     goodput = "-" if m.request_goodput is None else f"{m.request_goodput:.2f}"
     disagg = d.requests_with_timing > 0 and d.transfer_ms_p99 > 0  # some prompt's KV was moved
     transfer = f"{d.transfer_ms_p50:.1f} / {d.transfer_ms_p99:.1f}" if disagg else "-"
     exposed = f"{d.transfer_exposed_ms_p50:.1f} / {d.transfer_exposed_ms_p99:.1f}" if disagg else "-"
     share = f"{100 * d.transfer_share_of_ttft_p50:.1f}%" if disagg else "-"
-    return (f"| {run.mode} | {run.hardware or '-'} | {_rate(run.rate)} | {m.completed} / {m.failed} | "
+    mode = f"{run.mode} #{run.repeat + 1}" if rounds > 1 else run.mode
+    return (f"| {mode} | {run.hardware or '-'} | {_rate(run.rate)} | {m.completed} / {m.failed} | "
             f"{m.request_throughput:.2f} | "
             f"{goodput} | {m.output_throughput:.1f} | {m.ttft.median:.1f} / {m.ttft.p99:.1f} | "
             f"{m.tpot.median:.1f} / {m.tpot.p99:.1f} | {m.itl.p99:.1f} | {transfer} | {exposed} | {share} | "
@@ -74,13 +81,13 @@ def _ratio(numerator: float, denominator: float) -> float:
 
 def ratio_rows(runs: list[ModeRun]) -> list[tuple[float, str, str, float, float, float]]:
     """(rate, disaggregated mode, colocated mode, p99 ITL ratio, median TTFT ratio, out tok/s ratio)
-    for every disaggregated x colocated pair measured at the same rate."""
+    for every disaggregated x colocated pair measured at the same rate in the same round."""
     rows = []
     for run in runs:
         if not run.mode.startswith("disagg-"):
             continue
         for base in runs:
-            if base.rate == run.rate and base.mode.startswith("colocated"):
+            if base.rate == run.rate and base.repeat == run.repeat and base.mode.startswith("colocated"):
                 rows.append((run.rate, run.mode, base.mode,
                              _ratio(run.metrics.itl.p99, base.metrics.itl.p99),
                              _ratio(run.metrics.ttft.median, base.metrics.ttft.median),
@@ -95,16 +102,32 @@ def goal_baseline(runs: list[ModeRun]) -> str | None:
     return BASELINE if BASELINE in modes else next((m for m in modes if _REPLICAS.match(m)), None)
 
 
+def median_ratio_rows(runs: list[ModeRun]) -> list[tuple[float, str, str, list[float], list[float], list[float]]]:
+    """ratio_rows grouped over the rounds: (rate, mode, baseline, p99 ITL ratios, median TTFT ratios,
+    out tok/s ratios), each list one ratio per round, in round order."""
+    grouped: dict[tuple[float, str, str], list[tuple[float, float, float]]] = {}
+    for rate, mode, base, itl, ttft, tput in ratio_rows(runs):
+        grouped.setdefault((rate, mode, base), []).append((itl, ttft, tput))
+    return [(rate, mode, base, *(list(column) for column in zip(*ratios)))
+            for (rate, mode, base), ratios in grouped.items()]
+
+
 def goal_lines(runs: list[ModeRun]) -> list[str]:
-    """One verdict per disaggregated mode and rate against the goal's baseline (goal_baseline)."""
+    """One verdict per disaggregated mode and rate against the goal's baseline (goal_baseline), on the
+    median of the rounds' ratios (each round's listed) when there are several."""
     lines, baseline = [], goal_baseline(runs)
-    for rate, mode, base, itl, ttft, _ in ratio_rows(runs):
+    for rate, mode, base, itls, ttfts, _ in median_ratio_rows(runs):
         if base != baseline:
             continue
+        itl, ttft = statistics.median(itls), statistics.median(ttfts)
         itl_ok, ttft_ok = itl <= GOAL_ITL_P99_RATIO, ttft <= GOAL_TTFT_MEDIAN_RATIO
-        lines.append(f"- rate {_rate(rate)}, {mode} vs {base}: p99 ITL {itl:.2f}x (goal <= {GOAL_ITL_P99_RATIO}: "
-                     f"{'met' if itl_ok else 'NOT met'}), median TTFT {ttft:.2f}x (goal <= "
-                     f"{GOAL_TTFT_MEDIAN_RATIO}: {'met' if ttft_ok else 'NOT met'})")
+        line = (f"- rate {_rate(rate)}, {mode} vs {base}: p99 ITL {itl:.2f}x (goal <= {GOAL_ITL_P99_RATIO}: "
+                f"{'met' if itl_ok else 'NOT met'}), median TTFT {ttft:.2f}x (goal <= "
+                f"{GOAL_TTFT_MEDIAN_RATIO}: {'met' if ttft_ok else 'NOT met'})")
+        if len(itls) > 1:
+            line += (f"; medians of {len(itls)} rounds (p99 ITL {', '.join(f'{r:.2f}x' for r in itls)}; "
+                     f"median TTFT {', '.join(f'{r:.2f}x' for r in ttfts)})")
+        lines.append(line)
     return lines or ["- goal not checked: it needs a colocated and a disagg-* mode at the same rate"]
 
 
@@ -113,15 +136,19 @@ def format_markdown(runs: list[ModeRun], command: str = "") -> str:
     parts = []
     if command:
         parts += ["```bash", command, "```", ""]
-    parts += [_TABLE_HEADER, *(_table_row(run) for run in runs), ""]
-    ratios = ratio_rows(runs)
+    rounds = 1 + max((run.repeat for run in runs), default=0)
+    parts += [_TABLE_HEADER, *(_table_row(run, rounds) for run in runs), ""]
+    ratios = median_ratio_rows(runs)
     if ratios:
-        parts += ["| rate | disaggregated | vs colocated | p99 ITL ratio | median TTFT ratio | out tok/s ratio |",
-                  "|---:|---|---|---:|---:|---:|"]
-        parts += [f"| {_rate(rate)} | {mode} | {base} | {itl:.2f}x | {ttft:.2f}x | {tput:.2f}x |"
-                  for rate, mode, base, itl, ttft, tput in ratios]
+        label = f" (median of {rounds} rounds)" if rounds > 1 else ""
+        parts += [f"| rate | disaggregated | vs colocated | p99 ITL ratio{label} | median TTFT ratio{label} | "
+                  f"out tok/s ratio{label} |", "|---:|---|---|---:|---:|---:|"]
+        parts += [f"| {_rate(rate)} | {mode} | {base} | {statistics.median(itls):.2f}x | "
+                  f"{statistics.median(ttfts):.2f}x | {statistics.median(tputs):.2f}x |"
+                  for rate, mode, base, itls, ttfts, tputs in ratios]
         parts.append("")
-    parts += [f"Goal (disaggregated vs {goal_baseline(runs) or 'colocated'}, same run):", *goal_lines(runs), ""]
+    same = "same run" if rounds == 1 else f"{rounds} rounds, each mode once per round, ratios within a round"
+    parts += [f"Goal (disaggregated vs {goal_baseline(runs) or 'colocated'}, {same}):", *goal_lines(runs), ""]
     parts += multiturn_markdown(runs)
     parts.append("Latencies are measured at the HTTP client (vLLM's definitions); transfer = the server's "
                  "tandem_timing.transfer_ms (first byte -> ack; layer-streamed, mostly under the prefill), exposed "
@@ -131,16 +158,19 @@ def format_markdown(runs: list[ModeRun], command: str = "") -> str:
 
 
 def runs_json(runs: list[ModeRun], flags: dict) -> dict:
-    """{"flags": ..., "runs": [{"mode", "request_rate", "pool_whole", **vLLM-style result keys}],
-    "ratios": [...]}."""
+    """{"flags": ..., "runs": [{"mode", "repeat", "request_rate", "pool_whole", **vLLM-style result keys}],
+    "ratios": [{..., each ratio's median over the rounds, "rounds": each ratio per round}]}."""
     entries = []
     for run in runs:
-        entry = {"mode": run.mode, "hardware": run.hardware, "pool_whole": run.pool_whole}
+        entry = {"mode": run.mode, "repeat": run.repeat, "hardware": run.hardware, "pool_whole": run.pool_whole}
         entry.update(result_json(run.metrics, RunSettings(run.rate, flags.get("max_concurrency"),
                                                           flags.get("burstiness", 1.0))))
         entries.append(entry)
     finite = lambda value: value if math.isfinite(value) else None  # noqa: E731
-    ratios = [{"request_rate": _rate(rate), "mode": mode, "baseline": base, "p99_itl_ratio": finite(itl),
-               "median_ttft_ratio": finite(ttft), "output_throughput_ratio": finite(tput)}
-              for rate, mode, base, itl, ttft, tput in ratio_rows(runs)]
+    ratios = []
+    for rate, mode, base, *columns in median_ratio_rows(runs):
+        named = dict(zip(("p99_itl_ratio", "median_ttft_ratio", "output_throughput_ratio"), columns))
+        ratios.append({"request_rate": _rate(rate), "mode": mode, "baseline": base,
+                       **{name: finite(statistics.median(values)) for name, values in named.items()},
+                       "rounds": {name: [finite(v) for v in values] for name, values in named.items()}})
     return {"flags": flags, "runs": entries, "ratios": ratios}

@@ -130,3 +130,25 @@ def test_compare_rejects_bad_flags_before_starting_anything(tmp_path):
     done = subprocess.run([*TANDEM, "bench", "compare", "--modes", "colocated,warp", "--results-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown mode 'warp'" in done.stderr
+    done = subprocess.run([*TANDEM, "bench", "compare", "--repeats", "0", "--results-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--repeats must be >= 1" in done.stderr
+
+
+def test_rounds_pair_within_a_round_and_the_verdict_takes_their_median():
+    """--repeats: ratios pair the runs of one round, never across rounds; the goal is judged on the median
+    of the rounds' ratios, each listed; the table names each run's round."""
+    rounds = [(0.100, 0.100, 0.110, 0.030), (0.100, 0.100, 0.150, 0.060), (0.100, 0.100, 0.130, 0.040)]
+    runs = [dataclasses.replace(run, repeat=index)
+            for index, (base_ttft, base_gap, ttft, gap) in enumerate(rounds)
+            for run in (_run("colocated-2", base_ttft, base_gap), _run("disagg-1p1d", ttft, gap))]
+    assert len(ratio_rows(runs)) == 3  # one pair per round, not 3 x 3
+    (line,) = goal_lines(runs)
+    assert "median TTFT 1.30x (goal <= 1.25: NOT met)" in line and "p99 ITL 0.40x (goal <= 0.5: met)" in line
+    assert "medians of 3 rounds (p99 ITL 0.30x, 0.60x, 0.40x; median TTFT 1.10x, 1.50x, 1.30x)" in line
+    markdown = format_markdown(runs)
+    assert "\n| disagg-1p1d #3 | " in markdown and "median TTFT ratio (median of 3 rounds)" in markdown
+    assert "| 4 | disagg-1p1d | colocated-2 | 0.40x | 1.30x |" in markdown
+    (ratio,) = runs_json(runs, {})["ratios"]
+    assert ratio["median_ttft_ratio"] == pytest.approx(1.3)
+    assert ratio["rounds"]["median_ttft_ratio"] == pytest.approx([1.1, 1.5, 1.3])
