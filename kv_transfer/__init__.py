@@ -12,7 +12,8 @@ from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVReceiver, KVSender, resolve_transport
 from kv_transfer.dist.channel import start_store
 from kv_transfer.factory import create_receiver, create_sender
-from kv_transfer.manifest import Manifest, ManifestError, ModelFingerprint, RunInfo, decode_manifest, encode_manifest
+from kv_transfer.manifest import Manifest, ManifestError, ModelFingerprint, RunInfo, encode_manifest
+from kv_transfer.manifest_decode import decode_manifest
 from kv_transfer.pool import KVPoolView, fingerprint_of
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveOutcome, SendRequest, SendResult, TransferHandle
 from kv_transfer.status import KVTransferError, TransferStatus

@@ -1,9 +1,9 @@
 """The wire manifest of one KV transfer: what the receiver must allocate and how to verify it.
 
-Encoded with msgpack as a map with string keys. decode_manifest validates every field and the
-consistency of runs, blocks and byte lengths, and raises ManifestError with a precise reason. A receiver
-passes its ManifestLimits (its pool's layout and size): then everything whose size the sender chose is
-checked against the pool before it is built or walked, so a crafted manifest costs O(pool blocks) at most.
+Encoded with msgpack as a map with string keys (encode_manifest). A Manifest validates every field and the
+consistency of runs, blocks and byte lengths on construction, and raises ManifestError with a precise
+reason. Reading one from untrusted bytes, bounded by the receiver's ManifestLimits, is
+kv_transfer/manifest_decode.py.
 With prefix_blocks = k > 0 the receiver already holds the prompt's first k blocks (it matched them in its
 prefix cache and pinned them): block_ids and runs cover only the prompt's blocks after them, at least one.
 """
@@ -16,7 +16,7 @@ import msgpack
 
 from kv_transfer.checksum import CHECKSUM_ALGO
 from kv_transfer.status import TransferStatus
-from kv_transfer.token_logprobs import MAX_TOP_LOGPROBS, FirstTokenLogprobs, LogprobsError
+from kv_transfer.token_logprobs import FirstTokenLogprobs
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 16 << 20
@@ -54,7 +54,7 @@ class ModelFingerprint:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            _check_int(getattr(self, name), f"fingerprint.{name}", minimum=1)
+            check_int(getattr(self, name), f"fingerprint.{name}", minimum=1)
         if self.dtype not in DTYPE_ITEMSIZE:
             raise ManifestError(f"fingerprint.dtype {self.dtype!r} not in {sorted(DTYPE_ITEMSIZE)}")
 
@@ -79,7 +79,7 @@ class ManifestLimits:
     max_blocks: int
 
     def __post_init__(self) -> None:
-        _check_int(self.max_blocks, "max_blocks", minimum=1)
+        check_int(self.max_blocks, "max_blocks", minimum=1)
 
     @property
     def max_manifest_bytes(self) -> int:
@@ -139,7 +139,8 @@ class Manifest:
         return any(run.checksum is None for run in self.runs)
 
 
-def _check_int(value: Any, name: str, minimum: int = 0, limit: int = _U64) -> None:
+def check_int(value: Any, name: str, minimum: int = 0, limit: int = _U64) -> None:
+    """ManifestError unless value is an int (not a bool) in [minimum, limit)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise ManifestError(f"{name} must be an int, got {type(value).__name__}")
     if not minimum <= value < limit:
@@ -150,24 +151,24 @@ def _validate(m: Manifest) -> None:
     """O(blocks), and no run is expanded before the runs' block counts are known to sum to the block list."""
     if not isinstance(m.request_id, str) or not 0 < len(m.request_id) <= 512:
         raise ManifestError("request_id must be a non-empty string of at most 512 characters")
-    _check_int(m.num_tokens, "num_tokens", minimum=1)
+    check_int(m.num_tokens, "num_tokens", minimum=1)
     if not isinstance(m.streamed, bool):
         raise ManifestError(f"streamed must be a bool, got {type(m.streamed).__name__}")
     if m.first_token is not None or not m.streamed:  # a streamed manifest leaves it to the tail
-        _check_int(m.first_token, "first_token")
+        check_int(m.first_token, "first_token")
     if m.streamed and any(run.checksum is not None for run in m.runs):
         raise ManifestError("a streamed manifest carries no run checksums (each layer's trails it)")
     if m.checksum_algo != CHECKSUM_ALGO:
         raise ManifestError(f"unknown checksum_algo {m.checksum_algo!r}")
     prompt_blocks = -(-m.num_tokens // m.fingerprint.block_size)
-    _check_int(m.prefix_blocks, "prefix_blocks", limit=prompt_blocks)  # at least the last block travels
+    check_int(m.prefix_blocks, "prefix_blocks", limit=prompt_blocks)  # at least the last block travels
     expected_blocks = prompt_blocks - m.prefix_blocks
     if len(m.block_ids) != expected_blocks:
         held = f" ({m.prefix_blocks} held by the receiver)" if m.prefix_blocks else ""
         raise ManifestError(f"{m.num_tokens} tokens need {expected_blocks} blocks{held}, "
                             f"manifest lists {len(m.block_ids)}")
     for i, block in enumerate(m.block_ids):
-        _check_int(block, f"block_ids[{i}]")
+        check_int(block, f"block_ids[{i}]")
     if len(set(m.block_ids)) != len(m.block_ids):
         raise ManifestError("block_ids contain duplicates")
     _validate_runs(m)
@@ -178,10 +179,10 @@ def _validate_runs(m: Manifest) -> None:
         raise ManifestError("manifest has no runs")
     total = 0
     for i, run in enumerate(m.runs):  # O(runs): sizes first, nothing expanded
-        _check_int(run.start_block, f"runs[{i}].start_block")
-        _check_int(run.num_blocks, f"runs[{i}].num_blocks", minimum=1)
+        check_int(run.start_block, f"runs[{i}].start_block")
+        check_int(run.num_blocks, f"runs[{i}].num_blocks", minimum=1)
         if run.checksum is not None:
-            _check_int(run.checksum, f"runs[{i}].checksum")
+            check_int(run.checksum, f"runs[{i}].checksum")
         if run.nbytes != run.num_blocks * m.fingerprint.block_nbytes:
             raise ManifestError(f"runs[{i}].nbytes={run.nbytes} != {run.num_blocks} blocks * {m.fingerprint.block_nbytes}")
         total += run.num_blocks
@@ -215,89 +216,3 @@ def encode_manifest(m: Manifest) -> bytes:
     if m.prefix_blocks:
         top["prefix_blocks"] = m.prefix_blocks
     return msgpack.packb(top)
-
-
-_TOP_KEYS = {"version", "request_id", "fingerprint", "num_tokens", "block_ids", "first_token", "checksum_algo", "runs"}
-_OPTIONAL_TOP_KEYS = {"first_logprobs", "streamed", "prefix_blocks"}
-_FP_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"}
-
-
-def _expect_map(value: Any, keys: set[str], name: str, optional: set[str] = frozenset()) -> dict:
-    if not isinstance(value, dict):
-        raise ManifestError(f"{name} must be a map, got {type(value).__name__}")
-    if not keys <= set(value) <= keys | optional:
-        missing, extra = sorted(keys - set(value)), sorted(map(str, set(value) - keys - optional))
-        raise ManifestError(f"{name} keys wrong: missing {missing}, unexpected {extra}")
-    return value
-
-
-def _decode_run(i: int, raw: Any) -> RunInfo:
-    if not isinstance(raw, list) or len(raw) != 4:
-        raise ManifestError(f"runs[{i}] must be [start_block, num_blocks, nbytes, checksum or nil]")
-    return RunInfo(*raw)
-
-
-def _unpack(data: bytes, limits: ManifestLimits | None) -> Any:
-    """msgpack-decodes data; with limits, every list holds at most max(limits.max_blocks, 20) entries (20:
-    the first token's logprobs) and the whole encoding fits limits.max_manifest_bytes, checked before (and
-    while) anything is built."""
-    max_bytes = MAX_MANIFEST_BYTES if limits is None else limits.max_manifest_bytes
-    if len(data) > max_bytes:
-        raise ManifestError(f"manifest of {len(data)} bytes exceeds {max_bytes}"
-                            + ("" if limits is None else f" (the most {limits.max_blocks} blocks can take)"))
-    max_list = 0 if limits is None else max(limits.max_blocks, 4, MAX_TOP_LOGPROBS)
-    bounds = {} if limits is None else {
-        "max_array_len": max_list, "max_map_len": len(_TOP_KEYS) + len(_OPTIONAL_TOP_KEYS),
-        "max_str_len": MAX_STRING_BYTES, "max_bin_len": 0, "max_ext_len": 0}
-    try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, **bounds)
-    except Exception as exc:  # msgpack raises several unrelated types
-        within = "" if limits is None else f" within this receiver's bounds (lists of at most {max_list} entries)"
-        raise ManifestError(f"manifest is not valid msgpack{within}: {exc}") from None
-
-
-def _check_limits(top: dict, fingerprint: ModelFingerprint, limits: ManifestLimits) -> None:
-    """O(1) checks of the sizes the sender chose against what this receiver's pool could ever hold."""
-    diff = limits.fingerprint.mismatch(fingerprint)
-    if diff:
-        raise FingerprintMismatch(f"KV layout differs: {diff}")
-    _check_int(top["num_tokens"], "num_tokens", minimum=1)
-    max_tokens = limits.max_blocks * fingerprint.block_size
-    if top["num_tokens"] > max_tokens:
-        raise ManifestError(f"num_tokens={top['num_tokens']} exceeds the {max_tokens} tokens this receiver's pool"
-                            f" of {limits.max_blocks} blocks could ever hold")
-    if len(top["runs"]) > len(top["block_ids"]):
-        raise ManifestError(f"{len(top['runs'])} runs for {len(top['block_ids'])} blocks")
-
-
-def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manifest:
-    """Parses and validates manifest bytes; raises ManifestError on anything malformed (FingerprintMismatch
-    for a layout other than limits.fingerprint). With limits (a receiver's pool), in this order and before
-    anything the size of which the sender chose is built: the encoding's length, every list's length, the
-    fingerprint, num_tokens, the number of runs; then the runs' block counts must sum to the block list
-    before any run is expanded. Changes nothing."""
-    top = _expect_map(_unpack(data, limits), _TOP_KEYS, "manifest", _OPTIONAL_TOP_KEYS)
-    if top["version"] != MANIFEST_VERSION:
-        raise ManifestError(f"manifest version {top['version']!r} unsupported (expected {MANIFEST_VERSION})")
-    if not isinstance(top["block_ids"], list) or not isinstance(top["runs"], list):
-        raise ManifestError("block_ids and runs must be lists")
-    try:
-        fingerprint = ModelFingerprint(**_expect_map(top["fingerprint"], _FP_KEYS, "fingerprint"))
-        if limits is not None:
-            _check_limits(top, fingerprint, limits)
-        return Manifest(
-            request_id=top["request_id"],
-            fingerprint=fingerprint,
-            num_tokens=top["num_tokens"],
-            block_ids=tuple(top["block_ids"]),
-            first_token=top["first_token"],
-            runs=tuple(_decode_run(i, r) for i, r in enumerate(top["runs"])),
-            checksum_algo=top["checksum_algo"],
-            first_logprobs=None if "first_logprobs" not in top else FirstTokenLogprobs.decode(top["first_logprobs"]),
-            streamed=top.get("streamed", False),
-            prefix_blocks=top.get("prefix_blocks", 0),
-        )
-    except LogprobsError as exc:
-        raise ManifestError(str(exc)) from None
-    except TypeError as exc:
-        raise ManifestError(f"manifest field has the wrong type: {exc}") from None

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import msgpack
 
-from kv_transfer.manifest import Manifest, ManifestError, _check_int
+from kv_transfer.manifest import Manifest, ManifestError, check_int
 from kv_transfer.token_logprobs import MAX_TOP_LOGPROBS, FirstTokenLogprobs, LogprobsError
 
 MAX_TAIL_BYTES = 4096
@@ -28,7 +28,7 @@ def decode_tail(data: bytes) -> tuple[int, FirstTokenLogprobs | None]:
         raise ManifestError(f"tail is not valid msgpack: {exc}") from None
     if not isinstance(raw, list) or len(raw) != 2:
         raise ManifestError("tail must be [first_token, first_logprobs or nil]")
-    _check_int(raw[0], "tail.first_token")
+    check_int(raw[0], "tail.first_token")
     try:
         return raw[0], None if raw[1] is None else FirstTokenLogprobs.decode(raw[1])
     except LogprobsError as exc:

@@ -25,7 +25,8 @@ import torch
 
 from kv_transfer.dist.channel import PairChannel
 from kv_transfer.incoming import IncomingTransfer
-from kv_transfer.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError, decode_manifest
+from kv_transfer.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
+from kv_transfer.manifest_decode import decode_manifest
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox, ReceiveOutcome

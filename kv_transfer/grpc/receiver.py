@@ -15,7 +15,8 @@ from kv_transfer.grpc.codec import PUSH_METHOD, SERVICE_NAME, DecodedChunk, chan
 from kv_transfer.grpc.heap import keep_heap_for_messages
 from kv_transfer.grpc.loop_thread import EventLoopThread
 from kv_transfer.incoming import IncomingTransfer
-from kv_transfer.manifest import Manifest, ManifestError, decode_manifest
+from kv_transfer.manifest import Manifest, ManifestError
+from kv_transfer.manifest_decode import decode_manifest
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox
 from kv_transfer.staging import StagingPool

@@ -181,7 +181,8 @@ def test_tail_round_trip_and_bad_tails():
 
 
 def test_streamed_manifests_are_validated():
-    from kv_transfer.manifest import Manifest, RunInfo, decode_manifest, encode_manifest
+    from kv_transfer.manifest import Manifest, RunInfo, encode_manifest
+    from kv_transfer.manifest_decode import decode_manifest
     run = RunInfo(0, 2, 2 * FP.block_nbytes, None)
     streamed = Manifest("s", FP, 8, (0, 1), None, (run,), streamed=True)
     assert decode_manifest(encode_manifest(streamed)) == streamed
