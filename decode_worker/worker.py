@@ -26,11 +26,12 @@ import threading
 import time
 
 from decode_worker.admission import AdmissionControl
-from decode_worker.commands import Cancel, Delivered, Expect, Stop, TransferStarted, Waiting
+from decode_worker.commands import Cancel, Delivered, Expect, Stop, TransferStarted
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,
                                     EmitEvent, ExpectedRequest)
 from decode_worker.no_receiver import NO_TRANSPORT, NoReceiver
+from decode_worker.waiting import WaitingRequests
 from engine.command_queue import take_commands
 from engine.llm_engine import LLMEngine
 from engine.step_watch import StepHealth, StepWatch
@@ -55,11 +56,8 @@ class DecodeWorker:
             config.transfer, engine_pool_view(engine, allocate_for=self._blocks_for_transfer), config.transport,
             rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
         self._commands: queue.Queue = queue.Queue()
-        self._waiting: dict[str, Waiting] = {}
+        self._waiting = WaitingRequests(config.expect_timeout_s)  # accepted, KV not admitted yet
         self._running: dict[str, EmitEvent] = {}
-        # Ray may run an actor's cancel() before the expect() that it follows: such a cancel is kept
-        # (until the expect timeout) so that the late expect ends at once instead of waiting for KV.
-        self._early_cancels: dict[str, float] = {}
         self._stats = self._snapshot()
         self._pump_stop = threading.Event()
         self._stopped = False
@@ -153,10 +151,8 @@ class DecodeWorker:
 
     def _next_commands(self) -> list:
         """While the engine is idle, sleeps until a command arrives or the next wait deadline."""
-        timeout = None
-        deadlines = [w.deadline for w in self._waiting.values() if w.deadline is not None]
-        if deadlines:
-            timeout = max(0.0, min(deadlines) - time.monotonic())
+        deadline = self._waiting.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         return take_commands(self._commands, block=not self._engine.has_unfinished_requests(), timeout=timeout,
                              watch=self._watch)
 
@@ -169,14 +165,14 @@ class DecodeWorker:
             elif isinstance(command, Cancel):
                 self._cancel(command.request_id)
             elif isinstance(command, TransferStarted):
-                self._start_deadline(command.request_id)
+                self._waiting.start_deadline(command.request_id, time.monotonic())
             else:
                 self._deliver(command.outcome)
         return True
 
     def _register(self, command: Expect) -> None:
         request_id = command.request.request_id
-        if self._early_cancels.pop(request_id, None) is not None:
+        if self._waiting.cancelled_early(request_id):
             self._end(request_id, command.emit, DecodeStatus.CANCELLED, "cancelled before it was registered")
             return
         if command.request.prefill_locally:
@@ -186,7 +182,7 @@ class DecodeWorker:
             self._end(request_id, command.emit, DecodeStatus.INVALID, "this worker receives no KV: it prefills "
                       "every prompt itself (expect it with prefill_locally)")
             return
-        self._waiting[request_id] = Waiting(command.request, command.emit)
+        self._waiting.add(command.request, command.emit)
 
     def _prefill_here(self, request: ExpectedRequest, emit: EmitEvent) -> None:
         """Conditional disaggregation: the engine prefills the prompt itself (chunked, mixed with the
@@ -207,12 +203,6 @@ class DecodeWorker:
         self._commands.put(TransferStarted(request_id))
         return self._admission.take_reserved(request_id, num_blocks)
 
-    def _start_deadline(self, request_id: str) -> None:
-        waiting = self._waiting.get(request_id)
-        if waiting is not None and waiting.deadline is None:
-            deadline = time.monotonic() + self._config.expect_timeout_s
-            self._waiting[request_id] = dataclasses.replace(waiting, deadline=deadline)
-
     def _cancel(self, request_id: str) -> None:
         if request_id in self._running:
             self._engine.abort(request_id)
@@ -221,10 +211,10 @@ class DecodeWorker:
             self._receiver.cancel(request_id)
             self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.CANCELLED, "cancelled")
         else:  # not registered yet (or already ended): remember it for a late expect
-            self._early_cancels[request_id] = time.monotonic() + self._config.expect_timeout_s
+            self._waiting.remember_cancel(request_id, time.monotonic())
 
     def _deliver(self, outcome: ReceiveOutcome) -> None:
-        waiting = self._waiting.pop(outcome.request_id, None)
+        waiting = self._waiting.pop(outcome.request_id)
         if not isinstance(outcome, ReceivedKV):  # ReceiveFailed: the receiver freed everything
             if waiting is not None:
                 message = f"{outcome.status.name}: {outcome.message}"
@@ -248,12 +238,10 @@ class DecodeWorker:
         self._emit_chunk(DecodeChunk.of(delta))
 
     def _expire(self, now: float) -> None:
-        for request_id in [rid for rid, until in self._early_cancels.items() if until <= now]:
-            del self._early_cancels[request_id]
-        for request_id in [rid for rid, w in self._waiting.items() if w.deadline is not None and w.deadline <= now]:
+        for request_id, waiting in self._waiting.expire(now):
             message = f"its KV did not land within {self._config.expect_timeout_s}s of its transfer's start"
             self._receiver.cancel(request_id)
-            self._end(request_id, self._waiting.pop(request_id).emit, DecodeStatus.TIMEOUT, message)
+            self._end(request_id, waiting.emit, DecodeStatus.TIMEOUT, message)
 
     def _step(self) -> None:
         try:
@@ -284,10 +272,9 @@ class DecodeWorker:
         for request_id, emit in list(self._running.items()):
             self._engine.abort(request_id)
             self._end(request_id, emit, status, message)
-        for request_id, waiting in list(self._waiting.items()):
+        for request_id, waiting in self._waiting.take_all():
             self._end(request_id, waiting.emit, status, message)
         self._running.clear()
-        self._waiting.clear()
 
     def _settle_leftovers(self, commands: list) -> None:
         """After the step thread ended: free what was delivered, end what was accepted meanwhile."""

@@ -27,9 +27,10 @@ from ray.exceptions import RayActorError
 
 from cluster.backend import BackendUnavailable, ScaleRefused
 from cluster.coordinator.autoscale_loop import AutoscaleLoop
-from cluster.coordinator.autoscaler import AutoscalePolicy, RoleSnapshot, ScaleSnapshot
+from cluster.coordinator.autoscaler import AutoscalePolicy, ScaleSnapshot
 from cluster.coordinator.latency_window import LatencyWindow
 from cluster.coordinator.routing import Router
+from cluster.coordinator.scale_snapshot import role_snapshot
 from cluster.coordinator.worker_set import Member, Worker, WorkerSet, WorkerState
 from cluster.workers.added_placement import place_added_bundles, room_for_added
 from cluster.workers.added_worker import BundleSlot, StartedWorker, release_added_worker, start_added_worker
@@ -257,20 +258,8 @@ class Scaling:
         stats = await self._hooks.worker_stats()
         policy = self._autoscaler_policy or AutoscalePolicy()
         latency = self._hooks.latency.summary(time.perf_counter(), policy.window_s, policy.min_samples)
-        roles = tuple(self._role_snapshot(role, stats) for role in self.roles)
+        roles = tuple(role_snapshot(role, self._set, self._config, self._held, stats) for role in self.roles)
         return ScaleSnapshot(time.monotonic(), roles, latency.ttft_p90_ms, latency.itl_p90_ms, latency.queue_p90_ms)
-
-    def _role_snapshot(self, role: str, stats: dict) -> RoleSnapshot:
-        serving = self._set.names(role, SERVING)
-        held = [self._held(name) for name in serving]
-        low, high = self._config.bounds.of(role)
-        counted = [stats[name] for name in serving if name in stats and role != "prefill"]
-        return RoleSnapshot(role, len(serving), self._set.count(role, STARTING, DRAINING), low, high,
-                            queued_tokens=sum(tokens for _, tokens in held),
-                            running=sum(running for running, _ in held) if role != "prefill" else 0,
-                            capacity=len(serving) * self._config.max_live_per_worker if role != "prefill" else 0,
-                            free_blocks=sum(s.free_blocks for s in counted),
-                            total_blocks=sum(s.total_blocks for s in counted))
 
     @property
     def _autoscaler_policy(self) -> AutoscalePolicy | None:
