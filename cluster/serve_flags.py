@@ -8,7 +8,7 @@ import argparse
 
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.workers.worker_bounds import WorkerBounds
-from engine.config import ATTENTION_BACKENDS, EngineConfig
+from engine.config import ATTENTION_BACKENDS, PREFILL_FIRST_MODES, EngineConfig
 
 
 def add_api_arguments(group) -> None:
@@ -64,6 +64,10 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
                        help="auto: triton on CUDA, the numba kernel on CPU float32, torch otherwise")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    group.add_argument("--prefill-first", choices=PREFILL_FIRST_MODES, default=defaults.prefill_first,
+                       help="on: waiting prompts get a step of their own before the running decodes' next "
+                            "token (never two in a row); off: mixed into the decode step; auto: on for CPU, "
+                            "off for CUDA")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -77,7 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                        prefill_first=args.prefill_first)
 
 
 BOUND_FLAGS = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers", "max_decode_workers",

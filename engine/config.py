@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu_kernel")
+PREFILL_FIRST_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ class EngineConfig:
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
     enforce_eager: no CUDA graphs for decode steps (they are captured only on CUDA).
+    prefill_first: "on" gives waiting prompts a step of their own ahead of the running decodes' next token
+    (never two such steps in a row, so a decode waits at most one prompt step), "off" mixes them into the
+    decode step (Sarathi), "auto" is on for CPU and off for CUDA (engine/scheduler.py says why).
     """
 
     block_size: int = 16
@@ -169,6 +173,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    prefill_first: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -186,6 +191,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; "
                              f"expected one of {ATTENTION_BACKENDS}")
+        if self.prefill_first not in PREFILL_FIRST_MODES:
+            raise ValueError(f"unknown prefill_first {self.prefill_first!r}; expected one of {PREFILL_FIRST_MODES}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
 

@@ -27,7 +27,7 @@ from engine.outputs import OutputText, RequestMetrics, StepDelta
 from engine.request_checks import check_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, prefill_first_enabled
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import EngineStats
 from engine.step_observer import StepObserver
@@ -50,7 +50,7 @@ class LLMEngine:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens "
                              f"({config.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len})")
-        self.scheduler = Scheduler(config, self.kv_cache.allocator)
+        self.scheduler = Scheduler(config, self.kv_cache.allocator, prefill_first_enabled(config, device.type))
         sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids)
         self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention)
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,

@@ -8,6 +8,14 @@ With long_prefill_token_threshold set, no prompt takes more than that many token
 prompts behind a long one get into the same step instead of waiting for the whole long prefill.
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks
 are freed and it goes back to the head of the queue to recompute its KV later (preemption by recompute).
+
+Prefill first (prefill_first): waiting prompts get a step of their own, ahead of the running decodes, and
+the next step serves the running sequences first again, so a decode waits at most one such step between
+two tokens. Where a step's cost grows with its tokens (CPU: compute-bound at any batch), a short prompt
+mixed into a decode step makes its first token wait for the whole decode batch, while in its own step it
+costs about what mixing adds; where a step costs about the same whatever it carries (a GPU at small batch
+reads every weight each step), mixing is free and an extra step only delays the decodes. Hence on for CPU
+and off for CUDA by default (EngineConfig.prefill_first "auto").
 """
 from __future__ import annotations
 
@@ -32,9 +40,17 @@ class ScheduledChunk:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+def prefill_first_enabled(config: EngineConfig, device_type: str) -> bool:
+    """EngineConfig.prefill_first resolved for a device type ("auto": on for CPU, off for CUDA)."""
+    return config.prefill_first == "on" or (config.prefill_first == "auto" and device_type == "cpu")
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator) -> None:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, prefill_first: bool = False) -> None:
+        """prefill_first: waiting prompts get a step of their own (see the module docstring)."""
         self.config = config
+        self.prefill_first = prefill_first
+        self._last_was_prompts_only = False
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.waiting: deque[Sequence] = deque()
@@ -61,6 +77,12 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
+        if self.prefill_first and self.waiting and self.running and not self._last_was_prompts_only:
+            prompts = self._admit_waiting(budget)  # [] when none fits now: the usual step below
+            self._last_was_prompts_only = bool(prompts)
+            if prompts:
+                return prompts
+        self._last_was_prompts_only = False
         chunks, preempted = self._schedule_running(budget)
         budget -= sum(c.num_new_tokens for c in chunks)
         if not preempted:

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     device, workers, threads = _hardware(args)
     deployments = deployments_for(workers)
     workload = workload_from_flags(args)
-    limits = _serving_flags(args)
+    limits = _serving_flags(args, device)
     host = HostModel(_host_cores(args), threads if device == "cpu" else 1)
     profile = _profile(args, device, threads)
     longest = max(r.prompt_len + r.output_len for r in workload.requests)
@@ -209,9 +209,9 @@ def _hardware(args: argparse.Namespace) -> tuple[str, int, int]:
     return device, workers, threads
 
 
-def _serving_flags(args: argparse.Namespace) -> tuple[EngineLimits, EngineLimits, EngineLimits]:
+def _serving_flags(args: argparse.Namespace, device: str) -> tuple[EngineLimits, EngineLimits, EngineLimits]:
     """(prefill worker, decode worker, replica) limits, after checking every flag of the serving path;
-    ValueError names the flag."""
+    ValueError names the flag. Prefill first as `tandem serve` resolves its default on `device`."""
     if (args.request_overhead_ms or 0) < 0 or (args.step_overhead_ms or 0) < 0:
         raise ValueError("--request-overhead-ms and --step-overhead-ms must be >= 0")
     if args.transfer_gbps is not None and not args.transfer_gbps > 0 or args.transfer_latency_ms < 0:
@@ -220,8 +220,9 @@ def _serving_flags(args: argparse.Namespace) -> tuple[EngineLimits, EngineLimits
         raise ValueError("--chunk-size, --max-num-batched-tokens and --max-num-seqs must be >= 1")
     if args.long_prefill_threshold < 0:
         raise ValueError(f"--long-prefill-threshold must be >= 0, got {args.long_prefill_threshold}")
-    worker = EngineLimits(args.max_num_batched_tokens, args.long_prefill_threshold, args.max_num_seqs)
-    return worker, worker, EngineLimits(args.chunk_size, 0, args.max_num_seqs)
+    first = device == "cpu"
+    worker = EngineLimits(args.max_num_batched_tokens, args.long_prefill_threshold, args.max_num_seqs, first)
+    return worker, worker, EngineLimits(args.chunk_size, 0, args.max_num_seqs, first)
 
 
 def _profile(args: argparse.Namespace, device: str, threads: int) -> EngineProfile:
@@ -237,7 +238,8 @@ def _profile(args: argparse.Namespace, device: str, threads: int) -> EngineProfi
     from engine.config import EngineConfig
     memory = None if args.kv_cache_memory_mib is None else args.kv_cache_memory_mib << 20
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          long_prefill_token_threshold=args.long_prefill_threshold, kv_cache_memory=memory)
+                          long_prefill_token_threshold=args.long_prefill_threshold, kv_cache_memory=memory,
+                          prefill_first="off")  # the profile times mixed steps; the simulation schedules
     profile = profile_workers(WorkerEngines(args.model, args.dtype, device, threads, config, config),
                               GRIDS[args.profile_grid])
     if args.save_profile is not None:

@@ -3,7 +3,8 @@
 It picks each step's chunks by the rules of engine/scheduler.py (running sequences first, oldest first: a
 decoding sequence takes one token, a sequence in the middle of its prefill its next chunk; then waiting
 sequences in arrival order, within the step's token budget, `long_prefill_token_threshold` tokens of one
-prompt at most, and `max_num_seqs` running). What it leaves out: the KV pool (no preemption: the planner
+prompt at most, and `max_num_seqs` running; with `prefill_first`, waiting prompts get a step of their own
+before the running ones, never two such steps in a row). What it leaves out: the KV pool (no preemption: the planner
 assumes the pool holds every running request) and the prefix cache (no hits: every prompt is computed).
 tests/plan/ check its chunks against the real Scheduler's on the same arrivals.
 """
@@ -22,6 +23,7 @@ class EngineLimits:
     max_num_batched_tokens: int
     long_prefill_token_threshold: int = 0
     max_num_seqs: int = 256
+    prefill_first: bool = False   # EngineConfig.prefill_first as the device resolves it
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.long_prefill_token_threshold < 0:
@@ -71,6 +73,7 @@ class SimEngine:
     limits: EngineLimits
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
+    last_was_prompts_only: bool = False
 
     @property
     def has_work(self) -> bool:
@@ -86,12 +89,23 @@ class SimEngine:
     def schedule(self) -> list[Chunk]:
         """This step's chunks, as engine/scheduler.py picks them; moves admitted sequences to running."""
         budget, chunks = self.limits.max_num_batched_tokens, []
+        if self.limits.prefill_first and self.waiting and self.running and not self.last_was_prompts_only:
+            prompts = self._admit(budget)
+            self.last_was_prompts_only = bool(prompts)
+            if prompts:
+                return prompts
+        self.last_was_prompts_only = False
         for seq in self.running:
             if budget <= 0:
                 break
             new = self._chunk_size(seq, budget)
             chunks.append(Chunk(seq, new, seq.num_computed))
             budget -= new
+        return chunks + self._admit(budget)
+
+    def _admit(self, budget: int) -> list[Chunk]:
+        """Waiting sequences in arrival order, within `budget` and max_num_seqs; they move to running."""
+        chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting.popleft()
             new = self._chunk_size(seq, budget)

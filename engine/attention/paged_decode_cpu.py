@@ -1,10 +1,14 @@
 """Paged decode attention for CPU float32, compiled with numba.
 
 Each single-token query reads its sequence's K/V straight from the pool through its block table: no
-gathered copy of the context, no padding to the longest sequence. One parallel task per
-(sequence, KV head) serves that head's whole group of query heads, so grouped-query attention reads
-K/V once. On the benchmark mix (48 sequences, contexts up to ~500 tokens) one layer takes ~1 ms here
-against ~8 ms for gather + padded SDPA.
+gathered copy of the context, no padding to the longest sequence. One parallel task per sequence walks
+its blocks once: each K and V row ([kv_heads, head_dim], contiguous in the pool) is read whole for every
+query head (grouped-query attention reads K/V once), with a softmax kept online per block (running max,
+sum and weighted V, rescaled when the max grows). On the benchmark mix (48 sequences, contexts up to ~500
+tokens) one layer takes ~1 ms here against ~8 ms for gather + padded SDPA; reading rows whole made it 25%
+faster than one task per (sequence, KV head) on a decode batch of 25 with 10,600 tokens of context (1.10 vs
+1.47 ms a layer, one thread). The kernel releases the GIL: a worker's other threads (its event loop, KV
+landing) run during it.
 
 AVAILABLE is False when numba is missing; attention then uses the torch path.
 """
@@ -56,51 +60,53 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 if AVAILABLE:
-    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False)
+    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
     def _kernel(q, k_pool, v_pool, tables, lens, block_size, scale, out):  # pragma: no cover (compiled)
         batch, num_kv_heads, group, head_dim = q.shape
-        for task in prange(batch * num_kv_heads):
-            b = task // num_kv_heads
-            h = task - b * num_kv_heads
+        for b in prange(batch):
             length = lens[b]
-            num_blocks = (length + block_size - 1) // block_size
-            q_scaled = np.empty((group, head_dim), dtype=np.float32)
-            for g in range(group):
-                for d in range(head_dim):
-                    q_scaled[g, d] = q[b, h, g, d] * scale
-            # pass 1: scores [group, length], walking the block table block by block
-            scores = np.empty((group, length), dtype=np.float32)
-            for blk in range(num_blocks):
+            q_scaled = np.empty((num_kv_heads, group, head_dim), dtype=np.float32)
+            for h in range(num_kv_heads):
+                for g in range(group):
+                    for d in range(head_dim):
+                        q_scaled[h, g, d] = q[b, h, g, d] * scale
+            top = np.full((num_kv_heads, group), -np.inf, dtype=np.float32)   # running max score
+            total = np.zeros((num_kv_heads, group), dtype=np.float32)        # running sum of weights
+            acc = np.zeros((num_kv_heads, group, head_dim), dtype=np.float32)  # running weighted sum of V
+            weights = np.empty((num_kv_heads, group, block_size), dtype=np.float32)
+            for blk in range((length + block_size - 1) // block_size):
                 base, first = tables[b, blk] * block_size, blk * block_size
-                for off in range(min(block_size, length - first)):
-                    k_row = k_pool[base + off, h]
+                rows = min(block_size, length - first)
+                for off in range(rows):  # scores: each K row read whole, every head of it
+                    for h in range(num_kv_heads):
+                        for g in range(group):
+                            dot = np.float32(0.0)
+                            for d in range(head_dim):
+                                dot += q_scaled[h, g, d] * k_pool[base + off, h, d]
+                            weights[h, g, off] = dot
+                for h in range(num_kv_heads):  # online softmax: rescale what is summed so far to the new max
                     for g in range(group):
-                        acc = np.float32(0.0)
+                        new_top = top[h, g]
+                        for off in range(rows):
+                            new_top = max(new_top, weights[h, g, off])
+                        rescale = np.exp(top[h, g] - new_top)
+                        top[h, g] = new_top
+                        running = total[h, g] * rescale
                         for d in range(head_dim):
-                            acc += q_scaled[g, d] * k_row[d]
-                        scores[g, first + off] = acc
-            # softmax weights, left unnormalized; 1 / sum kept per query head
-            inv_total = np.empty(group, dtype=np.float32)
-            for g in range(group):
-                top = scores[g, 0]
-                for t in range(1, length):
-                    top = max(top, scores[g, t])
-                total = np.float32(0.0)
-                for t in range(length):
-                    weight = np.exp(scores[g, t] - top)
-                    scores[g, t] = weight
-                    total += weight
-                inv_total[g] = np.float32(1.0) / total
-            # pass 2: weighted sum of V rows into a local accumulator
-            acc_out = np.zeros((group, head_dim), dtype=np.float32)
-            for blk in range(num_blocks):
-                base, first = tables[b, blk] * block_size, blk * block_size
-                for off in range(min(block_size, length - first)):
-                    v_row = v_pool[base + off, h]
-                    for g in range(group):
-                        weight = scores[g, first + off]
-                        for d in range(head_dim):
-                            acc_out[g, d] += weight * v_row[d]
-            for g in range(group):
-                for d in range(head_dim):
-                    out[b, h, g, d] = acc_out[g, d] * inv_total[g]
+                            acc[h, g, d] *= rescale
+                        for off in range(rows):
+                            weight = np.exp(weights[h, g, off] - new_top)
+                            weights[h, g, off] = weight
+                            running += weight
+                        total[h, g] = running
+                for off in range(rows):  # weighted V rows, each read whole
+                    for h in range(num_kv_heads):
+                        for g in range(group):
+                            weight = weights[h, g, off]
+                            for d in range(head_dim):
+                                acc[h, g, d] += weight * v_pool[base + off, h, d]
+            for h in range(num_kv_heads):
+                for g in range(group):
+                    inverse = np.float32(1.0) / total[h, g]
+                    for d in range(head_dim):
+                        out[b, h, g, d] = acc[h, g, d] * inverse

@@ -80,6 +80,56 @@ def test_long_prefill_threshold_lets_short_prompts_into_the_same_step_same_outpu
         LLM(ckpt, long_prefill_token_threshold=-1)
 
 
+def _step_kinds(engine) -> tuple[set[str], set[str]]:
+    """One step: (the requests that computed prompt tokens in it, those that decoded a token in it)."""
+    before = {rid: (seq.num_computed_tokens, seq.num_prompt_tokens)
+              for rid in ("a", "b", "late", "later") if (seq := engine.get_sequence(rid)) is not None}
+    engine.step()
+    prompts, decodes = set(), set()
+    for rid, (computed, prompt_len) in before.items():
+        seq = engine.get_sequence(rid)
+        if seq is not None and seq.num_computed_tokens > computed:
+            (prompts if computed < prompt_len else decodes).add(rid)
+    return prompts, decodes
+
+
+def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(ckpt):
+    a, b, late, later = random_prompts([20, 30, 12, 9], 300, seed=21)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = LLM(ckpt, max_num_batched_tokens=512, prefill_first="on")
+    engine = first.engine
+    engine.add_request("a", a, params)
+    engine.add_request("b", b, params)
+    assert _step_kinds(engine) == ({"a", "b"}, set())    # nothing decodes yet: one ordinary step
+    engine.add_request("late", late, params)
+    assert _step_kinds(engine) == ({"late"}, set())      # the new prompt alone, ahead of a and b
+    engine.add_request("later", later, params)
+    assert _step_kinds(engine) == ({"later"}, {"a", "b", "late"})  # never two prompt steps in a row: mixed
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(first)
+    mixed = LLM(ckpt, max_num_batched_tokens=512, prefill_first="off")
+    mixed.engine.add_request("a", a, params)
+    mixed.engine.add_request("b", b, params)
+    _step_kinds(mixed.engine)
+    mixed.engine.add_request("late", late, params)
+    assert _step_kinds(mixed.engine) == ({"late"}, {"a", "b"})
+    while mixed.engine.has_unfinished_requests():
+        mixed.engine.step()
+    prompts = random_prompts(LENGTHS, 300, seed=22)
+    assert greedy_tokens(LLM(ckpt, prefill_first="on"), prompts) == greedy_tokens(mixed, prompts)
+    with pytest.raises(ValueError, match="prefill_first"):
+        LLM(ckpt, prefill_first="sometimes")
+
+
+def test_prefill_first_is_on_for_cpu_and_off_for_cuda_by_default():
+    from engine.config import EngineConfig
+    from engine.scheduler import prefill_first_enabled
+    assert prefill_first_enabled(EngineConfig(), "cpu") and not prefill_first_enabled(EngineConfig(), "cuda")
+    assert prefill_first_enabled(EngineConfig(prefill_first="on"), "cuda")
+    assert not prefill_first_enabled(EngineConfig(prefill_first="off"), "cpu")
+
+
 def test_prefix_cache_hit_computes_fewer_tokens_same_output(ckpt):
     block = 16
     shared = random_prompts([5 * block], 300, seed=4)[0]

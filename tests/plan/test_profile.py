@@ -21,9 +21,9 @@ TINY_GRID = ProfileGrid(prefill=((1, 8), (3, 24), (1, 100)), decode_batches=(1, 
                         mixed=((2, 16, 40),), decode_steps=2, repeats=1)
 
 
-def _engine(tiny_checkpoint, budget: int, threshold: int, max_seqs: int = 256):
+def _engine(tiny_checkpoint, budget: int, threshold: int, max_seqs: int = 256, prefill_first: str = "off"):
     config = EngineConfig(max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
-                          max_num_seqs=max_seqs, kv_cache_memory=4 << 20)
+                          max_num_seqs=max_seqs, kv_cache_memory=4 << 20, prefill_first=prefill_first)
     return build_engine(str(tiny_checkpoint("llama")), config, device="cpu")
 
 
@@ -36,11 +36,12 @@ def _normal(work: StepWork) -> StepWork:
     return StepWork(tuple(sorted(work.prefill_chunks)), tuple(sorted(work.decode_contexts)))
 
 
-def test_the_simulated_engine_schedules_the_chunks_the_real_scheduler_does(tiny_checkpoint):
-    engine = _engine(tiny_checkpoint, budget=32, threshold=12, max_seqs=3)
+@pytest.mark.parametrize("prefill_first", ["off", "on"])
+def test_the_simulated_engine_schedules_the_chunks_the_real_scheduler_does(tiny_checkpoint, prefill_first):
+    engine = _engine(tiny_checkpoint, budget=32, threshold=12, max_seqs=3, prefill_first=prefill_first)
     rng = random.Random(3)
     vocab = engine.model_config.vocab_size
-    sim = SimEngine(EngineLimits(32, 12, 3))
+    sim = SimEngine(EngineLimits(32, 12, 3, prefill_first=prefill_first == "on"))
     blocks = engine.reserve_blocks(2)  # a request whose KV a transfer delivered, already decoding
     engine.add_prefilled_request("prefilled", [rng.randrange(vocab) for _ in range(20)], 5,
                                  SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), blocks)
@@ -60,7 +61,11 @@ def test_the_simulated_engine_schedules_the_chunks_the_real_scheduler_does(tiny_
         simulated.append(_normal(step_work(chunks)))
         sim.finish_step(chunks)
     assert simulated == real
-    assert any(len(w.prefill_chunks) > 1 and w.decode_contexts for w in real)  # the case mixes both kinds
+    if prefill_first == "off":  # the case mixes both kinds
+        assert any(len(w.prefill_chunks) > 1 and w.decode_contexts for w in real)
+    else:  # a prompt step while the prefilled request decodes, and prompt chunks mixed into a decode step after it
+        assert real[0].prefill_chunks and not real[0].decode_contexts
+        assert any(w.prefill_chunks and w.decode_contexts for w in real)
     _assert_pool_whole(engine)
 
 
