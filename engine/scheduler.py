@@ -9,8 +9,8 @@ prompts behind a long one get into the same step instead of waiting for the whol
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks
 are freed and it goes back to the head of the queue to recompute its KV later (preemption by recompute).
 
-Prefill first (prefill_first): waiting prompts get a step of their own, ahead of the running decodes, and
-the next step serves the running sequences first again, so a decode waits at most one such step between
+Prefill first (prefill_first): while sequences decode, waiting prompts get a step of their own, ahead of the
+decodes, and the next step serves the running sequences first again, so a decode waits at most one such step between
 two tokens. Where a step's cost grows with its tokens (CPU: compute-bound at any batch), a short prompt
 mixed into a decode step makes its first token wait for the whole decode batch, while in its own step it
 costs about what mixing adds; where a step costs about the same whatever it carries (a GPU at small batch
@@ -77,7 +77,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
-        if self.prefill_first and self.waiting and self.running and not self._last_was_prompts_only:
+        if self.prefill_first and self.waiting and not self._last_was_prompts_only and self._any_decoding():
             prompts = self._admit_waiting(budget)  # [] when none fits now: the usual step below
             self._last_was_prompts_only = bool(prompts)
             if prompts:
@@ -88,6 +88,10 @@ class Scheduler:
         if not preempted:
             chunks += self._admit_waiting(budget)
         return chunks
+
+    def _any_decoding(self) -> bool:
+        """Whether a running sequence waits for its next token (a prefill worker's never do: it packs prompts)."""
+        return any(seq.num_output_tokens and seq.num_uncomputed_tokens == 1 for seq in self.running)
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledChunk], bool]:
         chunks, preempted, index = [], False, 0

@@ -3,8 +3,8 @@
 It picks each step's chunks by the rules of engine/scheduler.py (running sequences first, oldest first: a
 decoding sequence takes one token, a sequence in the middle of its prefill its next chunk; then waiting
 sequences in arrival order, within the step's token budget, `long_prefill_token_threshold` tokens of one
-prompt at most, and `max_num_seqs` running; with `prefill_first`, waiting prompts get a step of their own
-before the running ones, never two such steps in a row). What it leaves out: the KV pool (no preemption: the planner
+prompt at most, and `max_num_seqs` running; with `prefill_first`, while sequences decode, waiting prompts
+get a step of their own before the running ones, never two such steps in a row). What it leaves out: the KV pool (no preemption: the planner
 assumes the pool holds every running request) and the prefix cache (no hits: every prompt is computed).
 tests/plan/ check its chunks against the real Scheduler's on the same arrivals.
 """
@@ -89,7 +89,8 @@ class SimEngine:
     def schedule(self) -> list[Chunk]:
         """This step's chunks, as engine/scheduler.py picks them; moves admitted sequences to running."""
         budget, chunks = self.limits.max_num_batched_tokens, []
-        if self.limits.prefill_first and self.waiting and self.running and not self.last_was_prompts_only:
+        decoding = any(seq.num_generated and seq.num_uncomputed == 1 for seq in self.running)
+        if self.limits.prefill_first and self.waiting and decoding and not self.last_was_prompts_only:
             prompts = self._admit(budget)
             self.last_was_prompts_only = bool(prompts)
             if prompts:

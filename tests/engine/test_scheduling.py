@@ -108,6 +108,16 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(first)
+    chunking = LLM(ckpt, max_num_batched_tokens=512, long_prefill_token_threshold=8, prefill_first="on")
+    chunking.engine.add_request("a", a, params, prefill_only=True)  # a prefill worker: nothing decodes
+    assert _step_kinds(chunking.engine) == ({"a"}, set())
+    chunking.engine.add_request("late", late, params, prefill_only=True)
+    assert _step_kinds(chunking.engine) == ({"a", "late"}, set())  # packed beside a's next chunk, not ahead
+    while chunking.engine.has_unfinished_requests():
+        chunking.engine.step()
+    for request_id in ("a", "late"):
+        assert chunking.engine.release_prefilled(request_id)
+    assert_all_blocks_free(chunking)
     mixed = LLM(ckpt, max_num_batched_tokens=512, prefill_first="off")
     mixed.engine.add_request("a", a, params)
     mixed.engine.add_request("b", b, params)
