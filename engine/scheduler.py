@@ -9,12 +9,14 @@ prompts behind a long one get into the same step instead of waiting for the whol
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks
 are freed and it goes back to the head of the queue to recompute its KV later (preemption by recompute).
 
-Prefill first (prefill_first): while sequences decode, waiting prompts get a step of their own, ahead of the
-decodes, and the next step serves the running sequences first again, so a decode waits at most one such step between
+Prefill first (prefill_first): while sequences decode, waiting prompts that one step can finish get a step
+of their own, ahead of the decodes, and the next step serves the running sequences first again, so a decode waits at most one such step between
 two tokens. Where a step's cost grows with its tokens (CPU: compute-bound at any batch), a short prompt
 mixed into a decode step makes its first token wait for the whole decode batch, while in its own step it
 costs about what mixing adds; where a step costs about the same whatever it carries (a GPU at small batch
-reads every weight each step), mixing is free and an extra step only delays the decodes. Hence on for CPU
+reads every weight each step), mixing is free and an extra step only delays the decodes. A prompt that needs
+several chunks would gain nothing from a first chunk of its own (its first token comes after the last one),
+so such prompts are mixed as usual, and the prompts behind them wait their turn (FCFS). Hence on for CPU
 and off for CUDA by default (EngineConfig.prefill_first "auto").
 """
 from __future__ import annotations
@@ -78,7 +80,7 @@ class Scheduler:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
         if self.prefill_first and self.waiting and not self._last_was_prompts_only and self._any_decoding():
-            prompts = self._admit_waiting(budget)  # [] when none fits now: the usual step below
+            prompts = self._admit_waiting(budget, whole_only=True)  # []: none finishes now, the usual step
             self._last_was_prompts_only = bool(prompts)
             if prompts:
                 return prompts
@@ -109,7 +111,8 @@ class Scheduler:
             index += 1
         return chunks, preempted
 
-    def _admit_waiting(self, budget: int) -> list[ScheduledChunk]:
+    def _admit_waiting(self, budget: int, whole_only: bool = False) -> list[ScheduledChunk]:
+        """Waiting sequences in arrival order while they fit; whole_only: only prompts this step finishes."""
         chunks = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -118,7 +121,7 @@ class Scheduler:
             self._attach_cached_prefix(seq)
             num_new = self._chunk_size(seq, budget)
             whole = num_new == seq.num_uncomputed_tokens
-            if (not whole and not self.config.enable_chunked_prefill) or \
+            if (not whole and (whole_only or not self.config.enable_chunked_prefill)) or \
                     not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
                 self._release_blocks(seq)
                 break

@@ -4,7 +4,7 @@ It picks each step's chunks by the rules of engine/scheduler.py (running sequenc
 decoding sequence takes one token, a sequence in the middle of its prefill its next chunk; then waiting
 sequences in arrival order, within the step's token budget, `long_prefill_token_threshold` tokens of one
 prompt at most, and `max_num_seqs` running; with `prefill_first`, while sequences decode, waiting prompts
-get a step of their own before the running ones, never two such steps in a row). What it leaves out: the KV pool (no preemption: the planner
+one step can finish get a step of their own before the running ones, never two such steps in a row). What it leaves out: the KV pool (no preemption: the planner
 assumes the pool holds every running request) and the prefix cache (no hits: every prompt is computed).
 tests/plan/ check its chunks against the real Scheduler's on the same arrivals.
 """
@@ -91,7 +91,7 @@ class SimEngine:
         budget, chunks = self.limits.max_num_batched_tokens, []
         decoding = any(seq.num_generated and seq.num_uncomputed == 1 for seq in self.running)
         if self.limits.prefill_first and self.waiting and decoding and not self.last_was_prompts_only:
-            prompts = self._admit(budget)
+            prompts = self._admit(budget, whole_only=True)
             self.last_was_prompts_only = bool(prompts)
             if prompts:
                 return prompts
@@ -104,12 +104,15 @@ class SimEngine:
             budget -= new
         return chunks + self._admit(budget)
 
-    def _admit(self, budget: int) -> list[Chunk]:
-        """Waiting sequences in arrival order, within `budget` and max_num_seqs; they move to running."""
+    def _admit(self, budget: int, whole_only: bool = False) -> list[Chunk]:
+        """Waiting sequences in arrival order, within `budget` and max_num_seqs (whole_only: while this step
+        finishes their prompt); they move to running."""
         chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            new = self._chunk_size(self.waiting[0], budget)
+            if whole_only and new < self.waiting[0].num_uncomputed:
+                break
             seq = self.waiting.popleft()
-            new = self._chunk_size(seq, budget)
             self.running.append(seq)
             chunks.append(Chunk(seq, new, seq.num_computed))
             budget -= new

@@ -83,7 +83,7 @@ def test_long_prefill_threshold_lets_short_prompts_into_the_same_step_same_outpu
 def _step_kinds(engine) -> tuple[set[str], set[str]]:
     """One step: (the requests that computed prompt tokens in it, those that decoded a token in it)."""
     before = {rid: (seq.num_computed_tokens, seq.num_prompt_tokens)
-              for rid in ("a", "b", "late", "later") if (seq := engine.get_sequence(rid)) is not None}
+              for rid in ("a", "b", "late", "later", "d", "e") if (seq := engine.get_sequence(rid)) is not None}
     engine.step()
     prompts, decodes = set(), set()
     for rid, (computed, prompt_len) in before.items():
@@ -117,6 +117,15 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
         chunking.engine.step()
     for request_id in ("a", "late"):
         assert chunking.engine.release_prefilled(request_id)
+    d, e, uncached = random_prompts([5, 6, 20], 300, seed=23)
+    chunking.engine.add_request("d", d, params)
+    assert _step_kinds(chunking.engine) == ({"d"}, set())
+    chunking.engine.add_request("b", uncached, params)  # 20 tokens: 3 chunks of 8, no step of its own
+    assert _step_kinds(chunking.engine) == ({"b"}, {"d"})
+    chunking.engine.add_request("e", e, params)  # one chunk finishes it: a step of its own
+    assert _step_kinds(chunking.engine) == ({"e"}, set())
+    while chunking.engine.has_unfinished_requests():
+        chunking.engine.step()
     assert_all_blocks_free(chunking)
     mixed = LLM(ckpt, max_num_batched_tokens=512, prefill_first="off")
     mixed.engine.add_request("a", a, params)
