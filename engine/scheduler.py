@@ -10,14 +10,14 @@ When a sequence needs a block and none is free, the newest running sequence is p
 are freed and it goes back to the head of the queue to recompute its KV later (preemption by recompute).
 
 Prefill first (prefill_first): while sequences decode, waiting prompts that one step can finish get a step
-of their own, ahead of the decodes, and the next step serves the running sequences first again, so a
-decode waits at most one such step between two tokens. Where a step's cost grows with its tokens (CPU: compute-bound at any batch), a short prompt
-mixed into a decode step makes its first token wait for the whole decode batch, while in its own step it
-costs about what mixing adds; where a step costs about the same whatever it carries (a GPU at small batch
-reads every weight each step), mixing is free and an extra step only delays the decodes. A prompt that needs
-several chunks would gain nothing from a first chunk of its own (its first token comes after the last one),
-so such prompts are mixed as usual, and the prompts behind them wait their turn (FCFS). Hence on for CPU
-and off for CUDA by default (EngineConfig.prefill_first "auto").
+of their own, ahead of the decodes, and the next step serves the running sequences first again, so a decode
+waits at most one such step between two tokens. Where a step's cost grows with its tokens (CPU: compute-
+bound at any batch), a short prompt mixed into a decode step makes its first token wait for the whole decode
+batch, while in its own step it costs about what mixing adds; where a step costs about the same whatever it
+carries (a GPU at small batch reads every weight each step), mixing is free and an extra step only delays
+the decodes. A prompt that needs several chunks would gain nothing from a first chunk of its own (its first
+token comes after the last one), so such prompts are mixed as usual, and the prompts behind them wait their
+turn (FCFS). Hence on for CPU and off for CUDA by default (EngineConfig.prefill_first "auto").
 """
 from __future__ import annotations
 

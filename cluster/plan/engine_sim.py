@@ -5,7 +5,8 @@ decoding sequence takes one token, a sequence in the middle of its prefill its n
 sequences in arrival order, within the step's token budget, `long_prefill_token_threshold` tokens of one
 prompt at most, and `max_num_seqs` running; with `prefill_first`, while sequences decode, waiting prompts
 one step can finish get a step of their own before the running ones, never two such steps in a row).
-What it leaves out: the KV pool (no preemption: the planner assumes the pool holds every running request) and the prefix cache (no hits: every prompt is computed).
+What it leaves out: the KV pool (no preemption: the planner assumes the pool holds every running request)
+and the prefix cache (no hits: every prompt is computed).
 tests/plan/ check its chunks against the real Scheduler's on the same arrivals.
 """
 from __future__ import annotations
