@@ -65,9 +65,9 @@ def add_engine_arguments(group) -> None:
                        help="auto: triton on CUDA, the numba kernel on CPU float32, torch otherwise")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     group.add_argument("--prefill-first", choices=PREFILL_FIRST_MODES, default=defaults.prefill_first,
-                       help="on: waiting prompts get a step of their own before the running decodes' next "
-                            "token (never two in a row); off: mixed into the decode step; auto: on for CPU, "
-                            "off for CUDA")
+                       help="on: while sequences decode, waiting prompts one step finishes get a step of "
+                            "their own before the decodes' next token (never two in a row); off: mixed into the "
+                            "decode step; auto: on for CPU, off for CUDA")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -49,7 +49,8 @@ def prefill_first_enabled(config: EngineConfig, device_type: str) -> bool:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, prefill_first: bool = False) -> None:
-        """prefill_first: waiting prompts get a step of their own (see the module docstring)."""
+        """prefill_first: while sequences decode, waiting prompts one step finishes get a step of their own
+        (see the module docstring)."""
         self.config = config
         self.prefill_first = prefill_first
         self._last_was_prompts_only = False
