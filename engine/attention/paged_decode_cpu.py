@@ -4,11 +4,12 @@ Each single-token query reads its sequence's K/V straight from the pool through 
 gathered copy of the context, no padding to the longest sequence. One parallel task per sequence walks
 its blocks once: each K and V row ([kv_heads, head_dim], contiguous in the pool) is read whole for every
 query head (grouped-query attention reads K/V once), with a softmax kept online per block (running max,
-sum and weighted V, rescaled when the max grows). On the benchmark mix (48 sequences, contexts up to ~500
-tokens) one layer takes ~1 ms here against ~8 ms for gather + padded SDPA; reading rows whole made it 25%
-faster than one task per (sequence, KV head) on a decode batch of 25 with 10,600 tokens of context (1.10 vs
-1.47 ms a layer, one thread). The kernel releases the GIL: a worker's other threads (its event loop, KV
-landing) run during it.
+sum and weighted V, rescaled when the max grows). With fewer sequences than threads, a sequence's KV
+heads are split between tasks (one sequence, 4 KV heads, 4 threads: a task per KV head). On the benchmark mix (48
+sequences, contexts up to ~500 tokens) one layer takes ~1 ms here against ~8 ms for gather + padded
+SDPA; reading rows whole made it 25% faster than one task per (sequence, KV head) on a decode batch of
+25 with 10,600 tokens of context (1.10 vs 1.47 ms a layer, one thread). The kernel releases the GIL: a
+worker's other threads (its event loop, KV landing) run during it.
 
 AVAILABLE is False when numba is missing; attention then uses the torch path.
 """
@@ -46,45 +47,53 @@ def compile_kernel() -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           block_size: int) -> torch.Tensor:
+                           block_size: int, head_splits: int | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int32;
-    context_lens: [B] int32 (tokens each query attends to, itself included). Returns [B, H, D]."""
+    context_lens: [B] int32 (tokens each query attends to, itself included). Returns [B, H, D].
+    head_splits: tasks per sequence, each a share of its KV heads (default: enough to give every thread
+    one when there are fewer sequences than threads)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
     out = torch.empty_like(grouped)
-    numba.set_num_threads(min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(threads)
+    if head_splits is None:
+        head_splits = max(1, -(-threads // batch))  # fewer sequences than threads: split their heads
+    head_splits = min(num_kv_heads, head_splits)
     _kernel(grouped.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), block_tables.numpy(),
-            context_lens.numpy(), block_size, np.float32(head_dim ** -0.5), out.numpy())
+            context_lens.numpy(), block_size, np.float32(head_dim ** -0.5), head_splits, out.numpy())
     return out.view(batch, num_heads, head_dim)
 
 
 if AVAILABLE:
     @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-    def _kernel(q, k_pool, v_pool, tables, lens, block_size, scale, out):  # pragma: no cover (compiled)
+    def _kernel(q, k_pool, v_pool, tables, lens, block_size, scale, head_splits, out):  # pragma: no cover
         batch, num_kv_heads, group, head_dim = q.shape
-        for b in prange(batch):
-            length = lens[b]
-            q_scaled = np.empty((num_kv_heads, group, head_dim), dtype=np.float32)
-            for h in range(num_kv_heads):
+        for task in prange(batch * head_splits):  # a sequence, or a share of its KV heads
+            b, split = task // head_splits, task % head_splits
+            first_head, end_head = split * num_kv_heads // head_splits, (split + 1) * num_kv_heads // head_splits
+            heads, length = end_head - first_head, lens[b]
+            q_scaled = np.empty((heads, group, head_dim), dtype=np.float32)
+            for h in range(heads):
                 for g in range(group):
                     for d in range(head_dim):
-                        q_scaled[h, g, d] = q[b, h, g, d] * scale
-            top = np.full((num_kv_heads, group), -np.inf, dtype=np.float32)   # running max score
-            total = np.zeros((num_kv_heads, group), dtype=np.float32)        # running sum of weights
-            acc = np.zeros((num_kv_heads, group, head_dim), dtype=np.float32)  # running weighted sum of V
-            weights = np.empty((num_kv_heads, group, block_size), dtype=np.float32)
+                        q_scaled[h, g, d] = q[b, first_head + h, g, d] * scale
+            top = np.full((heads, group), -np.inf, dtype=np.float32)   # running max score
+            total = np.zeros((heads, group), dtype=np.float32)        # running sum of weights
+            acc = np.zeros((heads, group, head_dim), dtype=np.float32)  # running weighted sum of V
+            weights = np.empty((heads, group, block_size), dtype=np.float32)
             for blk in range((length + block_size - 1) // block_size):
                 base, first = tables[b, blk] * block_size, blk * block_size
                 rows = min(block_size, length - first)
-                for off in range(rows):  # scores: each K row read whole, every head of it
-                    for h in range(num_kv_heads):
+                for off in range(rows):  # scores: each K row read whole (this task's heads of it)
+                    for h in range(heads):
                         for g in range(group):
                             dot = np.float32(0.0)
                             for d in range(head_dim):
-                                dot += q_scaled[h, g, d] * k_pool[base + off, h, d]
+                                dot += q_scaled[h, g, d] * k_pool[base + off, first_head + h, d]
                             weights[h, g, off] = dot
-                for h in range(num_kv_heads):  # online softmax: rescale what is summed so far to the new max
+                for h in range(heads):  # online softmax: rescale what is summed so far to the new max
                     for g in range(group):
                         new_top = top[h, g]
                         for off in range(rows):
@@ -100,13 +109,13 @@ if AVAILABLE:
                             running += weight
                         total[h, g] = running
                 for off in range(rows):  # weighted V rows, each read whole
-                    for h in range(num_kv_heads):
+                    for h in range(heads):
                         for g in range(group):
                             weight = weights[h, g, off]
                             for d in range(head_dim):
-                                acc[h, g, d] += weight * v_pool[base + off, h, d]
-            for h in range(num_kv_heads):
+                                acc[h, g, d] += weight * v_pool[base + off, first_head + h, d]
+            for h in range(heads):
                 for g in range(group):
                     inverse = np.float32(1.0) / total[h, g]
                     for d in range(head_dim):
-                        out[b, h, g, d] = acc[h, g, d] * inverse
+                        out[b, first_head + h, g, d] = acc[h, g, d] * inverse

@@ -35,9 +35,10 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim):
     lens = torch.tensor([1, 4, 5, 17, 33], dtype=torch.int32)
     tables = torch.stack([torch.randperm(num_blocks, generator=generator)[:9] for _ in range(batch)]).int()
     q = torch.randn(batch, heads, head_dim, generator=generator)
-    got = paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, tables, lens, block_size)
-    torch.testing.assert_close(got, reference_decode(q, k_pool, v_pool, tables, lens, block_size),
-                               rtol=1e-5, atol=1e-5)
+    expected = reference_decode(q, k_pool, v_pool, tables, lens, block_size)
+    for head_splits in (None, *range(1, kv_heads + 1)):  # each sequence whole, or its KV heads shared out
+        got = paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, tables, lens, block_size, head_splits)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 BACKENDS = ["torch", pytest.param("cpu_kernel", marks=needs_numba), pytest.param("triton", marks=needs_triton)]
