@@ -9,7 +9,9 @@ asked for, every chunk waits for it: they come back in the report and go out on 
 ends the request with WorkerLost (its `role` says which side), except a prefill worker that dies after the KV
 landed (the decode worker already streams): the request then goes on and ends without prefill timings. Any
 other failure ends it with RequestFailed (or ValueError for input a worker rejected); either way the other
-worker is told to cancel. A consumer that stops early cancels the request on both workers.
+worker is told to cancel. A transfer failure the decode worker reports before the prefill report waits for
+it: a first token that ended the request aborted the transfer, and the report carries it. A consumer that
+stops early cancels the request on both workers.
 """
 from __future__ import annotations
 
@@ -97,6 +99,7 @@ class RequestFlow:
         self._wants_prompt_logprobs = request.params.prompt_logprobs is not None
         self._decoded_any = self._ended = self._decode_ended = False
         self._dispatched = self._first_delivered = None
+        self._transfer_failure: DecodeEnded | None = None  # the decode side's, while the report is awaited
 
     async def chunks(self) -> AsyncIterator[GenerationChunk]:
         """The request's chunks, the last with finish_reason and Timing (see the module docstring)."""
@@ -145,13 +148,25 @@ class RequestFlow:
             return self._on_decoded(event)
         if isinstance(event, _Broken):
             return self._on_broken(event)
-        self._ended = True  # a DecodeEnded: the decode worker ended the request
+        return self._on_decode_ended(event)
+
+    def _on_decode_ended(self, event: DecodeEnded) -> None:
+        """The decode worker ended the request (raises). A failed transfer before the prefill report waits
+        for it instead: a first token that ends the request aborts its layer stream, which the decode side
+        sees as a failed transfer, and the report (FINISHED) then carries that token."""
         self._decode_ended = True
+        if event.status is DecodeStatus.TRANSFER_FAILED and self._report is None:
+            self._transfer_failure = event
+            return None
+        self._ended = True
         self._cancel_prefill()
         raise decode_ended_error(event, self._decode.name)
 
     def _on_report(self, report: PrefillReport) -> GenerationChunk | None:
         self._report = report
+        if self._transfer_failure is not None and report.status is PrefillStatus.SHIPPED:
+            self._ended = True  # the prefill side saw an ack the decode side did not give: trust the failure
+            raise decode_ended_error(self._transfer_failure, self._decode.name)
         if report.status is PrefillStatus.SHIPPED or self._decoded_any:  # a late failure after the KV landed
             return self._release_held()
         self._cancel_decode()
