@@ -164,7 +164,7 @@ def _fit_cpu(runs: list[MeasuredRun], deployment: Deployment, model: StepTimeMod
              costs: ServingCosts) -> ServingCosts:
     counts, serving = [], []
     for run in runs:
-        _, usage = simulate_with_usage(deployment, list(run.requests), model, shape.with_costs(costs))
+        _, usage = simulate_with_usage(deployment, list(run.requests), model, replace(shape, costs=costs))
         counts.append((len(run.requests), run.tokens, usage.steps))
         serving.append(run.cpu_s - usage.jobs_cpu_s - costs.baseline_cores * run.seconds)
     request_cpu, token_cpu, step_cpu = nonnegative_least_squares(np.asarray(counts, dtype=float),
@@ -175,9 +175,9 @@ def _fit_cpu(runs: list[MeasuredRun], deployment: Deployment, model: StepTimeMod
 def _fit_latency(run: MeasuredRun, deployment: Deployment, model: StepTimeModel, shape: ServingShape,
                  costs: ServingCosts) -> ServingCosts:
     measured_ttft, measured_tpot = latency_medians(run.results)
-    _, predicted_tpot = latency_medians(_simulated_results(run, deployment, model, shape.with_costs(costs)))
+    _, predicted_tpot = latency_medians(_simulated_results(run, deployment, model, replace(shape, costs=costs)))
     costs = replace(costs, step_overhead_s=max(0.0, costs.step_overhead_s + measured_tpot - predicted_tpot))
-    predicted_ttft, _ = latency_medians(_simulated_results(run, deployment, model, shape.with_costs(costs)))
+    predicted_ttft, _ = latency_medians(_simulated_results(run, deployment, model, replace(shape, costs=costs)))
     return replace(costs, request_overhead_s=max(0.0, costs.request_overhead_s + measured_ttft - predicted_ttft))
 
 

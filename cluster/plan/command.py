@@ -155,7 +155,7 @@ def _shape(args: argparse.Namespace, base: ServingShape, calibrated: ServingCost
         costs = replace(costs, request_overhead_s=args.request_overhead_ms / 1e3)
     if args.step_overhead_ms is not None:
         costs = replace(costs, step_overhead_s=args.step_overhead_ms / 1e3)
-    return base.with_costs(costs)
+    return replace(base, costs=costs)
 
 
 def _calibrate(args: argparse.Namespace, profile: EngineProfile, model, base: ServingShape, device: str,

@@ -32,28 +32,23 @@ FINISHED = 1e-12  # seconds of work left that count as done (rounding of rate x 
 
 @dataclass(frozen=True)
 class HostModel:
-    """The host's cores and the serving path's CPU costs (see the module docstring)."""
+    """The host's cores and the threads its work runs on (see the module docstring); what the serving path
+    costs is ServingCosts'."""
 
     cores: float = math.inf
     worker_threads: int = 1
-    baseline_cores: float = 0.0
-    request_cpu_s: float = 0.0
-    token_cpu_s: float = 0.0
-    step_cpu_s: float = 0.0
     transfer_threads: int = 2
 
     def __post_init__(self) -> None:
         if not self.cores > 0 or self.worker_threads < 1 or self.transfer_threads < 0:
             raise ValueError(f"a host needs cores > 0 and worker threads >= 1, got {self}")
-        if min(self.baseline_cores, self.request_cpu_s, self.token_cpu_s, self.step_cpu_s) < 0 \
-                or self.baseline_cores >= self.cores:
-            raise ValueError(f"serving-path CPU costs must be >= 0 and the baseline below the cores, got {self}")
 
-    def share(self, threads: int) -> float:
-        """Of a core, what each of `threads` runnable threads gets (1 when nothing runs)."""
+    def share(self, threads: int, baseline_cores: float = 0.0) -> float:
+        """Of a core, what each of `threads` runnable threads gets (1 when nothing runs) when `baseline_cores`
+        are taken off the top."""
         if threads <= 0:
             return 1.0
-        return min(1.0, (self.cores - self.baseline_cores) / threads)
+        return min(1.0, (self.cores - baseline_cores) / threads)
 
 
 @dataclass(frozen=True)
@@ -110,8 +105,8 @@ class CoreSharing:
     after it asks `next_change(now)`: until then the shares stay as they are, so nothing finishes earlier.
     `pop_finished` returns the jobs done by `now`, in the order they were started."""
 
-    def __init__(self, host: HostModel) -> None:
-        self.host = host
+    def __init__(self, host: HostModel, baseline_cores: float = 0.0) -> None:
+        self.host, self.baseline_cores = host, baseline_cores
         self.jobs: list[Job] = []
         self.serving_backlog = 0.0   # CPU seconds of serving-path work queued
         self.serving_cpu = 0.0       # CPU seconds of serving-path work done so far
@@ -124,7 +119,7 @@ class CoreSharing:
 
     @property
     def share(self) -> float:
-        return self.host.share(self.runnable_threads)
+        return self.host.share(self.runnable_threads, self.baseline_cores)
 
     def advance(self, now: float) -> None:
         """Runs everything from the last call to `now` at the current share (now must not be past next_change)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits, SimEngine, SimSequence, step_work
@@ -46,36 +46,21 @@ class SimRequest:
 
 @dataclass(frozen=True)
 class ServingShape:
-    """How the workers of every deployment run: their engines' limits, the KV transfer, and two costs of the
-    serving path outside the engines: a fixed time every request spends before its first token (front end,
-    coordinator, Ray calls) and a fixed time every worker step adds to the engine's (the worker's loop, its
-    events to the coordinator), run on the host's cores with the steps (`host`: how they are shared)."""
+    """How the workers of every deployment run: their engines' limits, the KV transfer, what the serving path
+    outside the engines costs (`costs`: CPU per request, token and step, and the fixed times before every first
+    token and in every step) and the host's cores all of it runs on (`host`: how they are shared)."""
 
     prefill_limits: EngineLimits     # prefill workers
     decode_limits: EngineLimits      # decode workers
     replica_limits: EngineLimits     # colocated replicas
     transfer: TransferModel
-    request_overhead_s: float = 0.0
-    step_overhead_s: float = 0.0
+    costs: ServingCosts = field(default_factory=ServingCosts)
     host: HostModel = field(default_factory=HostModel)
 
     def __post_init__(self) -> None:
-        if self.request_overhead_s < 0 or self.step_overhead_s < 0:
-            raise ValueError(f"serving overheads must be >= 0, got {self.request_overhead_s} and "
-                             f"{self.step_overhead_s}")
-
-    @property
-    def costs(self) -> ServingCosts:
-        """Its serving-path costs (the inverse of with_costs)."""
-        return ServingCosts(self.host.request_cpu_s, self.host.token_cpu_s, self.host.baseline_cores,
-                            self.request_overhead_s, self.step_overhead_s, self.host.step_cpu_s)
-
-    def with_costs(self, costs: ServingCosts) -> "ServingShape":
-        """This shape with `costs` in place of its serving-path costs (the host's cores stay)."""
-        host = replace(self.host, baseline_cores=costs.baseline_cores, request_cpu_s=costs.request_cpu_s,
-                       token_cpu_s=costs.token_cpu_s, step_cpu_s=costs.step_cpu_s)
-        return replace(self, request_overhead_s=costs.request_overhead_s, step_overhead_s=costs.step_overhead_s,
-                       host=host)
+        if self.costs.baseline_cores >= self.host.cores:
+            raise ValueError(f"the serving path's idle use ({self.costs.baseline_cores} cores) must be below the "
+                             f"host's {self.host.cores} cores")
 
 
 @dataclass(frozen=True)
@@ -106,7 +91,7 @@ class _Simulation:
         self.token_times: list[list[float]] = [[] for _ in requests]
         self.decode_of: dict[int, _Worker] = {}     # request -> its decode worker (disaggregated)
         self.transfers: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> KV to ship, the first in flight
-        self.cpu = CoreSharing(shape.host)
+        self.cpu = CoreSharing(shape.host, shape.costs.baseline_cores)
         self.cpu_version = 0
         self.steps = 0
         self.events: list = []
@@ -114,7 +99,7 @@ class _Simulation:
 
     def run(self) -> list[RequestTrace]:
         for index, request in enumerate(self.requests):
-            self._push(request.arrival_s + self.shape.request_overhead_s, self._arrive, index)
+            self._push(request.arrival_s + self.shape.costs.request_overhead_s, self._arrive, index)
         while self.events:
             now, _, handler, payload = heapq.heappop(self.events)
             handler(now, payload)
@@ -158,7 +143,7 @@ class _Simulation:
         when the KV has landed); a replica by its requests plus the prompt tokens routed there without a first
         token."""
         request = self.requests[index]
-        self._serving_work(now, self.shape.host.request_cpu_s)
+        self._serving_work(now, self.shape.costs.request_cpu_s)
         if self.deployment.is_disaggregated:
             decode = min(self.decode, key=lambda w: (_claimed_tokens(w), len(w.live), w.index))
             prefill = min(self.prefill, key=lambda w: (_waiting_prompt_tokens(w), w.index))
@@ -182,14 +167,14 @@ class _Simulation:
             return
         chunks = worker.engine.schedule()
         worker.busy = True
-        seconds = self.model.seconds(step_work(chunks)) + self.shape.step_overhead_s
+        seconds = self.model.seconds(step_work(chunks)) + self.shape.costs.step_overhead_s
         self._run_on_host(now, seconds, self.shape.host.worker_threads, self._end_step, (worker, chunks))
 
     def _end_step(self, now: float, payload) -> None:
         worker, chunks = payload
         worker.busy = False
         self.steps += 1
-        self._serving_work(now, self.shape.host.step_cpu_s)
+        self._serving_work(now, self.shape.costs.step_cpu_s)
         for seq in worker.engine.finish_step(chunks):
             if seq.prefill_only:
                 self._prefilled(worker, seq, now)
@@ -202,7 +187,7 @@ class _Simulation:
 
     def _token(self, worker: _Worker, seq: SimSequence, now: float) -> None:
         self.token_times[seq.request].append(now)
-        self._serving_work(now, self.shape.host.token_cpu_s)
+        self._serving_work(now, self.shape.costs.token_cpu_s)
         if seq.is_done:
             worker.live.pop(seq.request, None)
 
@@ -247,7 +232,7 @@ class _Simulation:
 
     def _admit(self, decode: _Worker, seq: SimSequence, now: float) -> None:
         self.token_times[seq.request].append(now)
-        self._serving_work(now, self.shape.host.token_cpu_s)
+        self._serving_work(now, self.shape.costs.token_cpu_s)
         seq.prefill_only = False
         decode.engine.add_running(seq)
 
@@ -266,7 +251,7 @@ def _waiting_prompt_tokens(worker: _Worker) -> int:
 @dataclass(frozen=True)
 class HostUsage:
     """CPU seconds a simulated run spent: in worker steps and KV transfers (work x threads), and on the
-    serving path (shape.host's costs of its requests, tokens and steps); and its steps, every worker's."""
+    serving path (shape.costs' of its requests, tokens and steps); and its steps, every worker's."""
 
     jobs_cpu_s: float
     serving_cpu_s: float

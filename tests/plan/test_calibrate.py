@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -28,7 +29,7 @@ def made_run(deployment: Deployment, costs: ServingCosts, output_len: int, gap_s
     """A run as a server with exactly `costs` would have measured it: the simulation's token times, and the CPU
     of its steps and transfers plus the baseline and the requests', tokens' and steps' serving CPU."""
     requests = [SimRequest(gap_s * k, 64, output_len) for k in range(20)]
-    traces, usage = simulate_with_usage(deployment, requests, MODEL, SHAPE.with_costs(costs))
+    traces, usage = simulate_with_usage(deployment, requests, MODEL, replace(SHAPE, costs=costs))
     results = tuple(RequestResult(True, t.request.prompt_len, t.request.arrival_s, t.token_times,
                                   (1,) * len(t.token_times)) for t in traces)
     seconds = max(t.token_times[-1] for t in traces)
@@ -51,7 +52,7 @@ def test_the_fit_recovers_the_costs_a_run_was_made_with(deployment):
     for name in ("request_cpu_s", "token_cpu_s", "step_cpu_s", "request_overhead_s", "step_overhead_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.05, abs=2e-5), name
     # and the latencies it predicts with them are the run's
-    traces = simulate(deployment, list(runs[0].requests), MODEL, SHAPE.with_costs(fitted))
+    traces = simulate(deployment, list(runs[0].requests), MODEL, replace(SHAPE, costs=fitted))
     simulated = [RequestResult(True, 64, t.request.arrival_s, t.token_times, (1,) * len(t.token_times))
                  for t in traces]
     assert latency_medians(simulated) == pytest.approx(latency_medians(runs[0].results), rel=0.02)

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits
-from cluster.plan.host_model import CoreSharing, HostModel
+from cluster.plan.host_model import CoreSharing, HostModel, ServingCosts
 from cluster.plan.simulator import ServingShape, SimRequest, simulate
 from cluster.plan.step_model import FEATURES, StepTimeModel
 from cluster.plan.transfer_model import TransferModel
@@ -19,9 +19,10 @@ def step_model(**seconds) -> StepTimeModel:
     return StepTimeModel(tuple(seconds.get(name, 0.0) for name in FEATURES))
 
 
-def shape(host: HostModel, latency_s: float = 0.0) -> ServingShape:
+def shape(host: HostModel, latency_s: float = 0.0, request_cpu_s: float = 0.0) -> ServingShape:
     limits = EngineLimits(2048)
-    return ServingShape(limits, limits, limits, TransferModel(1000, 16, 1e4, latency_s, "test"), host=host)
+    return ServingShape(limits, limits, limits, TransferModel(1000, 16, 1e4, latency_s, "test"),
+                        ServingCosts(request_cpu_s=request_cpu_s), host)
 
 
 def run_until_idle(sharing: CoreSharing) -> list[tuple[str, float]]:
@@ -34,13 +35,19 @@ def run_until_idle(sharing: CoreSharing) -> list[tuple[str, float]]:
 
 
 def test_each_runnable_thread_gets_an_equal_share_of_the_cores_at_most_one():
-    host = HostModel(cores=2, baseline_cores=0.5)
-    assert host.share(0) == 1.0 and host.share(1) == 1.0
-    assert host.share(3) == pytest.approx(0.5)      # (2 - 0.5) / 3
+    host = HostModel(cores=2)
+    assert host.share(0, 0.5) == 1.0 and host.share(1, 0.5) == 1.0
+    assert host.share(3, baseline_cores=0.5) == pytest.approx(0.5)      # (2 - 0.5) / 3
     assert HostModel().share(1000) == 1.0           # cores = inf: nothing is shared
-    for bad in (dict(cores=0), dict(worker_threads=0), dict(token_cpu_s=-1), dict(cores=2, baseline_cores=2)):
+    for bad in (dict(cores=0), dict(worker_threads=0)):
         with pytest.raises(ValueError):
             HostModel(**bad)
+    with pytest.raises(ValueError):
+        ServingCosts(token_cpu_s=-1)
+    limits = EngineLimits(2048)
+    with pytest.raises(ValueError, match="below the host's 2 cores"):
+        ServingShape(limits, limits, limits, TransferModel(1000, 16, 1e4, 0.0, "test"), ServingCosts(baseline_cores=2),
+                     host)
 
 
 def test_jobs_that_overlap_share_one_core_and_each_finishes_its_own_work():
@@ -76,11 +83,11 @@ def test_replicas_steps_slow_down_while_the_serving_path_works_for_their_request
     requests = [SimRequest(0.0, 100, 1), SimRequest(0.0, 100, 1)]
     alone = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=2)))
     assert [t.token_times for t in alone] == [pytest.approx((1.0,))] * 2
-    served = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=2, request_cpu_s=0.15)))
+    served = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=2), request_cpu_s=0.15))
     assert [t.token_times for t in served] == [pytest.approx((1.15,))] * 2  # as in the case above
     one_core = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=1)))
     assert [t.token_times for t in one_core] == [pytest.approx((2.0,))] * 2
-    unshared = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=math.inf, request_cpu_s=0.15)))
+    unshared = simulate(Deployment(0, 2), requests, model, shape(HostModel(cores=math.inf), request_cpu_s=0.15))
     assert [t.token_times for t in unshared] == [pytest.approx((1.0,))] * 2
 
 

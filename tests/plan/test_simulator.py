@@ -11,6 +11,7 @@ from cluster.bench.serve_metrics import RequestResult, compute_metrics
 from cluster.bench.serve_workloads import arrival_gaps
 from cluster.plan.deployment import Deployment, deployments_for
 from cluster.plan.engine_sim import EngineLimits
+from cluster.plan.host_model import ServingCosts
 from cluster.plan.predict import Prediction, Slos, predict, recommend
 from cluster.plan.simulator import ServingShape, SimRequest, simulate
 from cluster.plan.step_model import FEATURES, StepTimeModel
@@ -31,8 +32,8 @@ def shape(budget: int = 100, threshold: int = 0, max_seqs: int = 256, replica_bu
           overhead_s: float = 0.0, step_overhead_s: float = 0.0) -> ServingShape:
     worker = EngineLimits(budget, threshold, max_seqs)
     transfer = TransferModel(bytes_per_block, 16, bandwidth, latency_s, "test")
-    return ServingShape(worker, worker, EngineLimits(replica_budget, 0, max_seqs), transfer, overhead_s,
-                        step_overhead_s)
+    return ServingShape(worker, worker, EngineLimits(replica_budget, 0, max_seqs), transfer,
+                        ServingCosts(request_overhead_s=overhead_s, step_overhead_s=step_overhead_s))
 
 
 def ttfts(traces) -> list[float]:
