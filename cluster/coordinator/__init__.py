@@ -6,9 +6,10 @@ by the prompt's blocks it is known to hold against its free blocks, `kv_routing.
 and prefix affinity), asks the decode worker to expect it (the worker pins the prompt's cached blocks and
 applies the disaggregation policy's bound, `disagg_policy.py`), hands the prompt to the prefill worker with
 the count of blocks not to ship (or lets the decode worker prefill it itself), and streams the
-decode worker's tokens back with the timing breakdown; a `DecodeEventPump` per decode worker routes that
-worker's event stream to per-request mailboxes. The calls that cross into the actor processes are
-`DecodeActor.expect.remote`, `PrefillActor.prefill.remote` and the `DecodeActor.events` stream.
+decode worker's tokens back with the timing breakdown; a `DecodeEventPump` per decode worker holds that
+worker's channel (`cluster/workers/decode_channel.py`: a TCP connection past Ray) that carries its `expect`
+calls and routes its events to per-request mailboxes. The other calls into the actor processes go through
+Ray: `PrefillActor.prefill.remote`, and the control calls (cancel, stats, health, stop).
 Colocated replicas (`--replicas N`) are the same coordinator over decode workers that prefill every prompt
 themselves (no prefill workers), routed by load with prefix affinity. The workers are a `WorkerSet` that
 changes while serving: `Scaling` adds and drains workers (`POST /admin/workers`, `tandem scale`) and runs

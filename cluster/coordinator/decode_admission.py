@@ -13,6 +13,7 @@ from typing import Callable
 from ray.exceptions import RayActorError
 
 from cluster.backend import BackendOverloaded, BackendUnavailable
+from cluster.coordinator.decode_events import WorkerStreamLost
 from cluster.coordinator.routing import Router
 from cluster.coordinator.worker_set import Worker, WorkerSet
 from decode_worker import Admission, ExpectedRequest
@@ -63,8 +64,8 @@ class DecodeAdmissions:
             self._router.served_prefix(expected.prompt_token_ids, name)
         mailbox = pump.open(expected.request_id)
         try:
-            return await worker.actor.expect.remote(expected), worker, mailbox
-        except RayActorError as error:
+            return await pump.expect(expected), worker, mailbox
+        except (RayActorError, WorkerStreamLost) as error:
             self._worker_lost(name, error)
             return None, worker, mailbox
         except BaseException:  # the consumer left meanwhile: drop what the worker may have accepted

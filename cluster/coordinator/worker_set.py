@@ -189,13 +189,13 @@ class WorkerSet:
 
     # ---- decode event pumps -----------------------------------------------------------------------
     def pump(self, name: str, on_lost: Callable[[str, BaseException], None]) -> DecodeEventPump:
-        """The reader of decode worker `name`'s event stream on the running loop, started on first use
-        (a new one subscribes in place of the old if the caller's loop changed, as in tests that call
-        asyncio.run per test)."""
+        """The holder of decode worker `name`'s channel on the running loop, opened on first use (a new
+        one takes the worker's events over if the caller's loop changed, as in tests that call asyncio.run
+        per test)."""
         pump = self._pumps.get(name)
         if pump is None or not pump.on_running_loop():  # first use, or the caller moved to a new loop
-            stream = self.workers[name].actor.events.options(num_returns="streaming").remote()
-            pump = self._pumps[name] = DecodeEventPump(name, stream, on_lost)
+            actor = self.workers[name].actor
+            pump = self._pumps[name] = DecodeEventPump(name, lambda: actor.open_channel.remote(), on_lost)
         return pump
 
     def close_mailbox(self, name: str, request_id: str) -> None:

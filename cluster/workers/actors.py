@@ -2,8 +2,9 @@
 
 An actor builds its engine in its own process (on the GPU Ray gave it, or on CPU with a fixed thread
 count), wraps the plain worker, and turns its calls into async actor methods: a prefill is one awaited
-call returning the PrefillReport; a decode is an expect() call returning the Admission, after which the
-request's DecodeChunk / DecodeEnded events come on the worker's one events() stream. Everything that crosses a process is a typed dataclass.
+call returning the PrefillReport; a decode worker's expect() calls and events travel on its direct channel
+(open_channel, cluster/workers/decode_channel.py), past Ray. Everything that crosses a process is a typed
+dataclass.
 
 Control calls (info, stats, cancel, stop) run in their own concurrency group (CONTROL_GROUP: Ray gives it
 its own thread and event loop), so they answer even while the default group is full of prefill calls
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import ray
 
+from cluster.workers.decode_channel import ChannelAddress, ChannelServer
 from cluster.workers.event_batcher import EventBatcher
-from decode_worker import Admission, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
+from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine.config import EngineConfig
 from kv_transfer.config import ReceiverAddress
 from prefill_worker import PrefillReport, PrefillStatus, PrefillTask, PrefillWorker, PrefillWorkerConfig
@@ -193,10 +195,11 @@ class DecodeActor(_WorkerActor):
         self._batcher: EventBatcher | None = None
         self._outbox_lock = threading.Lock()  # stop() runs on the control group's thread
         self._outbox_closed = False
+        self._channel = ChannelServer(self._worker.expect, self._outbox)
 
     def _outbox(self) -> EventBatcher:
-        """The batcher behind events(), made on first use on the default group's event loop (expect()
-        and events() run there); closed at once if stop() came first."""
+        """The batcher of the channel's events, made on first use on the default group's event loop (the
+        channel runs there); closed at once if stop() came first."""
         with self._outbox_lock:
             if self._batcher is None:
                 self._batcher = EventBatcher(asyncio.get_running_loop())
@@ -214,22 +217,19 @@ class DecodeActor(_WorkerActor):
         """The prefill worker of sender rank `rank` left: stop listening to it."""
         await asyncio.to_thread(self._worker.remove_kv_peer, rank)
 
-    async def expect(self, request: ExpectedRequest) -> Admission:
-        """Accept (the request's events will come on events()) or refuse (backpressure)."""
-        return self._worker.expect(request, self._outbox().put)
-
-    async def events(self):
-        """Streaming generator, one per worker: lists of the DecodeChunk / DecodeEnded events of every
-        accepted request, in order, batched (about one list per engine step); ends after stop()."""
-        async for batch in self._outbox().batches():
-            yield batch
+    async def open_channel(self) -> ChannelAddress:
+        """Where this worker's channel listens (cluster/workers/decode_channel.py: expect() calls in, the
+        events of every accepted request out, batched about one list per engine step, in order; the
+        connection ends after stop()). Listens from the first call on."""
+        return await self._channel.start(self._info.node_ip)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def stop(self) -> None:
-        """End every request (SHUTDOWN), wait for transfers in flight, stop the threads, end events()."""
+        """End every request (SHUTDOWN), wait for transfers in flight, stop the threads, end the channel."""
         await asyncio.to_thread(self._worker.stop)
         with self._outbox_lock:
             self._outbox_closed = True
             batcher = self._batcher
         if batcher is not None:
-            batcher.close()  # thread-safe: wakes the consumer on its own loop
+            batcher.close()  # thread-safe: wakes the consumer on its own loop, which ends the channel
+        self._channel.close()

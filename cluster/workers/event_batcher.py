@@ -1,10 +1,9 @@
-"""The decode actor's side of its one event stream: EventBatcher.
+"""The decode actor's side of its events: EventBatcher.
 
-A Ray streaming-generator item costs about half a millisecond of CPU on each side, so a decode actor
-does not stream per request: every event its worker emits (from the step thread) goes into one
-EventBatcher, and the actor's single `events()` stream yields everything emitted since the last item as
-one list (in practice one list per engine step). The coordinator reads it with a DecodeEventPump
-(cluster/coordinator/decode_events.py).
+Every event the worker emits (from the step thread) goes into one EventBatcher, and the actor's channel
+(cluster/workers/decode_channel.py) sends everything emitted since the last frame as one list (in practice
+one list per engine step), so the per-message cost is paid per step, not per token. The coordinator reads
+the frames with a DecodeEventPump (cluster/coordinator/decode_events.py).
 """
 from __future__ import annotations
 

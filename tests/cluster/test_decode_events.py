@@ -1,14 +1,19 @@
-"""cluster/workers/event_batcher.py and cluster/coordinator/decode_events.py without Ray: the actor-side EventBatcher and the coordinator-side pump."""
+"""A decode worker's channel without Ray: the actor-side EventBatcher and ChannelServer
+(cluster/workers/event_batcher.py, decode_channel.py) and the coordinator-side DecodeEventPump
+(cluster/coordinator/decode_events.py), over a real loopback connection."""
 from __future__ import annotations
 
 import asyncio
 import threading
 
+import pytest
 from ray.exceptions import RayActorError
 
-from cluster.coordinator.decode_events import DecodeEventPump, WorkerStreamLost
+from cluster.coordinator.decode_events import ChannelCallFailed, DecodeEventPump, WorkerStreamLost
+from cluster.workers.decode_channel import SECRET_BYTES, ChannelAddress, ChannelServer, read_frame
 from cluster.workers.event_batcher import EventBatcher
-from decode_worker import DecodeChunk, DecodeEnded, DecodeStatus
+from decode_worker import Admission, DecodeChunk, DecodeEnded, DecodeStatus, ExpectedRequest
+from engine.sampling_params import SamplingParams
 
 
 def chunk(request_id: str, token: int, finish: str | None = None) -> DecodeChunk:
@@ -58,57 +63,141 @@ def test_a_new_consumer_takes_over_and_the_old_one_ends():
     assert first == [chunk("a", 1)] and taken == [chunk("a", 2)] and leftover == []
 
 
-async def _stream(batches, error: BaseException | None):
-    for batch in batches:
-        yield asyncio.sleep(0, batch)
-    if error is not None:
-        raise error
+class FakeDecodeWorker:
+    """What the channel serves: expect() accepts every request but "full" (refused) and "bad" (raises), and
+    keeps each accepted request's emit; the actor's EventBatcher on the running loop."""
+
+    def __init__(self) -> None:
+        self.expected: list[str] = []
+        self.batcher: EventBatcher | None = None
+        self.server = ChannelServer(self.expect, self.outbox)
+
+    def outbox(self) -> EventBatcher:
+        if self.batcher is None:
+            self.batcher = EventBatcher(asyncio.get_running_loop())
+        return self.batcher
+
+    def expect(self, request: ExpectedRequest, emit) -> Admission:
+        if request.request_id == "bad":
+            raise ValueError("a bad request")
+        self.expected.append(request.request_id)
+        return Admission(request.request_id != "full", "full" if request.request_id == "full" else "")
 
 
-def test_pump_routes_events_to_open_mailboxes_and_drops_the_rest():
+def expected(request_id: str) -> ExpectedRequest:
+    return ExpectedRequest(request_id, (1, 2, 3), SamplingParams(max_tokens=4))
+
+
+def opened(address: ChannelAddress):
+    async def open_channel() -> ChannelAddress:
+        return address
+    return open_channel
+
+
+def test_expect_is_answered_and_events_reach_open_mailboxes_only():
     async def scenario():
-        lost = []
-        batches = [[chunk("a", 1), chunk("gone", 9)], [chunk("b", 2), chunk("a", 3, "length")]]
-        gate = asyncio.Event()
-
-        async def gated():
-            await gate.wait()
-            async for ref in _stream(batches, None):
-                yield ref
-            await asyncio.Event().wait()  # the stream stays open
-
-        pump = DecodeEventPump("d", gated(), lambda *args: lost.append(args))
+        worker, lost = FakeDecodeWorker(), []
+        pump = DecodeEventPump("d", opened(await worker.server.start("127.0.0.1")), lambda *args: lost.append(args))
         a, b = pump.open("a"), pump.open("b")
-        gate.set()
-        got_a = [await a.get(), await a.get()]
-        got_b = await b.get()
+        admissions = [await pump.expect(expected(name)) for name in ("a", "b", "full")]
+        for batch in ([chunk("a", 1), chunk("gone", 9)], [chunk("b", 2), chunk("a", 3, "length")]):
+            threading.Thread(target=lambda events=batch: [worker.batcher.put(e) for e in events]).start()
+            await asyncio.sleep(0.05)
+        got_a, got_b = [await a.get(), await a.get()], await b.get()
         pump.stop()
-        return got_a, got_b, lost
+        worker.server.close()
+        return admissions, got_a, got_b, worker.expected, lost
 
-    got_a, got_b, lost = asyncio.run(scenario())
-    assert got_a == [chunk("a", 1), chunk("a", 3, "length")] and got_b == chunk("b", 2) and lost == []
+    admissions, got_a, got_b, asked, lost = asyncio.run(scenario())
+    assert [(x.accepted, x.reason) for x in admissions] == [(True, ""), (True, ""), (False, "full")]
+    assert got_a == [chunk("a", 1), chunk("a", 3, "length")] and got_b == chunk("b", 2)
+    assert asked == ["a", "b", "full"] and lost == []
 
 
-def test_a_broken_stream_reaches_every_open_mailbox_and_later_ones():
+def test_a_call_that_raises_fails_alone_and_the_channel_stays():
+    async def scenario():
+        worker, lost = FakeDecodeWorker(), []
+        pump = DecodeEventPump("d", opened(await worker.server.start("127.0.0.1")), lambda *args: lost.append(args))
+        with pytest.raises(ChannelCallFailed, match="ValueError: a bad request"):
+            await pump.expect(expected("bad"))
+        after = await pump.expect(expected("a"))
+        pump.stop()
+        return after, lost
+
+    after, lost = asyncio.run(scenario())
+    assert after.accepted and lost == []
+
+
+def test_the_worker_stopping_ends_the_channel_and_every_mailbox_and_later_call_learns_it():
+    async def scenario():
+        worker, lost = FakeDecodeWorker(), []
+        pump = DecodeEventPump("d", opened(await worker.server.start("127.0.0.1")), lambda w, e: lost.append(w))
+        a = pump.open("a")
+        await pump.expect(expected("a"))
+        worker.batcher.put(DecodeEnded("a", DecodeStatus.SHUTDOWN))
+        worker.batcher.close()  # DecodeActor.stop()
+        events = [await a.get(), await a.get()]
+        late = await pump.open("c").get()
+        with pytest.raises(WorkerStreamLost):
+            await pump.expect(expected("c"))
+        return events, late, lost
+
+    events, late, lost = asyncio.run(scenario())
+    assert events[0] == DecodeEnded("a", DecodeStatus.SHUTDOWN)
+    assert isinstance(events[1], WorkerStreamLost) and isinstance(late, WorkerStreamLost) and lost == ["d"]
+
+
+def test_a_connection_broken_under_a_call_fails_the_call_and_every_mailbox():
+    async def scenario():
+        asked = []
+
+        async def dying(reader, writer):  # reads the secret and one call, then its process "dies"
+            await reader.readexactly(SECRET_BYTES)
+            asked.append(await read_frame(reader))
+            writer.transport.abort()
+
+        server, lost = await asyncio.start_server(dying, "127.0.0.1", 0), []
+        address = ChannelAddress("127.0.0.1", server.sockets[0].getsockname()[1], b"s" * SECRET_BYTES)
+        pump = DecodeEventPump("d", opened(address), lambda w, e: lost.append(w))
+        a = pump.open("a")
+        with pytest.raises(WorkerStreamLost):
+            await pump.expect(expected("a"))
+        server.close()
+        return asked, await a.get(), lost
+
+    asked, event, lost = asyncio.run(scenario())
+    assert asked[0][0] == "expect" and asked[0][2].request_id == "a"
+    assert isinstance(event, WorkerStreamLost) and lost == ["d"]
+
+
+def test_a_wrong_secret_is_closed_before_anything_is_read():
+    async def scenario():
+        worker, lost = FakeDecodeWorker(), []
+        address = await worker.server.start("127.0.0.1")
+        wrong = ChannelAddress(address.host, address.port, bytes(SECRET_BYTES))
+        pump = DecodeEventPump("d", opened(wrong), lambda w, e: lost.append(w))
+        with pytest.raises(WorkerStreamLost):
+            await pump.expect(expected("a"))
+        worker.server.close()
+        return worker.expected, lost
+
+    asked, lost = asyncio.run(scenario())
+    assert asked == [] and lost == ["d"]
+
+
+def test_a_worker_that_died_before_its_channel_opened_is_lost():
     async def scenario():
         lost = []
-        gate = asyncio.Event()
 
-        async def breaking():
-            await gate.wait()
-            async for ref in _stream([[DecodeEnded("a", DecodeStatus.CANCELLED)]], RayActorError()):
-                yield ref
+        async def dead() -> ChannelAddress:
+            raise RayActorError()
 
-        pump = DecodeEventPump("d", breaking(), lambda worker, error: lost.append(worker))
-        a, b = pump.open("a"), pump.open("b")
-        gate.set()
-        events_a = [await a.get(), await a.get()]
-        event_b = await b.get()
-        late = await pump.open("c").get()
-        return events_a, event_b, late, lost
+        pump = DecodeEventPump("d", dead, lambda w, e: lost.append((w, e)))
+        a = pump.open("a")
+        with pytest.raises(WorkerStreamLost) as raised:
+            await pump.expect(expected("a"))
+        return raised.value, await a.get(), lost
 
-    events_a, event_b, late, lost = asyncio.run(scenario())
-    assert events_a[0] == DecodeEnded("a", DecodeStatus.CANCELLED)
-    for event in (events_a[1], event_b, late):
-        assert isinstance(event, WorkerStreamLost) and isinstance(event.error, RayActorError)
-    assert lost == ["d"]
+    raised, event, lost = asyncio.run(scenario())
+    assert isinstance(raised.error, RayActorError) and event is raised
+    assert [w for w, _ in lost] == ["d"] and isinstance(lost[0][1], RayActorError)
