@@ -15,7 +15,7 @@ runnable threads are:
                               per transfer (round trips) is a wait that takes no core
     the serving path          1 while it has CPU work queued: `request_cpu_s` for every request that
                               arrives, `token_cpu_s` for every token a worker emits and `step_cpu_s` for
-                              every worker step (the front end, the coordinator, Ray's event streams, the
+                              every worker step (the front end, the coordinator, the decode channels, the
                               client: measured by `tandem plan --calibrate` as CPU time of those processes)
 
 `baseline_cores` is what the serving processes use while nothing is served (Ray's daemons polling); it is
