@@ -37,6 +37,7 @@ from decode_worker import Admission, ExpectedRequest
 logger = logging.getLogger("tandem.cluster.workers.decode_channel")
 EXPECT, ADMISSION, CALL_FAILED, EVENTS = "expect", "admission", "call_failed", "events"
 SECRET_BYTES = 32
+SECRET_TIMEOUT_S = 10.0  # a connection that has not sent the secret by then is closed
 MAX_FRAME_BYTES = 1 << 30
 _LENGTH = struct.Struct(">I")
 
@@ -90,7 +91,7 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            secret = await reader.readexactly(SECRET_BYTES)
+            secret = await asyncio.wait_for(reader.readexactly(SECRET_BYTES), SECRET_TIMEOUT_S)
             if not hmac.compare_digest(secret, self._secret):
                 logger.warning("a channel connection with the wrong secret was closed")
                 return
@@ -101,6 +102,10 @@ class ChannelServer:
                 events.cancel()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the coordinator closed it
+        except asyncio.TimeoutError:
+            logger.warning("a channel connection that sent no secret within %ss was closed", SECRET_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a broken peer ends its connection, not the worker
+            logger.exception("a channel connection failed and was closed")
         finally:
             writer.close()
 
