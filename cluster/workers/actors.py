@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import ray
 
 from cluster.workers.decode_channel import ChannelAddress, ChannelServer
-from cluster.workers.event_batcher import EventBatcher
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine.config import EngineConfig
 from kv_transfer.config import ReceiverAddress
@@ -192,20 +191,7 @@ class DecodeActor(_WorkerActor):
         config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
         self._worker = DecodeWorker(engine, config)
         self._info = _info(config.name, role, engine, self._worker.address)
-        self._batcher: EventBatcher | None = None
-        self._outbox_lock = threading.Lock()  # stop() runs on the control group's thread
-        self._outbox_closed = False
-        self._channel = ChannelServer(self._worker.expect, self._outbox)
-
-    def _outbox(self) -> EventBatcher:
-        """The batcher of the channel's events, made on first use on the default group's event loop (the
-        channel runs there); closed at once if stop() came first."""
-        with self._outbox_lock:
-            if self._batcher is None:
-                self._batcher = EventBatcher(asyncio.get_running_loop())
-                if self._outbox_closed:
-                    self._batcher.close()
-            return self._batcher
+        self._channel = ChannelServer(self._worker.expect)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def add_kv_peer(self, rank: int) -> None:
@@ -227,9 +213,4 @@ class DecodeActor(_WorkerActor):
     async def stop(self) -> None:
         """End every request (SHUTDOWN), wait for transfers in flight, stop the threads, end the channel."""
         await asyncio.to_thread(self._worker.stop)
-        with self._outbox_lock:
-            self._outbox_closed = True
-            batcher = self._batcher
-        if batcher is not None:
-            batcher.close()  # thread-safe: wakes the consumer on its own loop, which ends the channel
-        self._channel.close()
+        self._channel.close()  # from the control group's thread

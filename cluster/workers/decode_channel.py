@@ -28,6 +28,7 @@ import logging
 import pickle
 import secrets
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -66,28 +67,40 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
 
 
 class ChannelServer:
-    """Serves a decode worker's channel on the running event loop (the actor's, where `expect` and the
-    batcher live). expect(request, emit) is the worker's; outbox() the actor's EventBatcher."""
+    """Serves a decode worker's channel on the event loop start() runs on (the actor's default group's,
+    where `expect` runs), and holds the EventBatcher the worker's events go into."""
 
-    def __init__(self, expect: Callable[[ExpectedRequest, Callable], Admission],
-                 outbox: Callable[[], EventBatcher]) -> None:
-        self._expect, self._outbox = expect, outbox
+    def __init__(self, expect: Callable[[ExpectedRequest, Callable], Admission]) -> None:
+        """expect(request, emit): the worker's (DecodeWorker.expect); emit is this channel's batcher's put."""
+        self._expect = expect
         self._secret = secrets.token_bytes(SECRET_BYTES)
+        self._lock = threading.Lock()  # close() may run on another thread than start()
+        self._closed = False
         self._server: asyncio.Server | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._batcher: EventBatcher | None = None
 
     async def start(self, host: str) -> ChannelAddress:
-        """Listen on `host` (a free port), once; the address to connect to."""
+        """Listen on `host` (a free port), once; the address to connect to. After close() a connection
+        ends at once."""
+        with self._lock:
+            if self._batcher is None:
+                self._batcher = EventBatcher(asyncio.get_running_loop())
+                if self._closed:
+                    self._batcher.close()
         if self._server is None:
-            self._loop = asyncio.get_running_loop()
             self._server = await asyncio.start_server(self._serve, host, 0)
         port = self._server.sockets[0].getsockname()[1]
         return ChannelAddress(host, port, self._secret)
 
     def close(self) -> None:
-        """Stop listening (any thread); open connections end when the batcher closes."""
-        if self._server is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._server.close)
+        """The events end after what is pending (the connection then ends) and nothing new is accepted.
+        Any thread; call it once the worker emits nothing more."""
+        with self._lock:
+            self._closed = True
+            batcher = self._batcher
+        if batcher is not None:
+            batcher.close()  # thread-safe: wakes the sender on the channel's loop
+            batcher.call_soon(self._server.close)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -110,7 +123,7 @@ class ChannelServer:
             writer.close()
 
     async def _answer_calls(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        emit = self._outbox().put
+        emit = self._batcher.put
         while True:
             kind, call_id, request = await read_frame(reader)
             if kind != EXPECT:
@@ -125,7 +138,7 @@ class ChannelServer:
     async def _send_events(self, writer: asyncio.StreamWriter) -> None:
         """Every event batch to the coordinator; the stream ends (EOF) when the batcher closes (stop)."""
         try:
-            async for batch in self._outbox().batches():
+            async for batch in self._batcher.batches():
                 write_frame(writer, (EVENTS, None, batch))
                 await writer.drain()
         except ConnectionError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Callable
 
 from decode_worker import DecodeEvent
 
@@ -31,6 +32,11 @@ class EventBatcher:
             first = len(self._pending) == 1
         if first:
             self._loop.call_soon_threadsafe(self._wakeup.set)
+
+    def call_soon(self, callback: Callable[[], object]) -> None:
+        """Runs `callback` on the batcher's loop (any thread), unless that loop is closed."""
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(callback)
 
     def close(self) -> None:
         """batches() ends after yielding what is still pending."""

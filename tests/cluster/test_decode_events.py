@@ -65,22 +65,18 @@ def test_a_new_consumer_takes_over_and_the_old_one_ends():
 
 class FakeDecodeWorker:
     """What the channel serves: expect() accepts every request but "full" (refused) and "bad" (raises), and
-    keeps each accepted request's emit; the actor's EventBatcher on the running loop."""
+    keeps the emit it was given (the channel's batcher), which emit() then calls from any thread."""
 
     def __init__(self) -> None:
         self.expected: list[str] = []
-        self.batcher: EventBatcher | None = None
-        self.server = ChannelServer(self.expect, self.outbox)
-
-    def outbox(self) -> EventBatcher:
-        if self.batcher is None:
-            self.batcher = EventBatcher(asyncio.get_running_loop())
-        return self.batcher
+        self.emit = None
+        self.server = ChannelServer(self.expect)
 
     def expect(self, request: ExpectedRequest, emit) -> Admission:
         if request.request_id == "bad":
             raise ValueError("a bad request")
         self.expected.append(request.request_id)
+        self.emit = emit
         return Admission(request.request_id != "full", "full" if request.request_id == "full" else "")
 
 
@@ -101,7 +97,7 @@ def test_expect_is_answered_and_events_reach_open_mailboxes_only():
         a, b = pump.open("a"), pump.open("b")
         admissions = [await pump.expect(expected(name)) for name in ("a", "b", "full")]
         for batch in ([chunk("a", 1), chunk("gone", 9)], [chunk("b", 2), chunk("a", 3, "length")]):
-            threading.Thread(target=lambda events=batch: [worker.batcher.put(e) for e in events]).start()
+            threading.Thread(target=lambda events=batch: [worker.emit(e) for e in events]).start()
             await asyncio.sleep(0.05)
         got_a, got_b = [await a.get(), await a.get()], await b.get()
         pump.stop()
@@ -134,8 +130,8 @@ def test_the_worker_stopping_ends_the_channel_and_every_mailbox_and_later_call_l
         pump = DecodeEventPump("d", opened(await worker.server.start("127.0.0.1")), lambda w, e: lost.append(w))
         a = pump.open("a")
         await pump.expect(expected("a"))
-        worker.batcher.put(DecodeEnded("a", DecodeStatus.SHUTDOWN))
-        worker.batcher.close()  # DecodeActor.stop()
+        worker.emit(DecodeEnded("a", DecodeStatus.SHUTDOWN))
+        worker.server.close()  # DecodeActor.stop(), after the worker's last event
         events = [await a.get(), await a.get()]
         late = await pump.open("c").get()
         with pytest.raises(WorkerStreamLost):
@@ -201,3 +197,15 @@ def test_a_worker_that_died_before_its_channel_opened_is_lost():
     raised, event, lost = asyncio.run(scenario())
     assert isinstance(raised.error, RayActorError) and event is raised
     assert [w for w, _ in lost] == ["d"] and isinstance(lost[0][1], RayActorError)
+
+
+def test_a_worker_stopped_before_its_channel_opened_ends_the_connection_at_once():
+    async def scenario():
+        worker, lost = FakeDecodeWorker(), []
+        worker.server.close()  # DecodeActor.stop() before the coordinator's first open_channel
+        pump = DecodeEventPump("d", opened(await worker.server.start("127.0.0.1")), lambda w, e: lost.append(w))
+        event = await pump.open("a").get()
+        return event, lost
+
+    event, lost = asyncio.run(scenario())
+    assert isinstance(event, WorkerStreamLost) and "ended" in str(event) and lost == ["d"]
