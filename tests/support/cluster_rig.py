@@ -12,14 +12,15 @@ import ray
 from cluster.backend import GenerationChunk, GenerationRequest
 from cluster.workers.cluster_config import ClusterConfig
 from engine import EngineConfig, SamplingParams
+from tests.support.ray_start import start_ray
 
 POOL_BYTES = 16 << 20           # 256 blocks of the default model per worker
 SMALL_ENGINE = EngineConfig(kv_cache_memory=POOL_BYTES)
 
 
 def start_local_ray() -> None:
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8,
-             log_to_driver=False)
+    start_ray(lambda: ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8,
+                               log_to_driver=False))
 
 
 def cluster_config(num_prefill: int, num_decode: int, transport: str = "grpc") -> ClusterConfig:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.support.ray_start import start_ray
 from tests.support.serve_process import descendants, live_processes
 
 NODE_IP = "127.0.0.2"
@@ -53,7 +54,12 @@ class FakeCluster:
 
 
 def start_fake_cluster() -> FakeCluster:
-    """The head and nodes a, b, c, up and registered; this process connected to it as a driver."""
+    """The head and nodes a, b, c, up and registered; this process connected to it as a driver (tried
+    twice if Ray's node startup times out: tests/support/ray_start.py)."""
+    return start_ray(_start_fake_cluster)
+
+
+def _start_fake_cluster() -> FakeCluster:
     dashboard = ray._private.utils.get_dashboard_dependency_error() is None
     head = {"num_cpus": 0, "node_ip_address": NODE_IP, "include_dashboard": dashboard}
     if dashboard:
