@@ -28,7 +28,7 @@ from pathlib import Path
 
 from cluster.plan.deployment import Deployment, deployments_for
 from cluster.plan.engine_sim import EngineLimits
-from cluster.plan.host_model import HostModel, ServingCosts
+from cluster.plan.host_model import SCHEDULERS, SLICED, HostModel, ServingCosts
 from cluster.plan.predict import Slos, predict, recommend
 from cluster.plan.profile import GRIDS, EngineProfile, WorkerEngines, profile_workers
 from cluster.plan.report import format_profile, format_serving, format_table, plan_json, sample_curves
@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-cores", type=float, default=None,
                         help="host cores the workers, KV transfers and serving processes share (default: this "
                              "machine's; 'inf': nothing shared)")
+    parser.add_argument("--host-scheduler", choices=SCHEDULERS, default=SLICED,
+                        help="how a step's waits for a core are spread when the cores are shared: 'sliced' (each "
+                             "step's wait drawn around the fair share's mean, as a kernel's time slices spread "
+                             "them) or 'fluid' (every step waits exactly its fair share)")
     parser.add_argument("--request-overhead-ms", type=float, default=None,
                         help="fixed time a request spends before its first token outside the engines (front end, "
                              "coordinator, Ray calls), added to every TTFT (default: calibrated, else 0)")
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     deployments = deployments_for(workers)
     workload = workload_from_flags(args)
     limits = _serving_flags(args, device)
-    host = HostModel(_host_cores(args), threads if device == "cpu" else 1)
+    host = HostModel(_host_cores(args), threads if device == "cpu" else 1, scheduler=args.host_scheduler,
+                     wait_seed=args.seed)
     profile = _profile(args, device, threads)
     longest = max(r.prompt_len + r.output_len for r in workload.requests)
     if longest > profile.max_model_len:
@@ -139,7 +144,7 @@ def _model_context(profile: EngineProfile, model, transfer: TransferModel, shape
     return {"profile": {"steps": len(profile.steps), "coefficients": model.as_dict(), **sample_curves(model)},
             "transfer": {"source": transfer.source, "bytes_per_second": transfer.bytes_per_second,
                          "latency_s": transfer.latency_s, "bytes_per_block": transfer.bytes_per_block},
-            "host_cores": _rate(host.cores),
+            "host_cores": _rate(host.cores), "host_scheduler": host.scheduler,
             "serving": {kind: {**shape.costs.as_dict(), "calibrated": kind in profile.serving}
                         for kind, shape in shapes.items()}}
 

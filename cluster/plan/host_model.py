@@ -21,13 +21,30 @@ runnable threads are:
 `baseline_cores` is what the serving processes use while nothing is served (Ray's daemons polling); it is
 taken off the top. With cores = inf nothing is shared and every piece of work takes its own time: the
 engine-bound prediction.
+
+How a job's waits are spread (`HostModel.scheduler`):
+
+    fluid     every job progresses at `share` all the time: T of work takes T / share, and each job waits
+              (1 / share - 1) seconds off the cores per second of its work
+    sliced    the same wait on average, but each job's is drawn: its wait per second of work is
+              (1 / share - 1) x f, f drawn from Exp(1) when it starts (seeded: the same inputs, the same draws)
+
+A kernel hands the cores out in slices: a short step may run through untouched or wait for the whole slices
+of the threads ahead of it. Measured on the 2-core machine (a decode worker's steps beside its prefill worker's
+steps and a KV stream, 8 req/s, `/proc/.../schedstat`): the extra time of those steps was run-queue wait (no GIL
+or other blocking to speak of), 1.19 ms at p50, 5.13 at p90 and 9.51 at p99 for steps of 4.3 ms of CPU; Exp
+draws of the same mean (2.06 ms) put them at 1.43, 4.74 and 9.49. `fluid` puts every such step at its mean and
+so misses the tail of the inter-token times (docs/benchmarks.md, "Where the decode worker's slow steps wait").
 """
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 FINISHED = 1e-12  # seconds of work left that count as done (rounding of rate x time)
+FLUID, SLICED = "fluid", "sliced"
+SCHEDULERS = (FLUID, SLICED)
 
 
 @dataclass(frozen=True)
@@ -38,10 +55,14 @@ class HostModel:
     cores: float = math.inf
     worker_threads: int = 1
     transfer_threads: int = 2
+    scheduler: str = FLUID   # how a job's waits are spread: FLUID or SLICED (the module docstring)
+    wait_seed: int = 0       # SLICED: the seed of the draws
 
     def __post_init__(self) -> None:
         if not self.cores > 0 or self.worker_threads < 1 or self.transfer_threads < 0:
             raise ValueError(f"a host needs cores > 0 and worker threads >= 1, got {self}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown scheduler {self.scheduler!r}: one of {', '.join(SCHEDULERS)}")
 
     def share(self, threads: int, baseline_cores: float = 0.0) -> float:
         """Of a core, what each of `threads` runnable threads gets (1 when nothing runs) when `baseline_cores`
@@ -87,15 +108,23 @@ class ServingCosts:
 
 @dataclass(eq=False)
 class Job:
-    """Work of `threads` threads that takes `work` seconds at a full core per thread; `payload` is the caller's."""
+    """Work of `threads` threads that takes `work` seconds at a full core per thread; `payload` is the caller's.
+    `wait_factor` scales its waits off the cores (1: the fluid share's; the module docstring)."""
 
     work: float
     threads: int
     payload: object
+    wait_factor: float = 1.0
     remaining: float = field(init=False)
 
     def __post_init__(self) -> None:
         self.remaining = self.work
+
+    def rate(self, share: float) -> float:
+        """Seconds of work done per second at `share`: `share` itself when wait_factor is 1."""
+        if share >= 1.0 or share <= 0.0:
+            return min(1.0, max(share, 0.0))
+        return 1.0 / (1.0 + (1.0 / share - 1.0) * self.wait_factor)
 
 
 class CoreSharing:
@@ -107,6 +136,7 @@ class CoreSharing:
 
     def __init__(self, host: HostModel, baseline_cores: float = 0.0) -> None:
         self.host, self.baseline_cores = host, baseline_cores
+        self._waits = random.Random(host.wait_seed) if host.scheduler == SLICED else None
         self.jobs: list[Job] = []
         self.serving_backlog = 0.0   # CPU seconds of serving-path work queued
         self.serving_cpu = 0.0       # CPU seconds of serving-path work done so far
@@ -127,10 +157,10 @@ class CoreSharing:
         if elapsed < 0:
             raise ValueError(f"time runs forward: {now} < {self.clock}")
         if elapsed > 0:
-            done = self.share * elapsed
+            share = self.share
             for job in self.jobs:
-                job.remaining -= done
-            served = min(self.serving_backlog, done)
+                job.remaining -= job.rate(share) * elapsed
+            served = min(self.serving_backlog, share * elapsed)
             self.serving_backlog -= served
             self.serving_cpu += served
         self.clock = now
@@ -139,7 +169,7 @@ class CoreSharing:
         """A job from `clock` on (call advance first)."""
         if work < 0 or threads < 0:
             raise ValueError(f"a job needs work >= 0 and threads >= 0, got {work}, {threads}")
-        job = Job(work, threads, payload)
+        job = Job(work, threads, payload, 1.0 if self._waits is None else self._waits.expovariate(1.0))
         self.jobs.append(job)
         self.jobs_cpu += work * threads
         return job
@@ -152,10 +182,10 @@ class CoreSharing:
         share = self.share
         if share == 0:
             return None
-        ends = [job.remaining for job in self.jobs]
+        ends = [max(0.0, job.remaining) / job.rate(share) for job in self.jobs]
         if self.serving_backlog > FINISHED:
-            ends.append(self.serving_backlog)
-        return self.clock + max(0.0, min(ends)) / share if ends else None
+            ends.append(self.serving_backlog / share)
+        return self.clock + min(ends) if ends else None
 
     def pop_finished(self) -> list[Job]:
         done = [job for job in self.jobs if job.remaining <= FINISHED * max(1.0, job.work)]

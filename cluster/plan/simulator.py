@@ -19,7 +19,7 @@ the serving path's CPU costs and the host's cores given, a step or a transfer ta
 threads want the cores than there are; with cores = inf (the default) each takes its own time.
 
 A request with one output token ends at its first token (nothing is shipped). Same inputs, same result:
-the simulation draws nothing at random.
+the only draws are the host's (HostModel.scheduler 'sliced'), from HostModel.wait_seed.
 """
 from __future__ import annotations
 

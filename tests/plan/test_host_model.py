@@ -1,15 +1,18 @@
 """The host model against hand-computed cases: processor sharing of the cores between jobs that start and end
-at different times, the serving path's queued CPU work taking its thread's share, and in the simulation steps
-and KV transfers slowed by what else runs beside them (and not slowed where the cores suffice)."""
+at different times, the serving path's queued CPU work taking its thread's share, in the simulation steps and
+KV transfers slowed by what else runs beside them (and not slowed where the cores suffice), and the sliced
+scheduler's drawn waits: the fluid share's on average, spread as exponential draws."""
 from __future__ import annotations
 
 import math
+import random
+import statistics
 
 import pytest
 
 from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits
-from cluster.plan.host_model import CoreSharing, HostModel, ServingCosts
+from cluster.plan.host_model import FLUID, SLICED, CoreSharing, HostModel, ServingCosts
 from cluster.plan.simulator import ServingShape, SimRequest, simulate
 from cluster.plan.step_model import FEATURES, StepTimeModel
 from cluster.plan.transfer_model import TransferModel
@@ -39,7 +42,7 @@ def test_each_runnable_thread_gets_an_equal_share_of_the_cores_at_most_one():
     assert host.share(0, 0.5) == 1.0 and host.share(1, 0.5) == 1.0
     assert host.share(3, baseline_cores=0.5) == pytest.approx(0.5)      # (2 - 0.5) / 3
     assert HostModel().share(1000) == 1.0           # cores = inf: nothing is shared
-    for bad in (dict(cores=0), dict(worker_threads=0)):
+    for bad in (dict(cores=0), dict(worker_threads=0), dict(scheduler="cfs")):
         with pytest.raises(ValueError):
             HostModel(**bad)
     with pytest.raises(ValueError):
@@ -104,3 +107,40 @@ def test_a_kv_transfers_copy_and_the_decode_steps_beside_it_slow_each_other_but_
     plenty = simulate(Deployment(1, 1), [a, b], model, shape(HostModel(cores=4), latency_s=0.1))
     assert plenty[0].token_times == pytest.approx((0.216, 0.316, 0.416))  # every thread has a core
     assert plenty[1].token_times == pytest.approx((0.466, 0.566))
+
+
+def test_sliced_waits_are_drawn_per_job_from_the_seed_and_scale_the_fair_shares_wait():
+    sharing = CoreSharing(HostModel(cores=1, scheduler=SLICED, wait_seed=7))
+    draws = random.Random(7)
+    factor_a, factor_b = draws.expovariate(1.0), draws.expovariate(1.0)
+    sharing.start(1.0, 1, "a")
+    sharing.start(1.0, 1, "b")           # half a core each: 1 s of work waits 1 s in the fluid model, f x 1 s here
+    first, second = ("a", factor_a), ("b", factor_b)
+    if factor_b < factor_a:
+        first, second = second, first
+    ends_first = 1.0 + first[1]           # at 1 / (1 + f) seconds of work per second
+    left = 1.0 - ends_first / (1.0 + second[1])
+    assert run_until_idle(sharing) == [(first[0], pytest.approx(ends_first)),
+                                       (second[0], pytest.approx(ends_first + left))]  # then alone: a full core
+
+
+def test_sliced_waits_keep_the_fluid_mean_and_spread_it_as_an_exponential_tail():
+    def short_steps(scheduler: str) -> list[float]:
+        """2000 steps of 10 ms, one after another, beside a job that never ends on one core (half a core each)."""
+        sharing = CoreSharing(HostModel(cores=1, scheduler=scheduler, wait_seed=3))
+        sharing.start(1e9, 1, "background")
+        times = []
+        for _ in range(2000):
+            started = sharing.clock
+            sharing.start(0.01, 1, "step")
+            when = sharing.next_change()
+            sharing.advance(when)
+            assert [job.payload for job in sharing.pop_finished()] == ["step"]
+            times.append(when - started)
+        return times
+
+    assert set(round(t, 9) for t in short_steps(FLUID)) == {0.02}
+    sliced = sorted(short_steps(SLICED))
+    assert statistics.mean(sliced) == pytest.approx(0.02, rel=0.06)       # 10 ms of work + 10 ms waited on average
+    assert sliced[0] < 0.0101 and sliced[1000] < 0.018                     # many barely wait: the median f is ln 2
+    assert 0.045 < sliced[1980] < 0.07                                     # p99: f = ln 100 = 4.6, not 1
