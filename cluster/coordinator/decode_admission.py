@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from ray.exceptions import RayActorError
-
 from cluster.backend import BackendOverloaded, BackendUnavailable
 from cluster.coordinator.decode_events import WorkerStreamLost
 from cluster.coordinator.routing import Router
@@ -65,7 +63,7 @@ class DecodeAdmissions:
         mailbox = pump.open(expected.request_id)
         try:
             return await pump.expect(expected), worker, mailbox
-        except (RayActorError, WorkerStreamLost) as error:
+        except WorkerStreamLost as error:  # the channel broke (or never opened): the worker is lost
             self._worker_lost(name, error)
             return None, worker, mailbox
         except BaseException:  # the consumer left meanwhile: drop what the worker may have accepted

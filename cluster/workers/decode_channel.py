@@ -100,7 +100,13 @@ class ChannelServer:
             batcher = self._batcher
         if batcher is not None:
             batcher.close()  # thread-safe: wakes the sender on the channel's loop
-            batcher.call_soon(self._server.close)
+            batcher.call_soon(self._close_server)
+
+    def _close_server(self) -> None:
+        """On the channel's loop: no new connections (if start() is still making its listener, that one stays,
+        and every connection to it ends at once, as after close())."""
+        if self._server is not None:
+            self._server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

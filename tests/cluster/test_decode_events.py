@@ -209,3 +209,26 @@ def test_a_worker_stopped_before_its_channel_opened_ends_the_connection_at_once(
 
     event, lost = asyncio.run(scenario())
     assert isinstance(event, WorkerStreamLost) and "ended" in str(event) and lost == ["d"]
+
+
+
+def test_a_worker_stopped_while_its_channel_starts_listening_ends_the_connection_at_once(monkeypatch):
+    """stop() on the control thread can land after start() made the batcher and before its listener is up:
+    nothing fails on the channel's loop, and a connection then ends at once, as after any stop()."""
+    started, loop_errors = asyncio.start_server, []
+
+    async def start_server_while_stopping(*args, **kwargs):
+        await asyncio.to_thread(worker.server.close)  # the control group's thread, mid-start
+        return await started(*args, **kwargs)
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+        monkeypatch.setattr(asyncio, "start_server", start_server_while_stopping)
+        lost = []
+        pump = DecodeEventPump("d", opened(await worker.server.start("127.0.0.1")), lambda w, e: lost.append(w))
+        return await pump.open("a").get(), lost
+
+    worker = FakeDecodeWorker()
+    event, lost = asyncio.run(scenario())
+    assert isinstance(event, WorkerStreamLost) and "ended" in str(event) and lost == ["d"]
+    assert loop_errors == []
