@@ -5,7 +5,9 @@ splits), it starts `tandem serve` as `tandem bench compare` starts that mode (cl
 compare_modes.py), sends two warm-ups, and then, reading the CPU time of the server's process tree (the serve
 process, Ray's daemons and workers: cluster/plan/process_cpu.py) and of this process (the benchmark client):
 
-    idle       IDLE_S seconds with nothing sent                         -> baseline_cores = CPU / seconds
+    idle       IDLE_S seconds with nothing sent                         -> baseline_cores = CPU / seconds (all of
+                                                                           it: the serve process, Ray's daemons,
+                                                                           the workers' idle loops, the client)
     runs A-C   LIGHT_RUNS: 64-token prompts at 2 req/s with many (A)    -> CPU of each run
                and with few (B) output tokens per request, and a burst
                of them sent at once (C: many tokens per step)
@@ -42,7 +44,7 @@ from cluster.plan.process_cpu import cpu_between, snapshot
 from cluster.plan.simulator import ServingShape, SimRequest, simulate, simulate_with_usage
 from cluster.plan.step_model import StepTimeModel, nonnegative_least_squares
 
-IDLE_S = 3.0
+IDLE_S = 6.0  # Ray's daemons do their periodic work every few seconds
 FIT_ROUNDS = 3
 VOCAB_SIZE = 256
 
@@ -107,32 +109,41 @@ def measure(deployment: Deployment, settings: ModeSettings) -> tuple[float, list
             before = _cpu(server.pid)
             time.sleep(IDLE_S)
             after = _cpu(server.pid)
-            baseline = (after[1] - before[1]) / (after[0] - before[0])
             runs = [_measured_run(config, server.pid, run, index) for index, run in enumerate(LIGHT_RUNS)]
-    print(f"  idle: {baseline:.3f} cores", file=sys.stderr)
+    idle_s, idle = after[0] - before[0], cpu_by_kind(server.pid, before, after)
+    baseline = sum(idle.values()) / idle_s
+    shares = ", ".join(f"{name} {seconds / idle_s:.3f}" for name, seconds in idle.items())
+    print(f"  idle: {baseline:.3f} cores ({shares})", file=sys.stderr)
     for name, run in zip("ABC", runs):
         print(f"  run {name}: {run.describe()}", file=sys.stderr)
     return baseline, runs
 
 
 def _cpu(server_pid: int) -> tuple[float, float, dict]:
-    """(wall clock, CPU seconds of the server's tree and this process so far, the tree's snapshot)."""
+    """(wall clock, CPU seconds of this process (the client) so far, the server tree's snapshot)."""
     return time.monotonic(), time.process_time(), snapshot(server_pid)
+
+
+def cpu_by_kind(server_pid: int, before: tuple[float, float, dict], after: tuple[float, float, dict]) -> dict:
+    """CPU seconds used between two _cpu() readings, by kind of process: the client (this process), the serve
+    process, the workers (Ray actors) and Ray's own processes (daemons, agents)."""
+    used = {"client": after[1] - before[1], "serve": 0.0, "workers": 0.0, "ray": 0.0}
+    for process in cpu_between(before[2], after[2]):
+        kind = "serve" if process.pid == server_pid else "workers" if _is_worker(process.name) else "ray"
+        used[kind] += process.cpu_s
+    return used
 
 
 def _measured_run(config: ClientConfig, server_pid: int, light: LightRun, index: int) -> MeasuredRun:
     samples = generate_requests(light.workload, light.count, VOCAB_SIZE, seed=100 + index)
     gaps = arrival_gaps(len(samples), light.rate, 1.0, seed=index)
-    wall, client, tree = _cpu(server_pid)
+    before = _cpu(server_pid)
     results = _send(config, samples, gaps)
-    wall_after, client_after, tree_after = _cpu(server_pid)
-    by_process = {"client": client_after - client, "serve": 0.0, "workers": 0.0, "ray": 0.0}
-    for process in cpu_between(tree, tree_after):
-        kind = "serve" if process.pid == server_pid else "workers" if _is_worker(process.name) else "ray"
-        by_process[kind] += process.cpu_s
+    after = _cpu(server_pid)
+    by_process = cpu_by_kind(server_pid, before, after)
     first = min(r.send_time for r in results)
     requests = tuple(SimRequest(r.send_time - first, r.prompt_len, r.output_tokens) for r in results)
-    return MeasuredRun(requests, tuple(results), wall_after - wall, sum(by_process.values()),
+    return MeasuredRun(requests, tuple(results), after[0] - before[0], sum(by_process.values()),
                        tuple(by_process.items()))
 
 
