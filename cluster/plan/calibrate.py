@@ -40,7 +40,7 @@ from cluster.bench.serve_metrics import RequestResult
 from cluster.bench.serve_workloads import RandomWorkload, arrival_gaps, generate_requests
 from cluster.plan.deployment import Deployment
 from cluster.plan.host_model import ServingCosts
-from cluster.plan.process_cpu import cpu_between, snapshot
+from cluster.plan.process_cpu import ProcessCpu, cpu_between, snapshot
 from cluster.plan.simulator import ServingShape, SimRequest, simulate, simulate_with_usage
 from cluster.plan.step_model import StepTimeModel, nonnegative_least_squares
 
@@ -106,11 +106,11 @@ def measure(deployment: Deployment, settings: ModeSettings) -> tuple[float, list
             warmups = generate_requests(LIGHT_RUNS[0].workload, 2, VOCAB_SIZE, seed=1)
             _send(config, warmups, [0.0] * len(warmups))
             time.sleep(1.0)
-            before = _cpu(server.pid)
+            before = CpuReading.now(server.pid)
             time.sleep(IDLE_S)
-            after = _cpu(server.pid)
+            after = CpuReading.now(server.pid)
             runs = [_measured_run(config, server.pid, run, index) for index, run in enumerate(LIGHT_RUNS)]
-    idle_s, idle = after[0] - before[0], cpu_by_kind(server.pid, before, after)
+    idle_s, idle = after.wall_s - before.wall_s, cpu_by_kind(server.pid, before, after)
     baseline = sum(idle.values()) / idle_s
     shares = ", ".join(f"{name} {seconds / idle_s:.3f}" for name, seconds in idle.items())
     print(f"  idle: {baseline:.3f} cores ({shares})", file=sys.stderr)
@@ -119,16 +119,24 @@ def measure(deployment: Deployment, settings: ModeSettings) -> tuple[float, list
     return baseline, runs
 
 
-def _cpu(server_pid: int) -> tuple[float, float, dict]:
-    """(wall clock, CPU seconds of this process (the client) so far, the server tree's snapshot)."""
-    return time.monotonic(), time.process_time(), snapshot(server_pid)
+@dataclass(frozen=True)
+class CpuReading:
+    """The clocks at one moment: wall, this process's CPU (the client's) and the server tree's snapshot."""
+
+    wall_s: float
+    client_cpu_s: float
+    tree: dict[int, ProcessCpu]
+
+    @classmethod
+    def now(cls, server_pid: int) -> "CpuReading":
+        return cls(time.monotonic(), time.process_time(), snapshot(server_pid))
 
 
-def cpu_by_kind(server_pid: int, before: tuple[float, float, dict], after: tuple[float, float, dict]) -> dict:
-    """CPU seconds used between two _cpu() readings, by kind of process: the client (this process), the serve
+def cpu_by_kind(server_pid: int, before: CpuReading, after: CpuReading) -> dict[str, float]:
+    """CPU seconds used between two readings, by kind of process: the client (this process), the serve
     process, the workers (Ray actors) and Ray's own processes (daemons, agents)."""
-    used = {"client": after[1] - before[1], "serve": 0.0, "workers": 0.0, "ray": 0.0}
-    for process in cpu_between(before[2], after[2]):
+    used = {"client": after.client_cpu_s - before.client_cpu_s, "serve": 0.0, "workers": 0.0, "ray": 0.0}
+    for process in cpu_between(before.tree, after.tree):
         kind = "serve" if process.pid == server_pid else "workers" if _is_worker(process.name) else "ray"
         used[kind] += process.cpu_s
     return used
@@ -137,13 +145,13 @@ def cpu_by_kind(server_pid: int, before: tuple[float, float, dict], after: tuple
 def _measured_run(config: ClientConfig, server_pid: int, light: LightRun, index: int) -> MeasuredRun:
     samples = generate_requests(light.workload, light.count, VOCAB_SIZE, seed=100 + index)
     gaps = arrival_gaps(len(samples), light.rate, 1.0, seed=index)
-    before = _cpu(server_pid)
+    before = CpuReading.now(server_pid)
     results = _send(config, samples, gaps)
-    after = _cpu(server_pid)
+    after = CpuReading.now(server_pid)
     by_process = cpu_by_kind(server_pid, before, after)
     first = min(r.send_time for r in results)
     requests = tuple(SimRequest(r.send_time - first, r.prompt_len, r.output_tokens) for r in results)
-    return MeasuredRun(requests, tuple(results), after[0] - before[0], sum(by_process.values()),
+    return MeasuredRun(requests, tuple(results), after.wall_s - before.wall_s, sum(by_process.values()),
                        tuple(by_process.items()))
 
 

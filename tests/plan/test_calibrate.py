@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.bench.serve_metrics import RequestResult
-from cluster.plan.calibrate import MeasuredRun, cpu_by_kind, fit_costs, latency_medians
+from cluster.plan.calibrate import CpuReading, MeasuredRun, cpu_by_kind, fit_costs, latency_medians
 from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits
 from cluster.plan.host_model import HostModel, ServingCosts
@@ -87,10 +87,11 @@ def test_the_cpu_of_a_process_tree_is_what_its_processes_used():
 def test_cpu_by_kind_counts_every_process_of_the_server_and_the_client():
     # the idle baseline once read only the client's CPU: Ray's daemons and the workers' loops (0.05 cores on the
     # 2-core machine) were then charged to every request
-    before = (0.0, 1.0, {10: ProcessCpu(10, "tandem", 2.0), 11: ProcessCpu(11, "ray::DecodeActor", 5.0),
-                         12: ProcessCpu(12, "gcs_server", 1.0), 14: ProcessCpu(14, "ray::DashboardAgent", 0.5)})
-    after = (6.0, 1.1, {10: ProcessCpu(10, "tandem", 2.06), 11: ProcessCpu(11, "ray::DecodeActor", 5.12),
-                        12: ProcessCpu(12, "gcs_server", 1.15), 13: ProcessCpu(13, "ray::PrefillActor", 0.03),
-                        14: ProcessCpu(14, "ray::DashboardAgent", 0.52)})
+    before = CpuReading(0.0, 1.0, {10: ProcessCpu(10, "tandem", 2.0), 11: ProcessCpu(11, "ray::DecodeActor", 5.0),
+                                   12: ProcessCpu(12, "gcs_server", 1.0),
+                                   14: ProcessCpu(14, "ray::DashboardAgent", 0.5)})
+    after = CpuReading(6.0, 1.1, {10: ProcessCpu(10, "tandem", 2.06), 11: ProcessCpu(11, "ray::DecodeActor", 5.12),
+                                  12: ProcessCpu(12, "gcs_server", 1.15), 13: ProcessCpu(13, "ray::PrefillActor", 0.03),
+                                  14: ProcessCpu(14, "ray::DashboardAgent", 0.52)})
     used = cpu_by_kind(10, before, after)
     assert used == pytest.approx({"client": 0.1, "serve": 0.06, "workers": 0.15, "ray": 0.17})
