@@ -6,6 +6,14 @@ reordered ahead of time into its blocked layout). Large prefill batches are as f
 So after loading, prepare() keeps a oneDNN-packed copy of the weight next to the plain one, and
 forward() uses it for batches of at most SMALL_BATCH_ROWS rows. Elsewhere (GPU, bf16/fp16, no oneDNN)
 it is a plain nn.Linear.
+
+oneDNN builds (JIT-compiles) a kernel for every row count it meets: 0.6-4 ms per distinct weight shape,
+measured here, so the first decode step at each new batch size took 12-19 ms instead of 4 (the benchmark
+model: four weight shapes), and every stream of that decode worker waited for it. So rows are padded up to
+one of a few counts (PADDED_ROWS: powers of two up to ROW_GRANULE, then its multiples), and prepare_linears()
+builds the kernels for all of them once the weights are loaded (0.1 s for the default model); a row count
+never costs a compile in a step. oneDNN caches kernels by shape, not by weight, in a cache of 1,024: a model
+uses its few distinct shapes x len(PADDED_ROWS).
 """
 from __future__ import annotations
 
@@ -15,6 +23,20 @@ from torch import nn
 
 SMALL_BATCH_ROWS = 192
 PACKING_HINT_ROWS = 32  # the batch size oneDNN tunes its weight layout for
+ROW_GRANULE = 8         # above it, row counts are padded to a multiple of it (at most 7 rows of waste)
+
+
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN runs `rows` rows as: the next power of two up to ROW_GRANULE, then the next
+    multiple of ROW_GRANULE."""
+    if rows <= 1:
+        return rows
+    if rows <= ROW_GRANULE:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // ROW_GRANULE) * ROW_GRANULE
+
+
+PADDED_ROWS = tuple(sorted({padded_rows(rows) for rows in range(1, SMALL_BATCH_ROWS + 1)}))
 
 
 class Linear(nn.Linear):
@@ -35,9 +57,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_rows, in_features]
-        if self.packed_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+        rows = x.shape[0]
+        if self.packed_weight is not None and x.dim() == 2 and 0 < rows <= SMALL_BATCH_ROWS:
+            padded = padded_rows(rows)
+            if padded > rows:
+                x = F.pad(x, (0, 0, 0, padded - rows))  # [padded, in_features], the extra rows zero
             bias = None if self.bias is None else self.bias.detach()
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)
 
 
@@ -47,7 +73,15 @@ def meta_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dt
 
 
 def prepare_linears(model: nn.Module) -> None:
-    """Call prepare() on every Linear of model (after its weights are loaded)."""
+    """Call prepare() on every Linear of model (after its weights are loaded), then build oneDNN's kernels
+    for every padded row count of every distinct packed weight shape (the module docstring)."""
+    by_shape: dict[tuple[int, int, bool], Linear] = {}
     for module in model.modules():
         if isinstance(module, Linear):
             module.prepare()
+            if module.packed_weight is not None:
+                by_shape.setdefault((module.in_features, module.out_features, module.bias is not None), module)
+    with torch.no_grad():
+        for linear in by_shape.values():
+            for rows in PADDED_ROWS:
+                linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
