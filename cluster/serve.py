@@ -37,6 +37,7 @@ from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ra
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import DISAGG_POLICIES, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.placement_check import role_resources
+from cluster.workers.startup_heap import freeze_startup_heap
 from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import EngineConfig
 from kv_transfer.layer_stream import STREAMING_MODES
@@ -277,6 +278,7 @@ async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig, 
                                   served_model_names=config.served_model_names), metrics, scaling)
     workers = f", {config.replicas} replicas on Ray" if config.replicas else "" if config.mode == "colocated" \
         else f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
+    freeze_startup_heap()  # full collections would walk the start-up heap: ~150 ms with every stream stalled
     print(f"tandem serving {backend.model_name} ({config.mode}{workers}): gRPC {config.host}:{grpc_port}, "
           f"HTTP http://{config.host}:{http_port}/v1", flush=True)
     stopped = asyncio.Event()

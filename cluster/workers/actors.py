@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import ray
 
 from cluster.workers.decode_channel import ChannelAddress, ChannelServer
+from cluster.workers.startup_heap import freeze_startup_heap
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine.config import EngineConfig
 from kv_transfer.config import ReceiverAddress
@@ -159,6 +160,7 @@ class PrefillActor(_WorkerActor):
         self._worker = PrefillWorker(engine, config)
         self._calls = PrefillCalls(self._worker)
         self._info = _info(config.name, "prefill", engine, None)
+        freeze_startup_heap()
 
     async def prefill(self, task: PrefillTask):
         """The task's PrefillReport, once its KV is acknowledged (or the task ended otherwise);
@@ -192,6 +194,7 @@ class DecodeActor(_WorkerActor):
         self._worker = DecodeWorker(engine, config)
         self._info = _info(config.name, role, engine, self._worker.address)
         self._channel = ChannelServer(self._worker.expect)
+        freeze_startup_heap()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def add_kv_peer(self, rank: int) -> None:
