@@ -13,6 +13,7 @@ from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.launch import engine_spec, pair_transport
 from cluster.workers.placement import create_placement_group, start_actor
 from engine import EngineConfig
+from tests.support.ray_start import start_ray
 
 
 def test_a_share_below_one_puts_every_worker_on_one_gpu():
@@ -69,8 +70,8 @@ class _GpuProbe:
 
 def test_ray_places_fractional_bundles_on_one_gpu():
     """A node with one logical GPU takes two workers of half a GPU each, and both get that GPU's id."""
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, num_gpus=1,
-             log_to_driver=False)
+    start_ray(lambda: ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2, num_gpus=1,
+                               log_to_driver=False))
     try:
         group = create_placement_group(2, 0.5, 1, "PACK", timeout_s=60)
         probes = [start_actor(_GpuProbe, group, index, 0.5, 1) for index in range(2)]
