@@ -9,11 +9,12 @@ it is a plain nn.Linear.
 
 oneDNN builds (JIT-compiles) a kernel for every row count it meets: 0.6-4 ms per distinct weight shape,
 measured here, so the first decode step at each new batch size took 12-19 ms instead of 4 (the benchmark
-model: four weight shapes), and every stream of that decode worker waited for it. So rows are padded up to
-one of a few counts (PADDED_ROWS: powers of two up to ROW_GRANULE, then its multiples), and prepare_linears()
-builds the kernels for all of them once the weights are loaded (0.1 s for the default model); a row count
-never costs a compile in a step. oneDNN caches kernels by shape, not by weight, in a cache of 1,024: a model
-uses its few distinct shapes x len(PADDED_ROWS).
+model: four weight shapes), and every stream of that decode worker waited for it. prepare_linears() builds
+the kernels of every row count up to WARMED_ROWS (every decode batch up to 64) once the weights are loaded,
+within the noise of the default model's 1.7 s build; a larger count compiles once, at its first step. Rows
+are not padded to fewer counts instead: that cost every later step at an odd batch size 5-14% (a decode
+batch of 5 run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: the default model
+keeps 4 x 64 of them.
 """
 from __future__ import annotations
 
@@ -23,20 +24,7 @@ from torch import nn
 
 SMALL_BATCH_ROWS = 192
 PACKING_HINT_ROWS = 32  # the batch size oneDNN tunes its weight layout for
-ROW_GRANULE = 8         # above it, row counts are padded to a multiple of it (at most 7 rows of waste)
-
-
-def padded_rows(rows: int) -> int:
-    """The row count oneDNN runs `rows` rows as: the next power of two up to ROW_GRANULE, then the next
-    multiple of ROW_GRANULE."""
-    if rows <= 1:
-        return rows
-    if rows <= ROW_GRANULE:
-        return 1 << (rows - 1).bit_length()
-    return -(-rows // ROW_GRANULE) * ROW_GRANULE
-
-
-PADDED_ROWS = tuple(sorted({padded_rows(rows) for rows in range(1, SMALL_BATCH_ROWS + 1)}))
+WARMED_ROWS = 64        # prepare_linears() builds oneDNN's kernels for 1..WARMED_ROWS rows
 
 
 class Linear(nn.Linear):
@@ -57,13 +45,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_rows, in_features]
-        rows = x.shape[0]
-        if self.packed_weight is not None and x.dim() == 2 and 0 < rows <= SMALL_BATCH_ROWS:
-            padded = padded_rows(rows)
-            if padded > rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))  # [padded, in_features], the extra rows zero
+        if self.packed_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
             bias = None if self.bias is None else self.bias.detach()
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")[:rows]
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -74,7 +58,7 @@ def meta_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dt
 
 def prepare_linears(model: nn.Module) -> None:
     """Call prepare() on every Linear of model (after its weights are loaded), then build oneDNN's kernels
-    for every padded row count of every distinct packed weight shape (the module docstring)."""
+    for 1..WARMED_ROWS rows of every distinct packed weight shape (the module docstring)."""
     by_shape: dict[tuple[int, int, bool], Linear] = {}
     for module in model.modules():
         if isinstance(module, Linear):
@@ -83,5 +67,5 @@ def prepare_linears(model: nn.Module) -> None:
                 by_shape.setdefault((module.in_features, module.out_features, module.bias is not None), module)
     with torch.no_grad():
         for linear in by_shape.values():
-            for rows in PADDED_ROWS:
+            for rows in range(1, WARMED_ROWS + 1):
                 linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))

@@ -211,7 +211,6 @@ def test_a_worker_stopped_before_its_channel_opened_ends_the_connection_at_once(
     assert isinstance(event, WorkerStreamLost) and "ended" in str(event) and lost == ["d"]
 
 
-
 def test_a_worker_stopped_while_its_channel_starts_listening_ends_the_connection_at_once(monkeypatch):
     """stop() on the control thread can land after start() made the batcher and before its listener is up:
     nothing fails on the channel's loop, and a connection then ends at once, as after any stop()."""

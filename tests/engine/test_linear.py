@@ -1,4 +1,4 @@
-"""engine/linear.py: the oneDNN small-batch path pads rows to a few counts and builds their kernels up front."""
+"""engine/linear.py: the oneDNN small-batch path gives nn.Linear's result and builds its kernels up front."""
 from __future__ import annotations
 
 import pytest
@@ -6,17 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear import PADDED_ROWS, ROW_GRANULE, SMALL_BATCH_ROWS, Linear, padded_rows, prepare_linears
-
-
-def test_every_small_row_count_runs_as_one_of_a_few_padded_counts() -> None:
-    assert padded_rows(0) == 0 and padded_rows(1) == 1
-    for rows in range(1, SMALL_BATCH_ROWS + 1):
-        padded = padded_rows(rows)
-        assert padded in PADDED_ROWS
-        assert rows <= padded < rows + ROW_GRANULE and padded < 2 * rows + 1
-    assert len(PADDED_ROWS) <= 4 + SMALL_BATCH_ROWS // ROW_GRANULE
-    assert max(PADDED_ROWS) == SMALL_BATCH_ROWS
+from engine.linear import SMALL_BATCH_ROWS, WARMED_ROWS, Linear, prepare_linears
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -26,7 +16,7 @@ def test_a_prepared_linear_gives_the_plain_linear_result_for_any_row_count(bias:
     prepare_linears(linear)
     if linear.packed_weight is None:
         pytest.skip("this torch build has no oneDNN linear ops")
-    for rows in (1, 2, 3, 5, 8, 9, 17, 100, SMALL_BATCH_ROWS - 1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300):
+    for rows in (1, 2, 3, 5, 8, 9, 17, WARMED_ROWS + 1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300):
         x = torch.randn(rows, 48)
         with torch.no_grad():
             out = linear(x)  # [rows, 80]
@@ -34,7 +24,7 @@ def test_a_prepared_linear_gives_the_plain_linear_result_for_any_row_count(bias:
         torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_prepare_linears_runs_each_distinct_weight_shape_once_at_every_padded_row_count(monkeypatch) -> None:
+def test_prepare_linears_runs_each_distinct_weight_shape_once_at_every_warmed_row_count(monkeypatch) -> None:
     calls: list[tuple[int, int, int]] = []
     plain_forward = Linear.forward
 
@@ -48,5 +38,5 @@ def test_prepare_linears_runs_each_distinct_weight_shape_once_at_every_padded_ro
     if model[0].packed_weight is None:
         assert calls == []  # nothing to build without oneDNN
         return
-    expected = [(i, o, rows) for i, o in ((32, 64), (64, 32)) for rows in PADDED_ROWS]
+    expected = [(i, o, rows) for i, o in ((32, 64), (64, 32)) for rows in range(1, WARMED_ROWS + 1)]
     assert sorted(calls) == sorted(expected)
