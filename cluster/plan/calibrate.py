@@ -15,10 +15,13 @@ process, Ray's daemons and workers: cluster/plan/process_cpu.py) and of this pro
 A run's CPU is the engines' steps and KV transfers (what the planner's simulation of the same requests, sent
 at the same times, spends in them), the baseline, and the serving path's: `request_cpu_s` x requests +
 `token_cpu_s` x tokens + `step_cpu_s` x steps (the simulation's). The three runs give the three costs
-(non-negative least squares). The fixed times follow
-from run A's latencies: `step_overhead_s` is what the measured TPOT p50 has over the simulated one, then
-`request_overhead_s` what the measured TTFT p50 has over it. The CPU costs and the fixed times depend on each
-other a little (the fixed step time is worker CPU), so the fit is repeated FIT_ROUNDS times.
+(non-negative least squares). Run A's latencies give the rest: `step_overhead_sigma` is the spread of the
+time a step takes beyond the step model's that makes the simulated inter-token times spread as the measured
+ones (at p90 and p99: what the serving path's threads, Ray's daemons and the machine add to some steps and
+not others, which the step model, measured on a worker alone, lacks), `step_overhead_s` is what the measured
+TPOT p50 has over the simulated one, then `request_overhead_s` what the measured TTFT p50 has over it. The
+costs depend on each other a little (the fixed step time is worker CPU), so the fit is repeated FIT_ROUNDS
+times.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from cluster.plan.step_model import StepTimeModel, nonnegative_least_squares
 
 IDLE_S = 6.0  # Ray's daemons do their periodic work every few seconds
 FIT_ROUNDS = 3
+SIGMA_GRID = tuple(round(0.1 * k, 1) for k in range(31))  # the step_overhead_sigma values tried: 0 .. 3
 VOCAB_SIZE = 256
 
 
@@ -175,6 +179,7 @@ def fit_costs(runs: list[MeasuredRun], baseline_cores: float, deployment: Deploy
     costs = ServingCosts(baseline_cores=baseline_cores)
     for _ in range(FIT_ROUNDS):
         costs = _fit_cpu(runs, deployment, model, shape, costs)
+        costs = _fit_step_spread(runs[0], deployment, model, shape, costs)
         costs = _fit_latency(runs[0], deployment, model, shape, costs)
     return costs
 
@@ -189,6 +194,28 @@ def _fit_cpu(runs: list[MeasuredRun], deployment: Deployment, model: StepTimeMod
     request_cpu, token_cpu, step_cpu = nonnegative_least_squares(np.asarray(counts, dtype=float),
                                                                  np.asarray(serving))
     return replace(costs, request_cpu_s=float(request_cpu), token_cpu_s=float(token_cpu), step_cpu_s=float(step_cpu))
+
+
+def _fit_step_spread(run: MeasuredRun, deployment: Deployment, model: StepTimeModel, shape: ServingShape,
+                costs: ServingCosts) -> ServingCosts:
+    """The step_overhead_sigma of SIGMA_GRID whose simulated inter-token times are closest to the run's at p90
+    and p99 (the squared log ratios summed)."""
+    measured = itl_tail(run.results)
+
+    def distance(sigma: float) -> float:
+        simulated = itl_tail(_simulated_results(run, deployment, model, replace(shape, costs=replace(
+            costs, step_overhead_sigma=sigma))))
+        return sum(math.log(s / m) ** 2 for s, m in zip(simulated, measured))
+
+    if min(measured) <= 0:
+        return costs
+    return replace(costs, step_overhead_sigma=min(SIGMA_GRID, key=distance))
+
+
+def itl_tail(results) -> tuple[float, float]:
+    """(p90, p99) of the gaps between the streamed chunks of every request, in seconds (0, 0 without any)."""
+    gaps = [gap for result in results for gap in result.itls]
+    return tuple(float(q) for q in np.percentile(gaps, (90, 99))) if gaps else (0.0, 0.0)
 
 
 def _fit_latency(run: MeasuredRun, deployment: Deployment, model: StepTimeModel, shape: ServingShape,

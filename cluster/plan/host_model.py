@@ -75,8 +75,10 @@ class HostModel:
 @dataclass(frozen=True)
 class ServingCosts:
     """The serving path's costs for one kind of deployment (colocated or disaggregated), fitted by `tandem plan
-    --calibrate` (cluster/plan/calibrate.py): CPU per request, token and step and at idle (HostModel's), and two
-    fixed times that are not CPU of the host (ServingShape's): before every first token, and in every step."""
+    --calibrate` (cluster/plan/calibrate.py): CPU per request, token and step and at idle (HostModel's), two
+    fixed times that are not CPU of the host (ServingShape's): before every first token, and in every step (its
+    mean: each step's is drawn, lognormal with sigma `step_overhead_sigma`, as a real step's time beyond the step
+    model's is a little for most steps and a few milliseconds for some)."""
 
     request_cpu_s: float = 0.0
     token_cpu_s: float = 0.0
@@ -84,16 +86,18 @@ class ServingCosts:
     request_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
     step_cpu_s: float = 0.0
+    step_overhead_sigma: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.request_cpu_s, self.token_cpu_s, self.baseline_cores, self.request_overhead_s,
-               self.step_overhead_s, self.step_cpu_s) < 0:
+               self.step_overhead_s, self.step_cpu_s, self.step_overhead_sigma) < 0:
             raise ValueError(f"serving costs must be >= 0, got {self}")
 
     def as_dict(self) -> dict[str, float]:
         return {"request_cpu_ms": self.request_cpu_s * 1e3, "token_cpu_ms": self.token_cpu_s * 1e3,
                 "baseline_cores": self.baseline_cores, "request_overhead_ms": self.request_overhead_s * 1e3,
-                "step_overhead_ms": self.step_overhead_s * 1e3, "step_cpu_ms": self.step_cpu_s * 1e3}
+                "step_overhead_ms": self.step_overhead_s * 1e3, "step_cpu_ms": self.step_cpu_s * 1e3,
+                "step_overhead_sigma": self.step_overhead_sigma}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ServingCosts":
@@ -101,7 +105,8 @@ class ServingCosts:
         try:
             return cls(float(data["request_cpu_ms"]) / 1e3, float(data["token_cpu_ms"]) / 1e3,
                        float(data["baseline_cores"]), float(data["request_overhead_ms"]) / 1e3,
-                       float(data["step_overhead_ms"]) / 1e3, float(data.get("step_cpu_ms", 0.0)) / 1e3)
+                       float(data["step_overhead_ms"]) / 1e3, float(data.get("step_cpu_ms", 0.0)) / 1e3,
+                       float(data.get("step_overhead_sigma", 0.0)))
         except (KeyError, TypeError) as error:
             raise ValueError(f"not saved serving costs ({type(error).__name__}: {error})") from None
 

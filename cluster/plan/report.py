@@ -55,7 +55,8 @@ def format_serving(shapes: dict[str, ServingShape], calibrated: dict) -> str:
                      f"{costs['token_cpu_ms']:.3f} per token, {costs['step_cpu_ms']:.3f} per step, "
                      f"{costs['baseline_cores']:.3f} cores idle; "
                      f"{costs['request_overhead_ms']:.1f} ms before each first token, "
-                     f"{costs['step_overhead_ms']:.2f} ms per step ({source})")
+                     f"{costs['step_overhead_ms']:.2f} ms per step (lognormal, sigma "
+                     f"{costs['step_overhead_sigma']:.1f}) ({source})")
     return "\n".join(lines)
 
 

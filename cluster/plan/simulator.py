@@ -18,13 +18,18 @@ Every step and every KV transfer is work that runs on the host's cores (cluster/
 the serving path's CPU costs and the host's cores given, a step or a transfer takes longer while more
 threads want the cores than there are; with cores = inf (the default) each takes its own time.
 
+A step takes the step model's time plus the serving path's fixed time per step, drawn for each step: lognormal
+with the mean ServingCosts.step_overhead_s and the sigma step_overhead_sigma that --calibrate measured (in a real
+server most steps take a little more than the model, a few take milliseconds more).
+
 A request with one output token ends at its first token (nothing is shipped). Same inputs, same result:
-the only draws are the host's (HostModel.scheduler 'sliced'), from HostModel.wait_seed.
+the only draws are the host's (HostModel.scheduler 'sliced') and the steps' spread, from HostModel.wait_seed.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +98,7 @@ class _Simulation:
         self.transfers: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> KV to ship, the first in flight
         self.cpu = CoreSharing(shape.host, shape.costs.baseline_cores)
         self.cpu_version = 0
+        self.step_spread = random.Random(f"steps-{shape.host.wait_seed}")
         self.steps = 0
         self.events: list = []
         self.order = itertools.count()
@@ -167,8 +173,14 @@ class _Simulation:
             return
         chunks = worker.engine.schedule()
         worker.busy = True
-        seconds = self.model.seconds(step_work(chunks)) + self.shape.costs.step_overhead_s
+        seconds = self.model.seconds(step_work(chunks)) + self.shape.costs.step_overhead_s * self._spread()
         self._run_on_host(now, seconds, self.shape.host.worker_threads, self._end_step, (worker, chunks))
+
+    def _spread(self) -> float:
+        """A draw of the step overhead's factor: lognormal with mean 1 and sigma ServingCosts.step_overhead_sigma
+        (always 1 at sigma 0)."""
+        sigma = self.shape.costs.step_overhead_sigma
+        return self.step_spread.lognormvariate(-sigma * sigma / 2, sigma) if sigma > 0 else 1.0
 
     def _end_step(self, now: float, payload) -> None:
         worker, chunks = payload

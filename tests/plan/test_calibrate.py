@@ -58,6 +58,16 @@ def test_the_fit_recovers_the_costs_a_run_was_made_with(deployment):
     assert latency_medians(simulated) == pytest.approx(latency_medians(runs[0].results), rel=0.02)
 
 
+@pytest.mark.parametrize("deployment", [Deployment(0, 2), Deployment(1, 1)])
+def test_the_fit_recovers_how_widely_the_step_overheads_spread(deployment):
+    truth = ServingCosts(token_cpu_s=0.0005, step_overhead_s=0.0015, step_overhead_sigma=1.2)
+    fitted = fit_costs(made_runs(deployment, truth), 0.0, deployment, MODEL, SHAPE)
+    assert fitted.step_overhead_sigma == pytest.approx(1.2, abs=0.2)
+    assert fitted.step_overhead_s == pytest.approx(0.0015, rel=0.1)
+    steady = fit_costs(made_runs(deployment, replace(truth, step_overhead_sigma=0.0)), 0.0, deployment, MODEL, SHAPE)
+    assert steady.step_overhead_sigma == pytest.approx(0.0, abs=0.2)
+
+
 def test_no_serving_work_fits_zero_costs():
     deployment = Deployment(0, 2)
     runs = made_runs(deployment, ServingCosts())

@@ -1,9 +1,12 @@
 """The planner's queueing model against hand-computed cases: a deterministic single server, M/D/1's mean
 wait (Pollaczek-Khinchine) over a long seeded run, the batching limits, the KV transfer, the interference of
-prefill chunks with decode steps, and the recommendation rule, including SLOs no deployment meets."""
+prefill chunks with decode steps, the drawn step overheads, and the recommendation rule, including SLOs no
+deployment meets."""
 from __future__ import annotations
 
 import itertools
+import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +14,7 @@ from cluster.bench.serve_metrics import RequestResult, compute_metrics
 from cluster.bench.serve_workloads import arrival_gaps
 from cluster.plan.deployment import Deployment, deployments_for
 from cluster.plan.engine_sim import EngineLimits
-from cluster.plan.host_model import ServingCosts
+from cluster.plan.host_model import HostModel, ServingCosts
 from cluster.plan.predict import Prediction, Slos, predict, recommend
 from cluster.plan.simulator import ServingShape, SimRequest, simulate
 from cluster.plan.step_model import FEATURES, StepTimeModel
@@ -92,6 +95,24 @@ def test_the_first_token_waits_for_the_kv_transfer_then_decode_steps_pace_the_re
     trace, = simulate(PREFILL_1P, [SimRequest(0.0, 32, 3)], model, shape(latency_s=0.05))
     transfer = 0.05 + 2 * 1000 / 1e4  # 32 tokens = 2 blocks of 1000 bytes at 10 kB/s
     assert trace.token_times == pytest.approx((0.032 + transfer, 0.032 + transfer + 0.1, 0.032 + transfer + 0.2))
+
+
+def test_drawn_step_overheads_keep_their_mean_spread_the_inter_token_times_and_follow_the_seed():
+    model = step_model(decode_rows=0.004)
+    request = [SimRequest(0.0, 16, 2001)]
+
+    def gaps(sigma: float, seed: int = 0) -> list[float]:
+        costs = ServingCosts(step_overhead_s=0.001, step_overhead_sigma=sigma)
+        one = replace(shape(), costs=costs, host=HostModel(wait_seed=seed))
+        trace, = simulate(Deployment(0, 1), request, model, one)
+        return [later - earlier for earlier, later in zip(trace.token_times, trace.token_times[1:])]
+
+    assert gaps(0.0) == pytest.approx([0.005] * 2000)              # 4 ms of decode + 1 ms overhead, every step
+    spread = gaps(1.5)
+    assert statistics.mean(spread) == pytest.approx(0.005, rel=0.05)  # the overhead's mean is kept
+    assert min(spread) < 0.0045 and max(spread) > 0.009               # most steps a little, a few several ms
+    assert sorted(spread)[1000] < 0.005 < sorted(spread)[1990]       # below its mean at p50, above at p99.5
+    assert gaps(1.5) == spread and gaps(1.5, seed=1) != spread
 
 
 def test_kv_landing_during_a_decode_step_is_admitted_and_its_first_token_sent_when_the_step_ends():
