@@ -197,18 +197,18 @@ def _fit_cpu(runs: list[MeasuredRun], deployment: Deployment, model: StepTimeMod
 
 
 def _fit_step_spread(run: MeasuredRun, deployment: Deployment, model: StepTimeModel, shape: ServingShape,
-                costs: ServingCosts) -> ServingCosts:
+                     costs: ServingCosts) -> ServingCosts:
     """The step_overhead_sigma of SIGMA_GRID whose simulated inter-token times are closest to the run's at p90
-    and p99 (the squared log ratios summed)."""
+    and p99 (the squared log ratios summed); `costs` unchanged when the run has no inter-token times."""
     measured = itl_tail(run.results)
-
-    def distance(sigma: float) -> float:
-        simulated = itl_tail(_simulated_results(run, deployment, model, replace(shape, costs=replace(
-            costs, step_overhead_sigma=sigma))))
-        return sum(math.log(s / m) ** 2 for s, m in zip(simulated, measured))
-
     if min(measured) <= 0:
         return costs
+
+    def distance(sigma: float) -> float:
+        spread = replace(shape, costs=replace(costs, step_overhead_sigma=sigma))
+        simulated = itl_tail(_simulated_results(run, deployment, model, spread))
+        return sum(math.log(s / m) ** 2 for s, m in zip(simulated, measured))
+
     return replace(costs, step_overhead_sigma=min(SIGMA_GRID, key=distance))
 
 
