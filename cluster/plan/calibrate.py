@@ -207,7 +207,7 @@ def _fit_step_spread(run: MeasuredRun, deployment: Deployment, model: StepTimeMo
     def distance(sigma: float) -> float:
         spread = replace(shape, costs=replace(costs, step_overhead_sigma=sigma))
         simulated = itl_tail(_simulated_results(run, deployment, model, spread))
-        return sum(math.log(s / m) ** 2 for s, m in zip(simulated, measured))
+        return sum(math.log(max(s, 1e-9) / m) ** 2 for s, m in zip(simulated, measured))
 
     return replace(costs, step_overhead_sigma=min(SIGMA_GRID, key=distance))
 
