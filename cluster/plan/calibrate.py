@@ -39,7 +39,7 @@ import numpy as np
 from cluster.bench.compare_modes import ModeSettings, serving_mode
 from cluster.bench.compare_server import ServerProcess
 from cluster.bench.serve_client import ClientConfig, run_requests
-from cluster.bench.serve_metrics import RequestResult
+from cluster.bench.serve_metrics import Distribution, RequestResult
 from cluster.bench.serve_workloads import RandomWorkload, arrival_gaps, generate_requests
 from cluster.plan.deployment import Deployment
 from cluster.plan.host_model import ServingCosts
@@ -213,9 +213,10 @@ def _fit_step_spread(run: MeasuredRun, deployment: Deployment, model: StepTimeMo
 
 
 def itl_tail(results) -> tuple[float, float]:
-    """(p90, p99) of the gaps between the streamed chunks of every request, in seconds (0, 0 without any)."""
-    gaps = [gap for result in results for gap in result.itls]
-    return tuple(float(q) for q in np.percentile(gaps, (90, 99))) if gaps else (0.0, 0.0)
+    """(p90, p99) of the gaps between the streamed chunks of every request, as `bench serve` reports its ITL
+    (ms; 0, 0 without any)."""
+    itl = Distribution.of_seconds([gap for result in results for gap in result.itls])
+    return itl.p90, itl.p99
 
 
 def _fit_latency(run: MeasuredRun, deployment: Deployment, model: StepTimeModel, shape: ServingShape,
