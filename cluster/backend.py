@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.logprobs import TokenLogprobs
+from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -82,11 +82,11 @@ class Timing:
 @dataclass(frozen=True)
 class GenerationChunk:
     """New tokens and stable text since the previous chunk of one sample; a sample's last chunk has
-    finish_reason ("stop" or "length") and timing set. logprobs: one engine.logprobs.TokenLogprobs per token
+    finish_reason ("stop" or "length") and timing set. logprobs: one engine.sampling.logprobs.TokenLogprobs per token
     of token_ids when the request asked for logprobs (SamplingParams.logprobs), else None. index: which of
     the request's SamplingParams.n samples (0..n-1) the chunk belongs to; the stream ends after each sample's
     last chunk. prompt_logprobs: with SamplingParams.prompt_logprobs, on each sample's first chunk, one per
-    prompt token (the first None; engine/prompt_logprobs.py)."""
+    prompt token (the first None; engine/sampling/prompt_logprobs.py)."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -114,7 +114,7 @@ class Backend(Protocol):
 
     @property
     def tokenizer(self):
-        """The engine.tokenizer.Tokenizer of the served model (encode prompts, chat templates)."""
+        """The engine.text.tokenizer.Tokenizer of the served model (encode prompts, chat templates)."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Stream the request's chunks. Raises BackendOverloaded / BackendUnavailable before the first

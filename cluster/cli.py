@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(bench, "transfer", "cluster.bench.transfer",
                  "KV transfer GB/s against a raw loopback socket; --streaming: the transfer layer streaming hides")
     _add_command(bench, "sampler", "cluster.bench.sampler",
-                 "engine.sampler.Sampler alone: ms per call per sampling mode")
+                 "engine.sampling.sampler.Sampler alone: ms per call per sampling mode")
     _add_command(bench, "memory", "cluster.bench.memory_stress",
                  "many decodes with a long prompt arriving, on a random model of a real shape: memory and steps")
     _add_command(commands, "plan", "cluster.plan.command",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Union
 
-from engine.logprobs import TokenLogprobs
+from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 

@@ -32,9 +32,9 @@ from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeE
                                     EmitEvent, ExpectedRequest)
 from decode_worker.no_receiver import NO_TRANSPORT, NoReceiver
 from decode_worker.waiting import WaitingRequests
-from engine.command_queue import take_commands
-from engine.llm_engine import LLMEngine
-from engine.step_watch import StepHealth, StepWatch
+from engine.core.command_queue import take_commands
+from engine.core.llm_engine import LLMEngine
+from engine.core.step_watch import StepHealth, StepWatch
 from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, TransferStatus, create_receiver
 from kv_transfer.engine_pool import admit_received, engine_pool_view
 

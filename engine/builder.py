@@ -5,10 +5,10 @@ import logging
 from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
-from engine.default_model import UNTRAINED_NOTICE, build_default_model, default_model_config
-from engine.llm_engine import LLMEngine
-from engine.loader import check_model_dir, load_model, resolve_device, resolve_dtype
-from engine.tokenizer import ByteTokenizer, HFTokenizer
+from engine.core.llm_engine import LLMEngine
+from engine.model.default_model import UNTRAINED_NOTICE, build_default_model, default_model_config
+from engine.model.loader import check_model_dir, load_model, resolve_device, resolve_dtype
+from engine.text.tokenizer import ByteTokenizer, HFTokenizer
 
 logger = logging.getLogger("tandem.engine")
 

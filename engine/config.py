@@ -146,7 +146,7 @@ class EngineConfig:
 
     kv_cache_memory sizes the KV pool in bytes (CPU, or GPU when set); on GPU without it the pool
     takes gpu_memory_utilization of the device memory minus the weights, the measured peak activations
-    and the CUDA graph pools (engine/memory_plan.py).
+    and the CUDA graph pools (engine/runner/memory_plan.py).
     num_kv_blocks, when set, overrides both (tests use it to force preemption).
     long_prefill_token_threshold (> 0, with chunked prefill): no prompt takes more than this many tokens
     of a step, so a long prompt's prefill leaves room for the prompts queued behind it (vLLM's knob of
@@ -158,7 +158,7 @@ class EngineConfig:
     prefill_first: "on": while sequences decode, waiting prompts that one step finishes get a step of their own
     ahead of the decodes' next token (never two such steps in a row, so a decode waits at most one prompt
     step); "off" mixes them into the decode step (Sarathi); "auto" is on for CPU and off for CUDA
-    (engine/scheduler.py says why).
+    (engine/core/scheduler.py says why).
     """
 
     block_size: int = 16

@@ -10,8 +10,8 @@ from tqdm import tqdm
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from engine.logprobs import TokenLogprobs
 from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepDelta
+from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}

@@ -4,10 +4,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.logprobs import TokenLogprobs
+from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Logprob:
 @dataclass
 class CompletionOutput:
     """vLLM's shape. logprobs (when the request asked): per generated token, {token id: Logprob} of the
-    sampled token and its top alternatives (the sampled one first; engine/logprobs.py says of which
+    sampled token and its top alternatives (the sampled one first; engine/sampling/logprobs.py says of which
     logits), so a dict has `logprobs` or `logprobs` + 1 entries."""
 
     index: int

@@ -31,9 +31,9 @@ class SamplingParams:
     the negative logits of every token seen in the prompt or the output; `frequency_penalty` and
     `presence_penalty` (in [-2, 2]) subtract penalty x count and penalty x (count > 0) of each token
     in the output so far. `logprobs` (None = off, 0..20): report the sampled token's logprob and the
-    `logprobs` most likely alternatives' for every generated token (engine/sampler.py says of which
+    `logprobs` most likely alternatives' for every generated token (engine/sampling/sampler.py says of which
     logits). `prompt_logprobs` (None = off, 0..20): the same for every prompt token but the first, from the
-    model's raw logits (engine/prompt_logprobs.py); such a request does not use the prefix cache.
+    model's raw logits (engine/sampling/prompt_logprobs.py); such a request does not use the prefix cache.
 
     Text (vLLM's options and defaults): `include_stop_str_in_output` keeps a stop string in the text (and,
     for a stop token or EOS that ends the request, that token's text; otherwise it is not detokenized);

@@ -65,7 +65,7 @@ def take_prefilled(engine: PagedEngine, request_id: str, first_logprobs: Any = N
     engine's pool here, still in its prefix cache): it passes the SendRequest to KVSender.send (the
     transfer frees them) or frees them with engine.free_blocks. num_tokens is the prompt length (the first
     token has no KV yet); first_token is the token the prefill sampled; first_logprobs (the last delta's
-    logprobs[0], an engine.logprobs.TokenLogprobs, when the request asked for them) travel with it. Call it
+    logprobs[0], an engine.sampling.logprobs.TokenLogprobs, when the request asked for them) travel with it. Call it
     on the thread that steps the engine.
     """
     seq = engine.get_sequence(request_id)

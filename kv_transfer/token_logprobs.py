@@ -1,6 +1,6 @@
 """The first token's logprobs on the wire: sampled on the prefill worker, carried in the KV manifest so
 the decode worker reports them with the token (kv_transfer does not import engine/; this mirrors
-engine.logprobs.TokenLogprobs without the token id, which the manifest's first_token gives)."""
+engine.sampling.logprobs.TokenLogprobs without the token id, which the manifest's first_token gives)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +37,7 @@ class FirstTokenLogprobs:
 
     @classmethod
     def of(cls, given: Any) -> "FirstTokenLogprobs":
-        """From anything with logprob, rank, top_ids, top_logprobs (an engine.logprobs.TokenLogprobs)."""
+        """From anything with logprob, rank, top_ids, top_logprobs (an engine.sampling.logprobs.TokenLogprobs)."""
         return cls(float(given.logprob), int(given.rank), tuple(int(t) for t in given.top_ids),
                    tuple(float(v) for v in given.top_logprobs))
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.outputs import StepDelta
 from engine.sequence import Sequence
 from kv_transfer import KVSender, SendRequest, TransferHandle

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from engine.logprobs import TokenLogprobs
+from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from kv_transfer.config import ReceiverAddress
 

@@ -17,10 +17,10 @@ import threading
 import time
 from concurrent.futures import Future
 
-from engine.command_queue import take_commands
-from engine.llm_engine import LLMEngine
+from engine.core.command_queue import take_commands
+from engine.core.llm_engine import LLMEngine
+from engine.core.step_watch import StepHealth, StepWatch
 from engine.outputs import StepDelta
-from engine.step_watch import StepHealth, StepWatch
 from kv_transfer import KVTransferError, ReceiverAddress, TransferHandle, create_sender
 from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
 from prefill_worker.commands import Cancel, Live, Stop, Submit, TransferDone

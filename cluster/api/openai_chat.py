@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from cluster.api.openai_fields import bad_request, bool_field, unsupported
 from cluster.api.request_validation import check_chat_roles
-from engine.chat_template import check_template_variables
+from engine.text.chat_template import check_template_variables
 
 TEMPLATE_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "documents", "chat_template_kwargs",
                              "add_generation_prompt", "continue_final_message"})

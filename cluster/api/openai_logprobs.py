@@ -1,4 +1,4 @@
-"""OpenAI's logprobs objects from the engine's TokenLogprobs (engine/logprobs.py: log_softmax of the
+"""OpenAI's logprobs objects from the engine's TokenLogprobs (engine/sampling/logprobs.py: log_softmax of the
 processed logits after temperature, before the top-k / top-p / min-p cuts).
 
 Completions: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}: each token decoded alone,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.logprobs import TokenLogprobs
+from engine.sampling.logprobs import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0
 

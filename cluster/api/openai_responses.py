@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cluster.api.openai_logprobs import TokenTexts, chat_logprobs, completion_logprobs, echoed_prompt_logprobs
 from cluster.backend import GenerationChunk, Timing
-from engine.logprobs import TokenLogprobs
+from engine.sampling.logprobs import TokenLogprobs
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.llm_engine import LLMEngine
-from engine.model import CausalLM
+from engine.core.llm_engine import LLMEngine
+from engine.model.causal_lm import CausalLM
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import ByteTokenizer
+from engine.text.tokenizer import ByteTokenizer
 
 SHAPES = {
     "llama-3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,

@@ -1,4 +1,4 @@
-"""Benchmark: engine.sampler.Sampler alone, on random logits, per sampling mode.
+"""Benchmark: engine.sampling.sampler.Sampler alone, on random logits, per sampling mode.
 
 `tandem bench sampler --rows 64 --vocab 151936 --device cpu`: for greedy, temperature 1, top_k 50,
 top_p 0.9, top_k 50 + top_p 0.9, all-seeded temperature 1, min_p, logprobs and the penalties (each row
@@ -59,7 +59,7 @@ def time_mode(sampler, logits, params, repeats: int, warmup: int) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.sampler import Sampler
+    from engine.sampling.sampler import Sampler
     from engine.sampling_params import SamplingParams
 
     if args.rows < 1 or args.vocab < 1 or args.repeats < 1 or args.warmup < 0:

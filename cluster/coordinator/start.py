@@ -31,5 +31,5 @@ def start_cluster(config: ClusterConfig, address: str | None = None,
 
 def _tokenizer(model: str | None):
     """The served model's tokenizer in this process (the front ends encode prompts with it)."""
-    from engine.tokenizer import ByteTokenizer, HFTokenizer
+    from engine.text.tokenizer import ByteTokenizer, HFTokenizer
     return ByteTokenizer() if model is None else HFTokenizer.from_dir(model)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cluster.backend import BackendHealth, BackendUnavailable, GenerationChunk, GenerationRequest
 from cluster.local.engine_loop import ChunkSink, EngineLoad, EngineLoop
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)

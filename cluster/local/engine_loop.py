@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 
 from cluster.backend import BackendUnavailable, GenerationChunk, GenerationRequest, Timing
-from engine.command_queue import take_commands
-from engine.llm_engine import LLMEngine
+from engine.core.command_queue import take_commands
+from engine.core.llm_engine import LLMEngine
 from engine.outputs import StepDelta
 
 logger = logging.getLogger("tandem.cluster.engine_loop")

@@ -1,6 +1,6 @@
 """SimEngine: one engine's scheduler, without a model, for the planner's simulation.
 
-It picks each step's chunks by the rules of engine/scheduler.py (running sequences first, oldest first: a
+It picks each step's chunks by the rules of engine/core/scheduler.py (running sequences first, oldest first: a
 decoding sequence takes one token, a sequence in the middle of its prefill its next chunk; then waiting
 sequences in arrival order, within the step's token budget, `long_prefill_token_threshold` tokens of one
 prompt at most, and `max_num_seqs` running; with `prefill_first`, while sequences decode, waiting prompts
@@ -88,7 +88,7 @@ class SimEngine:
         self.running.append(seq)
 
     def schedule(self) -> list[Chunk]:
-        """This step's chunks, as engine/scheduler.py picks them; moves admitted sequences to running."""
+        """This step's chunks, as engine/core/scheduler.py picks them; moves admitted sequences to running."""
         budget, chunks = self.limits.max_num_batched_tokens, []
         decoding = any(seq.num_generated and seq.num_uncomputed == 1 for seq in self.running)
         if self.limits.prefill_first and self.waiting and decoding and not self.last_was_prompts_only:

@@ -1,6 +1,6 @@
 """StepTimeModel: how long one engine step takes, from what the step computes.
 
-A step packs prefill chunks and decode rows into one forward (engine/scheduler.py). Its time is modelled
+A step packs prefill chunks and decode rows into one forward (engine/core/scheduler.py). Its time is modelled
 as a sum of non-negative terms, each the cost of one thing the step does:
 
     seconds = c0                                  fixed per step (Python, scheduling, small ops, sampling)

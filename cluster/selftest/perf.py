@@ -45,7 +45,7 @@ def check_memory_plan(ctx) -> Outcome:
 def _device_use(engine, plan, metrics: dict) -> tuple[str, list[str]]:
     """The device's memory in use after the engine started against what its plan allows: this engine's
     share (gpu_memory_utilization x total) plus what others held when it measured, up to the headroom the
-    share leaves (engine/memory_plan.py). Returns (the numbers in words, problems: none unless measured
+    share leaves (engine/runner/memory_plan.py). Returns (the numbers in words, problems: none unless measured
     and over)."""
     free, total = torch.cuda.mem_get_info(engine.device)
     used, util = total - free, engine.config.gpu_memory_utilization

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_allocator import BlockAllocator
+from engine.kv.block_allocator import BlockAllocator
 from tests.support.old_hash_collision import colliding_first_blocks, old_chain_hash, tuple_hash
 
 

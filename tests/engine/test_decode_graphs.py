@@ -7,7 +7,7 @@ import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.attention.backends import TorchBackend, triton_available
-from engine.decode_graphs import DecodeGraphs, batch_size_ladder, decode_graphs_for
+from engine.runner.decode_graphs import DecodeGraphs, batch_size_ladder, decode_graphs_for
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")

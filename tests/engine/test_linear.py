@@ -1,4 +1,4 @@
-"""engine/linear.py: the oneDNN small-batch path gives nn.Linear's result and builds its kernels up front."""
+"""engine/model/linear.py: the oneDNN small-batch path gives nn.Linear's result and builds its kernels up front."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.linear import SMALL_BATCH_ROWS, WARMED_ROWS, Linear, prepare_linears
+from engine.model.linear import SMALL_BATCH_ROWS, WARMED_ROWS, Linear, prepare_linears
 
 
 @pytest.mark.parametrize("bias", [False, True])

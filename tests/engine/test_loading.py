@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.default_model import UNTRAINED_NOTICE
+from engine.model.default_model import UNTRAINED_NOTICE
 from tests.support.engine_checks import assert_all_blocks_free
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import sampling_probs
+from engine.sampling.sampler import sampling_probs
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.factories import load_hf_model
 from tests.support.hf_processors import hf_generate

@@ -11,9 +11,9 @@ import torch
 from engine import LLM
 from engine.attention.backends import TorchBackend
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec
-from engine.loader import load_model
-from engine.memory_plan import (DeviceMemoryReport, dummy_prompt_lengths, model_weight_bytes, plan_kv_cache,
+from engine.kv.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec
+from engine.model.loader import load_model
+from engine.runner.memory_plan import (DeviceMemoryReport, dummy_prompt_lengths, model_weight_bytes, plan_kv_cache,
                                 plan_memory, profile_peak_activation_bytes)
 
 GIB = 1 << 30

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from engine.sampler import Sampler, sampling_probs
+from engine.sampling.sampler import Sampler, sampling_probs
 from engine.sampling_params import SamplingParams as SP
 
 VOCAB = 3000  # two full blocks of the two-level draw and a short third one
@@ -176,7 +176,7 @@ def test_cuda_one_sync_and_seeded_rows_match_across_batches():
 
 def test_plain_rows_take_the_fast_paths():
     """No row asks for a processor: the logits are not copied; none asks for logprobs: none come back."""
-    from engine.logits_processors import process_logits
+    from engine.sampling.logits_processors import process_logits
 
     logits = _logits(3)
     params = [SP(temperature=0), SP(top_k=5), SP(min_tokens=0, stop_token_ids=[3])]
@@ -217,7 +217,7 @@ def test_top_p_candidates_climb_the_ladder_and_cut_as_a_full_sort_would():
     flatter one's in the second, a near-flat one needs the full sort. Each row's kept probabilities equal
     transformers' warpers whether it comes alone or with the others, and a seeded row draws the same token
     either way."""
-    from engine.nucleus import NUCLEUS_LADDER, nucleus_candidates
+    from engine.sampling.nucleus import NUCLEUS_LADDER, nucleus_candidates
 
     vocab = 40000
     generator = torch.Generator().manual_seed(3)

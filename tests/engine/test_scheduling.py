@@ -143,7 +143,7 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
 
 def test_prefill_first_is_on_for_cpu_and_off_for_cuda_by_default():
     from engine.config import EngineConfig
-    from engine.scheduler import prefill_first_enabled
+    from engine.core.scheduler import prefill_first_enabled
     assert prefill_first_enabled(EngineConfig(), "cpu") and not prefill_first_enabled(EngineConfig(), "cuda")
     assert prefill_first_enabled(EngineConfig(prefill_first="on"), "cuda")
     assert not prefill_first_enabled(EngineConfig(prefill_first="off"), "cpu")

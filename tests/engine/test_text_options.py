@@ -8,7 +8,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from engine import LLM, SamplingParams
-from engine.tokenizer import HFTokenizer
+from engine.text.tokenizer import HFTokenizer
 from tests.support.engine_checks import assert_all_blocks_free
 
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import ByteTokenizer, HFTokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = [
     "Hello world!",

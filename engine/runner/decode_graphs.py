@@ -18,8 +18,8 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
-from engine.model import CausalLM
+from engine.kv.kv_cache import KVCache
+from engine.model.causal_lm import CausalLM
 
 logger = logging.getLogger("tandem.engine")
 

@@ -16,22 +16,22 @@ import torch
 
 from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig, max_model_len
-from engine.decode_graphs import decode_graphs_for
-from engine.fork import fork_samples
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.logprobs import TokenLogprobs
-from engine.memory_plan import plan_memory
-from engine.model import CausalLM
-from engine.model_runner import ModelRunner
+from engine.core.fork import fork_samples
+from engine.core.request_checks import check_request
+from engine.core.scheduler import Scheduler, prefill_first_enabled
+from engine.core.stats import EngineStats
+from engine.core.step_observer import StepObserver
+from engine.kv.kv_cache import KVCache, KVCacheSpec
+from engine.model.causal_lm import CausalLM
 from engine.outputs import OutputText, RequestMetrics, StepDelta
-from engine.request_checks import check_request
-from engine.sampler import Sampler
+from engine.runner.decode_graphs import decode_graphs_for
+from engine.runner.memory_plan import plan_memory
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.logprobs import TokenLogprobs
+from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, prefill_first_enabled
 from engine.sequence import Sequence, SequenceStatus
-from engine.stats import EngineStats
-from engine.step_observer import StepObserver
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 class LLMEngine:
@@ -71,7 +71,7 @@ class LLMEngine:
         (greedy, or seeded: draws depend on (seed, position)), and none of the resumed text again.
 
         params.n > 1 (full requests only, at most max_num_seqs): n samples of the prompt, each with
-        params.for_sample(j); the prompt is prefilled once and its KV shared (engine/fork.py); each sample's
+        params.for_sample(j); the prompt is prefilled once and its KV shared (engine/core/fork.py); each sample's
         deltas carry its `index`, and the request ends when every sample has."""
         self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
         if params.n > 1 and (prefill_only or num_resumed_tokens or params.n > self.config.max_num_seqs):

@@ -9,9 +9,9 @@ blocks still are.
 """
 from __future__ import annotations
 
-from engine.block_allocator import BlockAllocator
-from engine.kv_cache import KVCache
-from engine.scheduler import Scheduler
+from engine.core.scheduler import Scheduler
+from engine.kv.block_allocator import BlockAllocator
+from engine.kv.kv_cache import KVCache
 from engine.sequence import Sequence
 
 

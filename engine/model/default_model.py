@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.model import CausalLM
+from engine.model.causal_lm import CausalLM
 
 DEFAULT_MODEL_NAME = "tandem-default-untrained"
 DEFAULT_MODEL_SEED = 1234
 UNTRAINED_NOTICE = ("Using the embedded default model (Llama architecture, seeded random weights, "
                     "byte-level tokenizer): it is UNTRAINED, so its text is gibberish.")
 
-BYTE_VOCAB_SIZE = 259  # 256 bytes + <s> + </s> + <pad>, see engine.tokenizer.ByteTokenizer
+BYTE_VOCAB_SIZE = 259  # 256 bytes + <s> + </s> + <pad>, see engine.text.tokenizer.ByteTokenizer
 BOS_ID, EOS_ID = 256, 257
 
 

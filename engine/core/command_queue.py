@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import queue
 
-from engine.step_watch import StepWatch
+from engine.core.step_watch import StepWatch
 
 
 def take_commands(commands: queue.Queue, block: bool, timeout: float | None = None,

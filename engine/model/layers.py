@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RopeScaling
-from engine.linear import meta_linear
+from engine.model.linear import meta_linear
 
 
 class RMSNorm(nn.Module):

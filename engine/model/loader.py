@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.model import CausalLM
+from engine.model.causal_lm import CausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

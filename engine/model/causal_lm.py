@@ -13,9 +13,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
-from engine.linear import meta_linear, prepare_linears
+from engine.kv.kv_cache import KVCache
+from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.model.linear import meta_linear, prepare_linears
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim] each
 

@@ -1,6 +1,6 @@
 """Tokenizers for the engine: a Hugging Face `tokenizer.json` through the `tokenizers` library, and the
 byte-level tokenizer of the embedded default model. Chat templates are rendered with sandboxed jinja2
-the way transformers renders them (engine/chat_template.py). This module never imports transformers.
+the way transformers renders them (engine/text/chat_template.py). This module never imports transformers.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Mapping, Sequence
 
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from engine.chat_template import check_template_variables, compile_chat_template, named_chat_templates, render_chat
-from engine.detokenizer import IncrementalDetokenizer, validate_token_ids
+from engine.text.chat_template import check_template_variables, compile_chat_template, named_chat_templates, render_chat
+from engine.text.detokenizer import IncrementalDetokenizer, validate_token_ids
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template",
            "validate_messages", "validate_token_ids"]
@@ -174,11 +174,11 @@ class HFTokenizer(Tokenizer):
                             continue_final_message: bool = False, tools: list | None = None,
                             documents: list | None = None, chat_template_kwargs: Mapping[str, Any] | None = None,
                             ) -> str:
-        """Render like transformers' `apply_chat_template(messages, tokenize=False, ...)` (engine/chat_template.py):
-        the "tool_use" template when tools are given and the checkpoint has one, else the default; variables
-        `messages`, `add_generation_prompt`, `tools`, `documents`, the special token strings and
-        chat_template_kwargs (which may override those strings). A template's `raise_exception(...)` surfaces
-        as ValueError."""
+        """Render like transformers' `apply_chat_template(messages, tokenize=False, ...)`
+        (engine/text/chat_template.py): the "tool_use" template when tools are given and the checkpoint has
+        one, else the default; variables `messages`, `add_generation_prompt`, `tools`, `documents`, the special
+        token strings and chat_template_kwargs (which may override those strings). A template's
+        `raise_exception(...)` surfaces as ValueError."""
         cleaned = validate_messages(messages)
         name = "tool_use" if tools is not None and "tool_use" in self._chat_templates else "default"
         source = self._chat_templates.get(name)

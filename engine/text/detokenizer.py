@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 if TYPE_CHECKING:  # engine.tokenizer imports this module, so only type checkers import it back
-    from engine.tokenizer import Tokenizer
+    from engine.text.tokenizer import Tokenizer
 
 REPLACEMENT_CHARACTER = "\ufffd"
 

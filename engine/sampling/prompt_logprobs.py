@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logprobs import TokenLogprobs
+from engine.sampling.logprobs import TokenLogprobs
 from engine.sequence import Sequence
 
 ROWS_PER_SLICE = 512

@@ -2,15 +2,15 @@
 request, with the row's logprobs when it asks.
 
 On the logits' device (CPU or CUDA), vectorised over rows. First `process_logits`
-(engine/logits_processors.py: min_tokens, logit_bias, penalties) on the rows that ask for any, greedy rows
+(engine/sampling/logits_processors.py: min_tokens, logit_bias, penalties) on the rows that ask for any, greedy rows
 included (it changes their argmax); no row asking, nothing runs. Greedy rows are then an argmax; the
 others go through `transform_logits` (temperature), `cut_min_p`, then `candidate_probs`: no cut is a
 softmax, nothing sorted; top-k is a `torch.topk` partial sort of the largest k asked for (each row masks
 past its own k), top-p then cut within those candidates; top-p without top-k takes each row's top tokens
 by a ladder of partial sorts that stops where they hold the nucleus, a full sort only past the ladder and
-on a GPU (engine/nucleus.py). The draw is an inverse CDF, one uniform per row, in two
+on a GPU (engine/sampling/nucleus.py). The draw is an inverse CDF, one uniform per row, in two
 levels (block sums, then a cumsum inside the chosen block). Rows asking for logprobs get
-`engine.logprobs.logprob_tensors` (log_softmax of the processed logits after temperature, before the
+`engine.sampling.logprobs.logprob_tensors` (log_softmax of the processed logits after temperature, before the
 cuts) beside the draw. The host only builds small index / parameter tensors (non-blocking copies) and
 per-row generators; the one device-to-host sync is the final `tolist()` in `Sampler.sample`, which
 brings the tokens and the small [L, 2 + 2k] logprob tensor back in one copy.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.host_lists import to_device as _to_device
-from engine.logits_processors import History, cut_min_p, process_logits
-from engine.logprobs import TokenLogprobs, logprob_tensors, unpack
-from engine.nucleus import nucleus_candidates
+from engine.sampling.logits_processors import History, cut_min_p, process_logits
+from engine.sampling.logprobs import TokenLogprobs, logprob_tensors, unpack
+from engine.sampling.nucleus import nucleus_candidates
 from engine.sampling_params import SamplingParams
 
 _BLOCK = 1024  # columns per block in the two-level argmax and draw
@@ -122,7 +122,7 @@ def transform_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
 
 def _row_groups(params: Sequence[SamplingParams], vocab: int) -> list[list[int]]:
-    """Rows by the work their cuts need: top-k (partial sort), top-p alone (engine/nucleus.py), no cut."""
+    """Rows by the work their cuts need: top-k (partial sort), top-p alone (engine/sampling/nucleus.py), no cut."""
     top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     top_p = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
     plain = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_allocator import BlockAllocator
+from engine.kv.block_allocator import BlockAllocator
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # the pool on CPU without kv_cache_memory
 
@@ -61,7 +61,7 @@ class KVCache:
 
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
     """How many whole blocks fit budget_bytes; ValueError if not even one. Which budget the pool
-    gets (explicit, CPU default, or measured on the GPU) is decided in engine/memory_plan.py."""
+    gets (explicit, CPU default, or measured on the GPU) is decided in engine/runner/memory_plan.py."""
     num_blocks = budget_bytes // spec.bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"KV cache budget of {budget_bytes} bytes holds no block of "

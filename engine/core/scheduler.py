@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
+from engine.kv.block_allocator import BlockAllocator
 from engine.sequence import Sequence, SequenceStatus
 
 
