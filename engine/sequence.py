@@ -1,8 +1,10 @@
-"""Sequence: one request's tokens, KV blocks and progress through prefill and decode."""
+"""Sequence: one request's tokens, KV blocks and progress through prefill and decode; ScheduledChunk: the part of a
+sequence that goes into one step (what the scheduler hands the runner)."""
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 
@@ -73,3 +75,16 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}[{self.index}], {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """num_new_tokens tokens of seq, starting at seq.num_computed_tokens, go into this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the sequence's last token, so a next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens

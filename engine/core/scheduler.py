@@ -22,24 +22,10 @@ turn (FCFS). Hence on for CPU and off for CUDA by default (EngineConfig.prefill_
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv.block_allocator import BlockAllocator
-from engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """num_new_tokens tokens of seq, starting at seq.num_computed_tokens, go into this step."""
-
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
 
 
 def prefill_first_enabled(config: EngineConfig, device_type: str) -> bool:

@@ -34,13 +34,12 @@ import torch
 
 from engine.attention import AttentionBackend
 from engine.config import EngineConfig
-from engine.core.scheduler import ScheduledChunk
 from engine.kv.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.model.causal_lm import CausalLM
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import ScheduledChunk, Sequence
 
 logger = logging.getLogger("tandem.engine")
 GIB = float(1 << 30)

@@ -14,14 +14,13 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, build_step_tensors, select_backend
 from engine.attention.block_tables import BlockTableMirrors
 from engine.attention.metadata import table_width
-from engine.core.scheduler import ScheduledChunk
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.prompt_logprobs import PromptRows, compute_prompt_logprobs, prompt_rows
 from engine.sampling.sampler import Sampler, SamplerOutput
-from engine.sequence import Sequence
+from engine.sequence import ScheduledChunk, Sequence
 
 
 @dataclass(frozen=True)
