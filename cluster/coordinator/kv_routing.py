@@ -17,12 +17,8 @@ order (most free blocks first).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from cluster.coordinator.prefix_affinity import PrefixAffinity
-
-if TYPE_CHECKING:
-    from cluster.coordinator.routing import DecodeLoad
+from cluster.coordinator.worker_loads import DecodeLoad
 
 DECODE_INDEX_BLOCKS = 1024      # leading blocks of a prompt the index remembers (16k tokens of 16)
 DECODE_INDEX_CAPACITY = 1 << 18  # chained block hashes kept (LRU)
@@ -47,11 +43,11 @@ class DecodePrefixIndex:
         self._index.forget(worker)
 
 
-def kv_aware_order(loads: list["DecodeLoad"], overlaps: dict[str, int], prompt_blocks: int, blocks: int,
+def kv_aware_order(loads: list[DecodeLoad], overlaps: dict[str, int], prompt_blocks: int, blocks: int,
                    weight: float) -> list[str]:
     """Names of `loads` (alive decode workers), best first, by the cost of the module docstring. blocks:
     what the request may hold on its decode worker; prompt_blocks: its prompt's blocks."""
-    def cost(load: "DecodeLoad") -> tuple:
+    def cost(load: DecodeLoad) -> tuple:
         uncached = prompt_blocks - overlaps.get(load.name, 0)
         return (load.free_blocks < blocks, weight * uncached - load.free_blocks, load.running, load.name)
     return [load.name for load in sorted(loads, key=cost)]

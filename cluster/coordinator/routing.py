@@ -26,31 +26,10 @@ tries the next one. Used from one asyncio loop: no locks.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 from cluster.coordinator.kv_routing import DecodePrefixIndex, kv_aware_order
 from cluster.coordinator.prefix_affinity import PrefixAffinity
-
-
-@dataclass
-class DecodeLoad:
-    name: str
-    total_blocks: int
-    claimed_blocks: int = 0
-    running: int = 0
-    queued_tokens: int = 0   # prompt tokens it prefills itself that have not produced their first token
-    alive: bool = True
-
-    @property
-    def free_blocks(self) -> int:
-        return self.total_blocks - self.claimed_blocks
-
-
-@dataclass
-class PrefillLoad:
-    name: str
-    queued_tokens: int = 0
-    alive: bool = True
+from cluster.coordinator.worker_loads import DecodeLoad, PrefillLoad
 
 
 class Router:

@@ -9,20 +9,26 @@ Python loop runs over tokens or context positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from engine.attention.backends import AttentionBackend
+
+class PagedAttention(Protocol):
+    """What a step's metadata needs of its attention backend (engine/attention/backends.py implements it):
+    store this step's K/V into the pool, then attend. Declared here so the metadata and the backends do not
+    import each other."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     """One step's attention inputs; device tensors plus the few host numbers that size kernel grids."""
 
-    backend: "AttentionBackend"
+    backend: PagedAttention
     slot_mapping: torch.Tensor   # [T] int64 pool slot of each batch token
     query_start: torch.Tensor    # [N + 1] int32 first row of each sequence (cu_seqlens)
     seq_lens: torch.Tensor       # [N] int32 tokens in each sequence's context after this step
@@ -53,7 +59,7 @@ class StepTensors:
     meta: AttentionMetadata
 
 
-def build_step_tensors(backend: "AttentionBackend", num_computed: list[int], num_new: list[int],
+def build_step_tensors(backend: PagedAttention, num_computed: list[int], num_new: list[int],
                        block_tables: np.ndarray, block_size: int, device: torch.device) -> StepTensors:
     """Positions, slot mapping and metadata for sequences whose chunks cover positions
     [num_computed[i], num_computed[i] + num_new[i]); single-token chunks come first. block_tables:

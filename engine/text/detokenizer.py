@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:  # engine.tokenizer imports this module, so only type checkers import it back
-    from engine.text.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer, validate_token_ids
 
 REPLACEMENT_CHARACTER = "\ufffd"
-
-
-def validate_token_ids(ids: Sequence[int]) -> list[int]:
-    """`ids` as a list of ints; ValueError naming the first entry that is not a non-negative int."""
-    checked = list(ids)
-    for position, token_id in enumerate(checked):
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise ValueError(f"token id at position {position} must be a non-negative int, got {token_id!r}")
-    return checked
 
 
 class IncrementalDetokenizer:

@@ -15,10 +15,9 @@ from typing import Any, Mapping, Sequence
 from tokenizers import Tokenizer as _BackendTokenizer
 
 from engine.text.chat_template import check_template_variables, compile_chat_template, named_chat_templates, render_chat
-from engine.text.detokenizer import IncrementalDetokenizer, validate_token_ids
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "IncrementalDetokenizer", "Tokenizer", "compile_chat_template",
-           "validate_messages", "validate_token_ids"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "compile_chat_template", "validate_messages",
+           "validate_token_ids"]
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TOKENIZER_FILE = "tokenizer.json"
@@ -54,6 +53,15 @@ class Tokenizer(ABC):
         continue (no end of turn; excludes add_generation_prompt). tools, documents and chat_template_kwargs
         (extra template variables) are the template's to render or ignore. Raises ValueError on malformed
         messages or when the template rejects them."""
+
+
+def validate_token_ids(ids: Sequence[int]) -> list[int]:
+    """`ids` as a list of ints; ValueError naming the first entry that is not a non-negative int."""
+    checked = list(ids)
+    for position, token_id in enumerate(checked):
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"token id at position {position} must be a non-negative int, got {token_id!r}")
+    return checked
 
 
 def validate_messages(messages: list[dict]) -> list[dict]:
