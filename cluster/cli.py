@@ -13,8 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(commands, "demo", "cluster.drivers.demo",
                  "serve a mixed workload disaggregated and colocated, side by side")
     _add_command(commands, "serve", "cluster.serve", "gRPC + OpenAI-compatible HTTP front ends")
-    _add_command(commands, "client", "cluster.client", "stream a completion from a Tandem gRPC server")
-    _add_command(commands, "scale", "cluster.scale_client",
+    _add_command(commands, "client", "cluster.clients.generate", "stream a completion from a Tandem gRPC server")
+    _add_command(commands, "scale", "cluster.clients.scale",
                  "add or drain workers of a running server (POST /admin/workers), or list them")
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_command(bench, "engine", "cluster.bench.engine_vs_hf", "engine.LLM vs transformers on a serving-like mix")

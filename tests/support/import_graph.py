@@ -7,10 +7,10 @@ Rules (docs/architecture.md, "The map"):
   tests/ (they are not in any allowed set);
 - inside cluster/, between its rooms: api and local know only the Backend contract (cluster/backend.py),
   api and coordinator also the stream merger (cluster/merged_streams.py); coordinator drives workers;
-  drivers may use every room; bench and workers stand alone; selftest uses bench (its checkpoints and
-  limits) and plan uses bench (its workloads and metrics), nothing else, and only the entry points import
-  them; the entry points (cli.py, serve.py with serve_flags.py, client.py, scale_client.py) may import
-  anything in cluster/, and no room imports them;
+  drivers may use every room; bench, workers and clients stand alone; selftest uses bench (its checkpoints
+  and limits) and plan uses bench (its workloads and metrics), nothing else, and only the entry points
+  import them; the entry points (cli.py, serve.py with serve_flags.py) may import anything in cluster/,
+  and no room imports them;
 - no Ray in engine, kv_transfer or the plain workers, and no gRPC in engine (Ray only places the workers).
 
 Every import counts: at module level, inside functions and under TYPE_CHECKING.
@@ -35,11 +35,11 @@ ALLOWED_PACKAGES: dict[str, frozenset[str]] = {
 }
 ALLOWED_FOR_MODULE: dict[str, frozenset[str]] = {"kv_transfer.engine_pool": frozenset({"engine"})}
 
-CLUSTER_ENTRY_POINTS = frozenset({"cluster", "cluster.cli", "cluster.serve", "cluster.serve_flags", "cluster.client",
-                                  "cluster.scale_client"})
+CLUSTER_ENTRY_POINTS = frozenset({"cluster", "cluster.cli", "cluster.serve", "cluster.serve_flags"})
 ALLOWED_CLUSTER_ROOMS: dict[str, frozenset[str]] = {
     "cluster.backend": frozenset(),
     "cluster.merged_streams": frozenset(),
+    "cluster.clients": frozenset(),
     "cluster.api": frozenset({"cluster.backend", "cluster.merged_streams"}),
     "cluster.local": frozenset({"cluster.backend"}),
     "cluster.workers": frozenset(),

@@ -1,4 +1,4 @@
-"""`tandem client "prompt"` (or `python -m cluster.client`): stream one completion from a Tandem gRPC
+"""`tandem client "prompt"` (or `python -m cluster.clients.generate`): stream one completion from a Tandem gRPC
 server to the terminal, then print the request's timing breakdown. With `--n N`, the N samples' texts
 and timings are printed as each sample ends (their tokens arrive interleaved)."""
 from __future__ import annotations
