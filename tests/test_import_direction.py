@@ -1,12 +1,14 @@
-"""Imports point one way (engine <- kv_transfer <- workers <- cluster <- deploy), and cluster/'s rooms keep
-theirs: the real import graph has no arrow against the rules of tests/support/import_graph.py, and the
-checker does catch each kind of wrong arrow when one is planted."""
+"""Imports point one way (engine <- kv_transfer <- workers <- cluster <- deploy), engine/'s and cluster/'s rooms
+keep theirs, and no modules import one another in a circle: the real import graph has no arrow against the
+rules of tests/support/import_graph.py and no circle, and the checker does catch each kind of wrong arrow, and a
+circle, when one is planted."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from tests.support.import_graph import (ALLOWED_CLUSTER_ROOMS, CLUSTER_ENTRY_POINTS, PRODUCT_PACKAGES, cluster_room,
+from tests.support.import_graph import (ALLOWED_CLUSTER_ROOMS, ALLOWED_ENGINE_ROOMS, CLUSTER_ENTRY_POINTS,
+                                        PRODUCT_PACKAGES, cluster_room, engine_room, import_cycles,
                                         installed_sources, package_sources, violations)
 
 
@@ -22,6 +24,17 @@ def test_every_cluster_room_has_rules():
     """A new subpackage or top-level module of cluster/ must be added to the room table (or be an entry point)."""
     rooms = {cluster_room(module) for module in installed_sources(("cluster",))}
     assert rooms - CLUSTER_ENTRY_POINTS == set(ALLOWED_CLUSTER_ROOMS)
+
+
+def test_every_engine_room_has_rules():
+    """A new subpackage or top-level module of engine/ must be added to the room tables."""
+    rooms = {engine_room(module) for module in installed_sources(("engine",))}
+    assert rooms == set(ALLOWED_ENGINE_ROOMS)
+
+
+def test_no_import_circles():
+    circles = import_cycles(installed_sources())
+    assert not circles, f"modules that import one another in a circle: {circles}"
 
 
 def _plant(root: Path, files: dict[str, str]) -> dict[str, Path]:
@@ -42,6 +55,10 @@ def test_checker_reports_each_kind_of_wrong_arrow(tmp_path):
     sources = _plant(tmp_path, {
         "engine/model/causal_lm.py": "def f():\n    from cluster.api import grpc_server\n",  # engine -> cluster
         "engine/config.py": "",
+        "engine/sequence.py": "from engine.kv import block_allocator\n",                   # types -> kv
+        "engine/kv/block_allocator.py": "from engine.config import C\n",                     # allowed
+        "engine/core/scheduler.py": "from engine.kv.block_allocator import B\nfrom engine import sequence\n",
+        "engine/runner/model_runner.py": "from engine.core.scheduler import S\nfrom engine.model import x\n",
         "kv_transfer/manifest.py": "import engine.config\n",                                 # only the pool glue may
         "kv_transfer/engine_pool.py": "from engine import config\nimport proto\n",           # allowed
         "prefill_worker/worker.py": "import decode_worker.worker\nimport deploy.job\n",      # sibling; deploy
@@ -57,6 +74,8 @@ def test_checker_reports_each_kind_of_wrong_arrow(tmp_path):
     found = {(v.importer, v.imported) for v in violations(sources)}
     assert found == {
         ("engine.model.causal_lm", "cluster.api.grpc_server"),
+        ("engine.sequence", "engine.kv.block_allocator"),
+        ("engine.runner.model_runner", "engine.core.scheduler"),
         ("kv_transfer.manifest", "engine.config"),
         ("prefill_worker.worker", "decode_worker.worker"),
         ("prefill_worker.worker", "deploy.job"),
@@ -65,6 +84,16 @@ def test_checker_reports_each_kind_of_wrong_arrow(tmp_path):
         ("cluster.workers.launch", "cluster.coordinator.start"),
         ("cluster.serve", "tests.support"),
     }
+
+
+def test_checker_finds_a_planted_circle(tmp_path):
+    sources = _plant(tmp_path, {
+        "engine/text/tokenizer.py": "from engine.text.detokenizer import D\n",
+        "engine/text/detokenizer.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                      "    from engine.text.tokenizer import T\n",
+        "engine/text/chat_template.py": "from engine.text import tokenizer\n",               # into the circle only
+    })
+    assert import_cycles(sources) == [["engine.text.detokenizer", "engine.text.tokenizer"]]
 
 
 def test_every_package_says_what_it_is_for():

@@ -5,6 +5,10 @@ Rules (docs/architecture.md, "The map"):
   in its pool glue (kv_transfer/engine_pool.py); prefill_worker and decode_worker import engine and
   kv_transfer (never each other); cluster imports all of those; nothing in the product imports deploy/ or
   tests/ (they are not in any allowed set);
+- inside engine/, between its rooms (ALLOWED_ENGINE_ROOMS), one way only: the API (engine/__init__.py,
+  llm.py, builder.py) -> core/ -> runner/ -> model/ -> attention/ -> kv/, with sampling/ and text/ beside
+  them, results/ (outputs.py) for core/, and the shared types (config.py, sampling_params.py, sequence.py,
+  host_lists.py) under all of them, importing only each other;
 - inside cluster/, between its rooms: api and local know only the Backend contract (cluster/backend.py),
   api and coordinator also the stream merger (cluster/merged_streams.py); coordinator drives workers;
   drivers may use every room; bench, workers and clients stand alone; selftest uses bench (its checkpoints
@@ -34,6 +38,27 @@ ALLOWED_PACKAGES: dict[str, frozenset[str]] = {
     "cluster": frozenset({"engine", "kv_transfer", "prefill_worker", "decode_worker", "proto"}),
 }
 ALLOWED_FOR_MODULE: dict[str, frozenset[str]] = {"kv_transfer.engine_pool": frozenset({"engine"})}
+
+# engine/'s top-level modules by room; its subpackages are rooms by their own names (engine.core.scheduler: engine.core)
+ENGINE_TOP_LEVEL_ROOMS = {
+    "engine": "engine.api", "engine.llm": "engine.api", "engine.builder": "engine.api",
+    "engine.outputs": "engine.results",
+    "engine.config": "engine.types", "engine.sampling_params": "engine.types", "engine.sequence": "engine.types",
+    "engine.host_lists": "engine.types",
+}
+ALLOWED_ENGINE_ROOMS: dict[str, frozenset[str]] = {
+    "engine.types": frozenset(),
+    "engine.kv": frozenset({"engine.types"}),
+    "engine.text": frozenset({"engine.types"}),
+    "engine.sampling": frozenset({"engine.types"}),
+    "engine.attention": frozenset({"engine.kv", "engine.types"}),
+    "engine.model": frozenset({"engine.attention", "engine.kv", "engine.types"}),
+    "engine.runner": frozenset({"engine.model", "engine.attention", "engine.kv", "engine.sampling", "engine.types"}),
+    "engine.results": frozenset({"engine.sampling", "engine.text", "engine.types"}),
+    "engine.core": frozenset({"engine.runner", "engine.model", "engine.attention", "engine.kv", "engine.sampling",
+                              "engine.text", "engine.results", "engine.types"}),
+}
+ALLOWED_ENGINE_ROOMS["engine.api"] = frozenset(ALLOWED_ENGINE_ROOMS)
 
 CLUSTER_ENTRY_POINTS = frozenset({"cluster", "cluster.cli", "cluster.serve", "cluster.serve_flags"})
 ALLOWED_CLUSTER_ROOMS: dict[str, frozenset[str]] = {
@@ -131,9 +156,25 @@ def allowed(importer: str, imported: str) -> bool:
         return True  # deploy/ scripts and tests/ may use anything
     if target not in REPO_PACKAGES:
         return target not in FORBIDDEN_THIRD_PARTY.get(source, frozenset())
+    if source == target == "engine":
+        return _engine_room_allowed(importer, imported)
     if source == target:
         return source != "cluster" or _cluster_room_allowed(importer, imported)
     return target in ALLOWED_PACKAGES[source] or target in ALLOWED_FOR_MODULE.get(importer, frozenset())
+
+
+def engine_room(module: str) -> str:
+    """engine.core.scheduler -> engine.core; engine.llm -> engine.api; engine.config -> engine.types; a top-level
+    module missing from ENGINE_TOP_LEVEL_ROOMS is a room of its own, which has no rules."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and module not in ENGINE_TOP_LEVEL_ROOMS):
+        return ".".join(parts[:2])
+    return ENGINE_TOP_LEVEL_ROOMS.get(module, module)
+
+
+def _engine_room_allowed(importer: str, imported: str) -> bool:
+    source, target = engine_room(importer), engine_room(imported)
+    return source == target or target in ALLOWED_ENGINE_ROOMS.get(source, frozenset())
 
 
 def cluster_room(module: str) -> str:
@@ -146,3 +187,53 @@ def _cluster_room_allowed(importer: str, imported: str) -> bool:
     if source == target or source in CLUSTER_ENTRY_POINTS:
         return True
     return target in ALLOWED_CLUSTER_ROOMS.get(source, frozenset())
+
+
+def import_cycles(sources: dict[str, Path]) -> list[list[str]]:
+    """The circles among `sources`: each group of modules that reach one another through their imports (every
+    import counts, TYPE_CHECKING ones too), sorted; empty when the graph has no circle. An import of a package
+    counts as one of its `__init__`, not of its submodules."""
+    known = set(sources)
+    graph = {module: sorted({imp.imported for imp in imports_of(module, path, known)} & known - {module})
+             for module, path in sources.items()}
+    return sorted(sorted(group) for group in _strongly_connected(graph) if len(group) > 1)
+
+
+def _strongly_connected(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, iterative (the graph has hundreds of modules)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    groups.append(group)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(graph[child])))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return groups
