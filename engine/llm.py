@@ -35,6 +35,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Free the engine's device memory (LLMEngine.close: the KV pool, the model, the decode graphs) so that
+        another engine in this process can have it. Idempotent; generate and chat raise EngineClosed after."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def generate(self, prompts: str | Seq[str] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  prompt_token_ids: Seq[Seq[int]] | None = None,

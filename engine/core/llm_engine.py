@@ -17,7 +17,7 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig, max_model_len
 from engine.core.fork import fork_samples
-from engine.core.request_checks import check_request
+from engine.core.request_checks import check_prefilled, check_request
 from engine.core.scheduler import Scheduler, prefill_first_enabled
 from engine.core.stats import EngineStats
 from engine.core.step_observer import StepObserver
@@ -26,12 +26,17 @@ from engine.model.causal_lm import CausalLM
 from engine.outputs import OutputText, RequestMetrics, StepDelta
 from engine.runner.decode_graphs import decode_graphs_for
 from engine.runner.memory_plan import plan_memory
+from engine.runner.device_memory import release_device_memory
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.text.tokenizer import Tokenizer
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed (LLMEngine.close): its model and KV pool are gone, it takes no more work."""
 
 
 class LLMEngine:
@@ -58,6 +63,31 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, list[Sequence]] = {}  # the live sequences (samples) of each request
         self._texts: dict[Sequence, OutputText] = {}
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort every live request (their blocks freed), then let go of the model, the KV pool and the decode
+        graphs and give their device memory back (release_device_memory). Idempotent. Afterwards the calls
+        that start work (add_request, add_prefilled_request, reserve_blocks, pin_cached_prefix, step,
+        take_prefilled_blocks) and the block counts raise EngineClosed; abort, release_prefilled and
+        free_blocks find nothing left to free. Call it from the thread that steps the engine."""
+        if self._closed:
+            return
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._closed = True
+        self.runner.close()
+        self.runner = self.kv_cache = None
+        release_device_memory(self.device)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("this engine is closed: LLMEngine.close() released its model and KV pool")
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -71,8 +101,8 @@ class LLMEngine:
         (greedy, or seeded: draws depend on (seed, position)), and none of the resumed text again.
 
         params.n > 1 (full requests only, at most max_num_seqs): n samples of the prompt, each with
-        params.for_sample(j); the prompt is prefilled once and its KV shared (engine/core/fork.py); each sample's
-        deltas carry its `index`, and the request ends when every sample has."""
+        params.for_sample(j); the prompt is prefilled once and its KV shared (engine/core/fork.py); each
+        sample's deltas carry its `index`, and the request ends when every sample has."""
         self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
         if params.n > 1 and (prefill_only or num_resumed_tokens or params.n > self.config.max_num_seqs):
             raise ValueError(f"n={params.n} needs a full request (not prefill-only, not resumed) and at most "
@@ -88,6 +118,7 @@ class LLMEngine:
     def reserve_blocks(self, num_blocks: int) -> list[int] | None:
         """Allocate blocks for incoming KV (decode side of a transfer); None when the pool is short.
         Safe to call from a transfer thread while another thread steps the engine."""
+        self._check_open()
         return self.kv_cache.allocator.allocate(num_blocks)
 
     def pin_cached_prefix(self, token_ids: Seq[int]) -> list[int]:
@@ -95,13 +126,17 @@ class LLMEngine:
         the last token (the prefix cache's own rule), each with a reference taken: they cannot be evicted
         until the caller hands them to add_prefilled_request or frees them with free_blocks. Empty without
         prefix caching. Safe to call from any thread (a decode worker matches at expect())."""
+        self._check_open()
         max_blocks = (len(token_ids) - 1) // self.config.block_size
         block_ids, _ = self.kv_cache.allocator.lookup_prefix(token_ids, max_blocks)
         return block_ids
 
     def free_blocks(self, block_ids: Seq[int]) -> None:
         """Return blocks this caller owns: reserved ones never handed to add_prefilled_request, or
-        ones taken with take_prefilled_blocks. Safe to call from any thread."""
+        ones taken with take_prefilled_blocks. Safe to call from any thread. A closed engine has nothing
+        left to free: the call returns."""
+        if self._closed:
+            return
         self.kv_cache.allocator.free(block_ids)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
@@ -119,20 +154,9 @@ class LLMEngine:
         required when params.logprobs is set.
         """
         self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: a prefilled request is one sample (its KV came for one)")
-        if isinstance(first_token, bool) or not isinstance(first_token, int) \
-                or not 0 <= first_token < self.model_config.vocab_size:
-            raise ValueError(f"first token {first_token!r} is outside the vocabulary "
-                             f"[0, {self.model_config.vocab_size})")
-        logprobs = None
-        if params.logprobs is not None:
-            if first_logprobs is None:
-                raise ValueError(f"request {request_id!r} asks for logprobs; its first token came without them")
-            logprobs = TokenLogprobs.of(first_token, first_logprobs, params.logprobs)
-        needed = -(-len(prompt_token_ids) // self.config.block_size)
-        if len(block_ids) < needed:
-            raise ValueError(f"{len(block_ids)} blocks cannot hold {len(prompt_token_ids)} prompt tokens")
+        check_prefilled(request_id, len(prompt_token_ids), first_token, params, first_logprobs is not None,
+                        len(block_ids), self.config.block_size, self.model_config.vocab_size)
+        logprobs = None if params.logprobs is None else TokenLogprobs.of(first_token, first_logprobs, params.logprobs)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time=arrival_time,
                        num_resumed_tokens=num_resumed_tokens)
         seq.block_table = list(block_ids)
@@ -150,6 +174,7 @@ class LLMEngine:
 
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams,
                   num_resumed_tokens: int = 0) -> None:
+        self._check_open()
         if isinstance(request_id, str) and request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(request_id, prompt, params, num_resumed_tokens, self.max_model_len,
@@ -166,6 +191,7 @@ class LLMEngine:
         prefill-only requests this step completes (their block tables are final: every prompt token has
         a slot), and gets per-layer callbacks during it; if the forward raises, forward_failed(error) runs
         before the exception propagates."""
+        self._check_open()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -265,6 +291,7 @@ class LLMEngine:
     def take_prefilled_blocks(self, request_id: str) -> list[int]:
         """Hand a prefill-only result's blocks to the caller (a KV transfer), which must free them
         with free_blocks() once the receiver acknowledged. The request leaves the engine."""
+        self._check_open()
         seq = self.get_sequence(request_id)
         if seq is None or seq.status != SequenceStatus.PREFILLED:
             raise ValueError(f"request {request_id!r} has no prefilled KV blocks to hand over")
@@ -293,8 +320,10 @@ class LLMEngine:
 
     @property
     def num_free_blocks(self) -> int:
+        self._check_open()
         return self.kv_cache.allocator.num_free_blocks
 
     @property
     def num_total_blocks(self) -> int:
+        self._check_open()
         return self.kv_cache.num_blocks

@@ -1,5 +1,6 @@
 """The checks of a request the engine admits: its id, prompt, resumed tokens and sampling params against the
-model (context length, vocabulary). Each failure is a ValueError saying what is wrong; nothing is admitted."""
+model (context length, vocabulary), and for a prefilled request its first token, logprobs and blocks. Each
+failure is a ValueError saying what is wrong; nothing is admitted."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,3 +31,18 @@ def check_request(request_id: str, prompt: Sequence[int], params: SamplingParams
     biased = [t for t, _ in params.logit_bias if t >= vocab_size]
     if biased:
         raise ValueError(f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_prefilled(request_id: str, num_prompt_tokens: int, first_token: int, params: SamplingParams,
+                    has_first_logprobs: bool, num_blocks: int, block_size: int, vocab_size: int) -> None:
+    """ValueError unless a prefilled request (its KV already in num_blocks blocks) can be admitted: one sample,
+    a first token in the vocabulary, that token's logprobs when the request asks for logprobs, and blocks
+    enough for the prompt."""
+    if params.n != 1:
+        raise ValueError(f"n={params.n}: a prefilled request is one sample (its KV came for one)")
+    if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < vocab_size:
+        raise ValueError(f"first token {first_token!r} is outside the vocabulary [0, {vocab_size})")
+    if params.logprobs is not None and not has_first_logprobs:
+        raise ValueError(f"request {request_id!r} asks for logprobs; its first token came without them")
+    if num_blocks < -(-num_prompt_tokens // block_size):
+        raise ValueError(f"{num_blocks} blocks cannot hold {num_prompt_tokens} prompt tokens")

@@ -79,7 +79,14 @@ class DecodeGraphs:
             self._capture_all()
 
     def covers(self, num_rows: int) -> bool:
-        return 0 < num_rows <= self.sizes[-1]
+        return self.static is not None and 0 < num_rows <= self.sizes[-1]
+
+    def close(self) -> None:
+        """Drop the captured graphs (their memory pool with them), the static inputs and the references to the
+        model and the pool; covers() is False from here on. Idempotent."""
+        self._graphs.clear()
+        self.static = None
+        self.model = self.kv_cache = None
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -56,6 +56,14 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine once the pool exists (CUDA)
         self.block_tables = BlockTableMirrors()
 
+    def close(self) -> None:
+        """Let go of the model, the KV pool and the decode graphs (closed), so their memory can be freed once
+        the engine drops its own references. The runner cannot execute afterwards. Idempotent."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
+        self.decode_graphs = None
+        self.model = self.kv_cache = None
+
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None) -> StepResult:
         """Run one forward over all chunks (writes their K/V into the pool); returns the sampled
