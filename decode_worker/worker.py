@@ -115,7 +115,8 @@ class DecodeWorker:
 
     def stop(self) -> None:
         """End every request (DecodeEnded(SHUTDOWN)), wait for transfers in flight, free whatever they
-        delivered, join the threads. Blocks; idempotent."""
+        delivered, join the threads, then close the engine (its model and KV pool let go; stats() keeps the
+        last snapshot, taken before). Blocks; idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -128,6 +129,7 @@ class DecodeWorker:
         leftovers = take_commands(self._commands, block=False)
         self._settle_leftovers(leftovers + [Delivered(o) for o in self._receiver.poll()])
         self._stats = self._snapshot()
+        self._engine.close()
 
     # ---- the inbox pump --------------------------------------------------------------------------
     def _pump_inbox(self) -> None:

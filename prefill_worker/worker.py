@@ -91,13 +91,16 @@ class PrefillWorker:
 
     def stop(self) -> None:
         """Cancel every task (reports CANCELLED), wait for transfers in flight to end (they free their
-        blocks), join the thread. Blocks; idempotent."""
+        blocks), join the thread, then close the engine (its model and KV pool let go; stats() keeps the
+        last snapshot, taken before). Blocks; idempotent."""
         if not self._stopped.is_set():
             self._stopped.set()
             self._commands.put(Stop())
         self._thread.join()
         self._sender.close()
-        self._stats = self._snapshot()
+        if not self._engine.closed:
+            self._stats = self._snapshot()
+            self._engine.close()
 
     # ---- the step thread -----------------------------------------------------------------------
     def _run(self) -> None:

@@ -143,10 +143,10 @@ async def _run_colocated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[bool, s
             await asyncio.sleep(0.05)
     finally:
         await backend.shutdown()
-    empty = engine.num_free_blocks == engine.num_total_blocks
+    free, total = engine.num_free_blocks, engine.num_total_blocks
+    engine.close()
     _print_failures("colocated", results)
-    return summarize(results, wall_s), (empty, f"colocated engine {engine.num_free_blocks}/"
-                                               f"{engine.num_total_blocks} blocks free")
+    return summarize(results, wall_s), (free == total, f"colocated engine {free}/{total} blocks free")
 
 
 def _print_failures(mode: str, results: list[RequestResult]) -> None:

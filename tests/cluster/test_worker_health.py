@@ -24,7 +24,8 @@ def worker_and_engine(request):
         else DecodeWorker(engine, DecodeWorkerConfig("decode-h", transport="grpc"))
     yield worker, engine
     worker.stop()
-    assert engine.num_free_blocks == engine.num_total_blocks
+    stats = worker.stats()  # the last snapshot, taken before stop() closed the engine
+    assert engine.closed and stats.free_blocks == stats.total_blocks
 
 
 def give_work(worker) -> None:
