@@ -254,8 +254,11 @@ class Coordinator:
             return
         self._closed = True
         self.scaling.close()
-        await stop_actors([w.actor for name, w in self._workers.items() if self.is_alive(name)],
-                          self._config.worker_stop_timeout_s)
+        # Decode workers first: their receivers let go of the prefill workers' pools they mapped (ipc)
+        # before those workers exit, so no process ends while another still holds its memory.
+        alive = [w for name, w in self._workers.items() if self.is_alive(name)]
+        for group in ([w for w in alive if w.info.role != "prefill"], [w for w in alive if w.info.role == "prefill"]):
+            await stop_actors([w.actor for w in group], self._config.worker_stop_timeout_s)
         self._set.stop_pumps()  # the stopped workers already ended every request
         if self._monitor is not None:
             self._monitor.stop()

@@ -99,6 +99,8 @@ class _IpcReceiverLink(ReceiverLink):
         except KVTransferError as exc:
             log.warning("kv ipc link from rank %d broke: %s; waiting on its next epoch", self.peer_rank, exc)
             return not self.stopped()
+        finally:
+            peer.kv = None  # unmapped here, not whenever the frame is collected: the sender may exit next
 
 
 class IpcReceiver(TorchDistReceiver):
