@@ -12,14 +12,14 @@ import dataclasses
 import json
 import sys
 
-from cluster.bench.serve_client import ClientConfig, ServerUnreachable, run_requests
+from cluster.bench.serve_client import ClientConfig, ServerUnreachable, run_requests, served_context
 from cluster.bench.serve_fault import FaultInjector, FaultSpec, fault_report, format_fault
 from cluster.bench.serve_metrics import compute_metrics, parse_goodput
 from cluster.bench.serve_multiturn import MultiturnSummary, format_multiturn, run_conversations
 from cluster.bench.serve_report import RunSettings, format_report, result_json
 from cluster.bench.serve_workloads import (MixedWorkload, MultiturnWorkload, PrefixRepetitionWorkload, RandomWorkload,
-                                           Workload, add_shape_arguments, arrival_gaps, generate_conversations,
-                                           generate_requests)
+                                           SampleRequest, Workload, add_shape_arguments, arrival_gaps,
+                                           fit_to_context, generate_conversations, generate_requests)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +70,21 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return RandomWorkload(args.random_input_len, args.random_output_len, args.random_range_ratio)
 
 
+def _fit_to_served_context(config: ClientConfig, samples: list[SampleRequest],
+                           warmups: list[SampleRequest]) -> tuple[list[SampleRequest], list[SampleRequest]]:
+    """The requests cut to fit the served model's context (its max_model_len in /v1/models), saying how many
+    were cut; as they are when the server does not say."""
+    context = asyncio.run(served_context(config.base_url, config.model))
+    if context is None:
+        return samples, warmups
+    samples, cut = fit_to_context(samples, context)
+    warmups, _ = fit_to_context(warmups, context)
+    if cut:
+        print(f"{cut} of {len(samples)} requests cut to the served model's context of {context} tokens "
+              f"(prompt + output)")
+    return samples, warmups
+
+
 def check_counts(args: argparse.Namespace) -> None:
     if args.num_prompts < 1 or args.num_warmups < 0:
         raise ValueError("--num-prompts must be >= 1 and --num-warmups >= 0")
@@ -88,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     gaps = arrival_gaps(len(samples), args.request_rate, args.burstiness, args.seed)
     config = ClientConfig(args.base_url.rstrip("/"), args.model, args.ignore_eos, args.max_concurrency,
                           args.timeout, sys.stderr.isatty())
+    if not isinstance(workload, MultiturnWorkload):
+        samples, warmups = _fit_to_served_context(config, samples, warmups)
     try:
         fault = FaultInjector(FaultSpec.parse(args.fault), config.base_url, len(samples)) if args.fault else None
         if isinstance(workload, MultiturnWorkload):

@@ -37,6 +37,21 @@ class ClientConfig:
     show_progress: bool = False
 
 
+async def served_context(base_url: str, model: str | None) -> int | None:
+    """max_model_len of `model` (default: the first model) as GET /v1/models lists it (vLLM's field); None
+    when the server does not say or does not answer (the run itself then reports it unreachable)."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async with session.get(f"{base_url}/v1/models") as response:
+                response.raise_for_status()
+                cards = (await response.json())["data"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, ValueError, TypeError):
+        return None
+    card = next((c for c in cards if model is None or c.get("id") == model), None)
+    length = card.get("max_model_len") if isinstance(card, dict) else None
+    return length if isinstance(length, int) and not isinstance(length, bool) else None
+
+
 async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
     """The first model id GET /v1/models lists; ServerUnreachable if the server does not answer."""
     try:

@@ -150,6 +150,23 @@ def generate_requests(workload: Workload, num_prompts: int, vocab_size: int, see
     return _mixed_requests(workload, num_prompts, vocab_size, rng)
 
 
+def fit_to_context(requests: list[SampleRequest], max_model_len: int) -> tuple[list[SampleRequest], int]:
+    """The requests made to fit a served context of max_model_len tokens: a prompt whose tokens plus its
+    output length would not fit loses tokens from its end, and an output length that alone leaves no room for
+    one prompt token is cut to max_model_len - 1. Returns them, in order, and how many were cut."""
+    if max_model_len < 2:
+        raise ValueError(f"a served context of {max_model_len} tokens holds no prompt and output")
+    fitted, cut = [], 0
+    for request in requests:
+        output_len = min(request.output_len, max_model_len - 1)
+        room = max_model_len - output_len
+        if output_len != request.output_len or len(request.prompt_token_ids) > room:
+            request = SampleRequest(request.prompt_token_ids[:room], output_len)
+            cut += 1
+        fitted.append(request)
+    return fitted, cut
+
+
 def _random_requests(workload: RandomWorkload, num_prompts: int, vocab_size: int,
                      rng: np.random.Generator) -> list[SampleRequest]:
     in_low, in_high = _length_range(workload.input_len, workload.range_ratio)

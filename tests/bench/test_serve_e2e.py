@@ -39,6 +39,23 @@ def test_bench_serve_against_tandem_serve(tmp_path):
     assert result["disagg"]["requests_with_timing"] == 8 and result["disagg"]["transfer_ms_p50"] == 0
 
 
+def test_bench_serve_cuts_its_requests_to_the_served_context(tmp_path):
+    """The mixed dataset's long prompts (96 tokens + 16 out) do not fit a server of max_model_len 64: they are
+    cut to fit, and the output says so, instead of coming back as 400s."""
+    result_file = tmp_path / "result.json"
+    with start_serve("--max-model-len", "64") as (_, _, http_port):
+        done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{http_port}",
+                               "--dataset-name", "mixed", "--num-prompts", "8", "--mixed-long-fraction", "0.5",
+                               "--mixed-long-len", "96", "--mixed-short-len", "16", "--random-output-len", "16",
+                               "--ignore-eos", "--result-json", str(result_file)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "4 of 8 requests cut to the served model's context of 64 tokens" in done.stdout
+    result = json.loads(result_file.read_text())
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["total_input_tokens"] == 4 * 48 + 4 * 16 and result["total_output_tokens"] == 8 * 16
+
+
 def test_bench_serve_against_a_closed_port_fails_clearly():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -10,7 +10,7 @@ from aiohttp import web
 from cluster.bench.serve_client import ClientConfig, run_requests
 from cluster.bench.serve_metrics import RequestResult, compute_metrics, parse_goodput
 from cluster.bench.serve_workloads import (MixedWorkload, PrefixRepetitionWorkload, RandomWorkload, SampleRequest,
-                                           arrival_gaps, generate_requests)
+                                           arrival_gaps, fit_to_context, generate_requests)
 
 # A: sent at 0, chunks at 0.1 (1 token), 0.3 (2 tokens), 0.4 (1 token): 4 tokens.
 # B: sent at 1, one chunk at 1.2 (1 token). C: failed.
@@ -69,6 +69,19 @@ def test_random_workload_lengths_range_and_seed():
     assert all(5 <= r.output_len <= 15 for r in ranged) and max(t for r in ranged for t in r.prompt_token_ids) == 6
     assert generate_requests(RandomWorkload(100, 10, 0.5), 200, 7, seed=1) == ranged
     assert generate_requests(RandomWorkload(100, 10, 0.5), 200, 7, seed=2) != ranged
+
+
+def test_requests_are_cut_to_fit_the_served_context():
+    requests = [SampleRequest(tuple(range(10)), 4), SampleRequest(tuple(range(30)), 4),
+                SampleRequest(tuple(range(5)), 40), SampleRequest(tuple(range(16)), 4)]
+    fitted, cut = fit_to_context(requests, 20)
+    assert cut == 2
+    assert fitted[0] == requests[0] and fitted[3] == requests[3]          # 16 + 4 fits exactly
+    assert fitted[1] == SampleRequest(tuple(range(16)), 4)               # the prompt loses its end
+    assert fitted[2] == SampleRequest((0,), 19)                          # the output alone left no room
+    assert all(len(r.prompt_token_ids) + r.output_len <= 20 for r in fitted)
+    with pytest.raises(ValueError, match="holds no prompt"):
+        fit_to_context(requests, 1)
 
 
 def test_prefix_repetition_shares_prefixes_and_mixed_shares_long_prompts():
