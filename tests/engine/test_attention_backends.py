@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.attention import paged_decode_cpu, select_backend
 from engine.attention.backends import triton_available
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engines import TEST_DEVICE, make_llm
 
 needs_numba = pytest.mark.skipif(not paged_decode_cpu.AVAILABLE, reason="numba is not installed")
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
@@ -49,8 +50,9 @@ def test_each_backend_matches_transformers_greedy(backend, tiny_checkpoint, hf_g
     """Short and long prompts, a prompt chunked over several steps (its later chunks attend to the cached
     earlier ones), a repeated prompt that hits the prefix cache, and decode steps mixed with prefills."""
     path = tiny_checkpoint("llama3")
-    llm = LLM(str(path), dtype="float32", device="cpu", attention_backend=backend,
-              max_num_batched_tokens=48, block_size=16)
+    device = TEST_DEVICE.type if backend == "triton" else "cpu"  # triton: the GPU, or the interpreter on CPU
+    llm = make_llm(str(path), dtype="float32", device=device, attention_backend=backend,
+                   max_num_batched_tokens=48, block_size=16)
     assert llm.engine.runner.attention.name == backend
     prompts = random_prompts([1, 9, 40, 130], llm.get_tokenizer().vocab_size, seed=9)
     prompts.append(prompts[3][:100] + prompts[1])  # shares 96 tokens (6 blocks) with prompt 3
@@ -74,9 +76,9 @@ def test_backends_that_cannot_run_say_why(monkeypatch):
     with pytest.raises(ValueError, match="cpu_kernel.*float32"):
         select_backend("cpu_kernel", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown attention_backend"):
-        LLM(None, attention_backend="flash")
+        make_llm(None, attention_backend="flash")
     with pytest.raises(ValueError, match="enforce_eager must be a bool"):
-        LLM(None, enforce_eager="yes")
+        make_llm(None, enforce_eager="yes")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         select_backend("triton", cpu, torch.float32)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 from engine.attention.triton_decode import paged_decode  # noqa: E402
 from engine.attention.triton_prefill import paged_prefill  # noqa: E402
+from tests.support.engines import TEST_DEVICE as DEVICE  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HEAD_SHAPES = [(4, 4), (8, 2), (8, 1), (14, 2)]  # (query heads, KV heads): GQA 1, 4, 8 and 7 (Qwen2.5-0.5B)
 
 

@@ -1,14 +1,16 @@
-"""Decode graphs without a GPU: the static buffers, padding to the ladder and replay path run eagerly
-(capture=False) with the Triton kernels under the interpreter; only the capture itself needs CUDA."""
+"""Decode graphs without capturing: the static buffers, padding to the ladder and replay path run eagerly
+(capture=False), with the Triton kernels on the GPU or, without one, under the interpreter; the capture itself
+needs CUDA (the last test)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import EngineConfig, SamplingParams
 from engine.attention.backends import TorchBackend, triton_available
 from engine.runner.decode_graphs import DecodeGraphs, batch_size_ladder, decode_graphs_for
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engines import TEST_DEVICE, kernel_tensor, make_llm
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -24,10 +26,10 @@ def test_padded_static_decode_matches_transformers(tiny_checkpoint, hf_greedy):
     """Five requests of different lengths finish at different steps, so decode batches of 5, 4, 3, 2, 1
     rows replay the 8-, 4- and 2-row graphs with padding rows; every token equals transformers'."""
     path = tiny_checkpoint("qwen2")
-    llm = LLM(str(path), dtype="float32", device="cpu", attention_backend="triton", max_num_seqs=8)
+    llm = make_llm(str(path), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton", max_num_seqs=8)
     engine = llm.engine
     graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention, max_num_seqs=8,
-                          max_model_len=engine.max_model_len, device=torch.device("cpu"), capture=False)
+                          max_model_len=engine.max_model_len, device=TEST_DEVICE, capture=False)
     replayed = []
     run = graphs.run
     graphs.run = lambda ids, pos, meta: replayed.append(meta.num_seqs) or run(ids, pos, meta)
@@ -45,18 +47,18 @@ def test_padded_static_decode_matches_transformers(tiny_checkpoint, hf_greedy):
 @needs_triton
 def test_padding_rows_write_nothing_into_the_pool():
     from engine.attention.triton_store import store_kv
-    k_pool, v_pool = torch.zeros(64, 2, 16), torch.zeros(64, 2, 16)
-    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
-    slots = torch.tensor([7, 3, -1, 40, -1])
+    k_pool, v_pool = kernel_tensor(torch.zeros(64, 2, 16)), kernel_tensor(torch.zeros(64, 2, 16))
+    k, v = kernel_tensor(torch.randn(5, 2, 16)), kernel_tensor(torch.randn(5, 2, 16))
+    slots = kernel_tensor(torch.tensor([7, 3, -1, 40, -1]))
     store_kv(k, v, k_pool, v_pool, slots)
     assert torch.equal(k_pool[[7, 3, 40]], k[[0, 1, 3]]) and torch.equal(v_pool[[7, 3, 40]], v[[0, 1, 3]])
-    untouched = torch.ones(64, dtype=torch.bool)
+    untouched = kernel_tensor(torch.ones(64, dtype=torch.bool))
     untouched[[7, 3, 40]] = False
     assert k_pool[untouched].abs().sum() == 0 and v_pool[untouched].abs().sum() == 0
 
 
 def test_graphs_only_where_they_apply(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("llama")), device="cpu")
+    llm = make_llm(str(tiny_checkpoint("llama")), device="cpu")
     engine = llm.engine
     assert engine.runner.decode_graphs is None  # CPU: nothing is captured
     args = (engine.runner.model, engine.kv_cache)
@@ -70,13 +72,13 @@ def test_graphs_only_where_they_apply(tiny_checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs CUDA")
 def test_captured_graphs_match_transformers_on_cuda(tiny_checkpoint, hf_greedy):
     path = tiny_checkpoint("llama3")
-    llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8)
+    llm = make_llm(str(path), dtype="float32", device="cuda", max_num_seqs=8)
     graphs = llm.engine.runner.decode_graphs
     assert graphs is not None and graphs._graphs, "decode graphs were not captured"
     prompts = random_prompts([3, 20, 33, 7, 50], llm.get_tokenizer().vocab_size, seed=6)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
-    eager = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True)
+    eager = make_llm(str(path), dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
     assert_all_blocks_free(llm)

@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.model.default_model import UNTRAINED_NOTICE
 from tests.support.engine_checks import assert_all_blocks_free
+from tests.support.engines import make_llm
 
 
 def copy_checkpoint(src, dst):
@@ -22,7 +23,7 @@ def test_unsupported_architecture_is_named(tiny_checkpoint, tmp_path):
     config["architectures"] = ["GPTNeoXForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPTNeoXForCausalLM"):
-        LLM(str(path))
+        make_llm(str(path))
 
 
 @pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer.json"])
@@ -30,7 +31,7 @@ def test_missing_file_is_named(missing, tiny_checkpoint, tmp_path):
     path = copy_checkpoint(tiny_checkpoint("llama"), tmp_path / "ckpt")
     (path / missing).unlink()
     with pytest.raises(ValueError, match=missing.split(".")[0]):
-        LLM(str(path))
+        make_llm(str(path))
 
 
 def test_missing_weight_is_named(tiny_checkpoint, tmp_path):
@@ -40,14 +41,14 @@ def test_missing_weight_is_named(tiny_checkpoint, tmp_path):
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match="layers.1.mlp.down_proj"):
-        LLM(str(path))
+        make_llm(str(path))
 
 
 def test_default_model_is_deterministic_and_says_untrained(caplog):
-    llm = LLM()
+    llm = make_llm()
     assert UNTRAINED_NOTICE in caplog.text
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     first = llm.generate(["hello tandem"], params)[0].outputs[0]
-    again = LLM().generate(["hello tandem"], params)[0].outputs[0]
+    again = make_llm().generate(["hello tandem"], params)[0].outputs[0]
     assert first.token_ids == again.token_ids and len(first.token_ids) == 16
     assert_all_blocks_free(llm)

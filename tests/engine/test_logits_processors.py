@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.sampling.sampler import sampling_probs
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engines import make_llm
 from tests.support.factories import load_hf_model
 from tests.support.hf_processors import hf_generate
 
@@ -27,7 +28,8 @@ def ckpt(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(str(ckpt))
+    with make_llm(str(ckpt)) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

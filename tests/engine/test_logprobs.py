@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, Logprob, SamplingParams, TokenLogprobs
+from engine import Logprob, SamplingParams, TokenLogprobs
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engines import make_llm
 from tests.support.factories import load_hf_model
 from tests.support.hf_processors import hf_generate, hf_processors
 
@@ -24,7 +25,8 @@ def ckpt(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(str(ckpt))
+    with make_llm(str(ckpt)) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def test_offline_shape_is_vllms(llm):
 def test_logprobs_follow_the_first_token_to_a_decode_engine_and_across_a_resume(ckpt, temperature):
     params = SamplingParams(max_tokens=8, temperature=temperature, seed=5, ignore_eos=True, logprobs=3,
                             repetition_penalty=1.3, frequency_penalty=0.4)
-    prefill, decode, colocated = LLM(str(ckpt)), LLM(str(ckpt)), LLM(str(ckpt))
+    prefill, decode, colocated = make_llm(str(ckpt)), make_llm(str(ckpt)), make_llm(str(ckpt))
     prompt = random_prompts([21], 360, seed=9)[0]
     whole = [d for d in _stream(colocated.engine, "w", prompt, params)]
     whole_lps = [lp for d in whole for lp in d.logprobs]

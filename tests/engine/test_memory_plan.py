@@ -8,13 +8,13 @@ import logging
 import pytest
 import torch
 
-from engine import LLM
 from engine.attention.backends import TorchBackend
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, KVCacheSpec
 from engine.model.loader import load_model
 from engine.runner.memory_plan import (DeviceMemoryReport, dummy_prompt_lengths, model_weight_bytes, plan_kv_cache,
-                                plan_memory, profile_peak_activation_bytes)
+                                       plan_memory, profile_peak_activation_bytes)
+from tests.support.engines import make_llm
 
 GIB = 1 << 30
 # Llama-3-8B's KV in bfloat16: 32 layers x 2 x 16 tokens x 8 KV heads x 128 x 2 bytes = 2 MiB per block.
@@ -105,7 +105,7 @@ def test_cpu_keeps_the_default_pool_and_logs_the_plan(tiny_checkpoint, caplog):
     assert plan.num_blocks == DEFAULT_CPU_KV_CACHE_BYTES // spec.bytes_per_block
     assert any("memory plan: KV cache" in r.getMessage() and "cpu default" in r.getMessage()
                for r in caplog.records)
-    engine = LLM(str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20).engine
+    engine = make_llm(str(tiny_checkpoint("llama")), kv_cache_memory=8 << 20).engine
     assert engine.memory_plan.source == "kv_cache_memory"
     assert engine.num_total_blocks == engine.memory_plan.num_blocks == (8 << 20) // spec.bytes_per_block
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.factories import load_hf_model
+from tests.support.engines import make_llm
 
 ATOL = 1e-4
 
@@ -25,7 +26,7 @@ def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
 
 
 def test_prompt_logprobs_are_transformers_log_softmax(ckpt):
-    llm = LLM(str(ckpt), block_size=8, max_num_batched_tokens=24, max_model_len=256)  # prompts in chunks
+    llm = make_llm(str(ckpt), block_size=8, max_num_batched_tokens=24, max_model_len=256)  # prompts in chunks
     model = load_hf_model(ckpt)
     prompts = random_prompts([50, 9, 1], 300, seed=9)
     cached = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engines import make_llm
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=2024, ignore_eos=True)
@@ -18,7 +19,8 @@ def ckpt(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(ckpt)
+    with make_llm(ckpt) as llm:
+        yield llm
 
 
 def test_stop_token_ids_and_max_tokens(llm):
@@ -102,11 +104,11 @@ def test_bad_prompts_raise_and_engine_stays_usable(llm):
 
 def test_bad_model_path_and_options():
     with pytest.raises(ValueError, match="does not exist"):
-        LLM("/nonexistent/model/dir")
+        make_llm("/nonexistent/model/dir")
     with pytest.raises(ValueError, match="unknown LLM option"):
-        LLM(None, block_sise=16)
+        make_llm(None, block_sise=16)
     with pytest.raises(ValueError, match="dtype"):
-        LLM(None, dtype="float64")
+        make_llm(None, dtype="float64")
 
 
 def test_abort_frees_blocks_mid_generation(llm):
@@ -126,7 +128,7 @@ def test_abort_frees_blocks_mid_generation(llm):
 def test_prefill_engine_hands_kv_to_decode_engine(ckpt, params):
     """Prefill-only on one engine, copy the KV blocks, decode-only on another: the same tokens as one
     engine doing both, greedy and seeded (a seeded draw depends on (seed, position) alone)."""
-    prefill, decode, colocated = LLM(ckpt, block_size=8), LLM(ckpt, block_size=8), LLM(ckpt, block_size=8)
+    prefill, decode, colocated = (make_llm(ckpt, block_size=8) for _ in range(3))
     prompts = random_prompts([1, 9, 8, 70], 300, seed=4)
     expected = [o.outputs[0].token_ids for o in colocated.generate(prompt_token_ids=prompts, sampling_params=params)]
     offset = decode.engine.reserve_blocks(3)  # offsets the decode side's block ids from the prefill side's
@@ -210,7 +212,7 @@ def test_a_resumed_request_continues_token_for_token(llm, kind):
 
 
 def test_chat_uses_the_template_without_a_double_bos(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint("llama")))
+    llm = make_llm(str(tiny_checkpoint("llama")))
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "user", "content": "What is a KV cache?"}]
     [out] = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -223,7 +225,7 @@ def test_chat_uses_the_template_without_a_double_bos(tiny_checkpoint):
 
 
 def test_generation_stops_at_the_context_limit(ckpt):
-    llm = LLM(ckpt, max_model_len=32)
+    llm = make_llm(ckpt, max_model_len=32)
     prompt = random_prompts([30], 300, seed=11)[0]
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].outputs[0]
     assert len(out.token_ids) == 2 and out.finish_reason == "length"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engines import make_llm
 
 BLOCK = 8
 VOCAB = 300
@@ -20,7 +21,8 @@ def ckpt(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(str(ckpt), block_size=BLOCK)
+    with make_llm(str(ckpt), block_size=BLOCK) as llm:
+        yield llm
 
 
 def seeded(n: int, seed: int = 11, **extra) -> SamplingParams:
@@ -53,7 +55,7 @@ def test_greedy_samples_are_transformers_greedy(ckpt, llm, hf_greedy):
 
 
 def test_the_prompt_is_prefilled_once_and_its_full_blocks_shared(ckpt):
-    llm = LLM(str(ckpt), block_size=BLOCK, enable_prefix_caching=False)
+    llm = make_llm(str(ckpt), block_size=BLOCK, enable_prefix_caching=False)
     engine, allocator = llm.engine, llm.engine.kv_cache.allocator
     prompt = random_prompts([3 * BLOCK + 5], VOCAB, seed=5)[0]
     engine.add_request("r", prompt, seeded(4))
@@ -73,7 +75,7 @@ def test_the_prompt_is_prefilled_once_and_its_full_blocks_shared(ckpt):
 def test_samples_survive_preemption_and_abort_frees_everything(ckpt):
     """A pool of 10 blocks for 4 samples that each need 5: samples get preempted and recompute, and still
     equal single requests; an abort mid-way frees every block."""
-    small = LLM(str(ckpt), block_size=BLOCK, num_kv_blocks=10)
+    small = make_llm(str(ckpt), block_size=BLOCK, num_kv_blocks=10)
     prompt = random_prompts([2 * BLOCK + 4], VOCAB, seed=6)[0]
     params = SamplingParams(n=4, max_tokens=18, temperature=0.8, seed=21, ignore_eos=True)
     output = small.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
@@ -91,7 +93,7 @@ def test_samples_survive_preemption_and_abort_frees_everything(ckpt):
 def test_a_sample_without_a_block_for_its_copy_waits_and_recomputes(ckpt):
     """3 blocks hold the prompt (2 full, 1 partial) and nothing else: the other samples cannot copy the
     partial block, wait without blocks, and recompute after sample 0 (through the prefix cache)."""
-    tight = LLM(str(ckpt), block_size=BLOCK, num_kv_blocks=3)
+    tight = make_llm(str(ckpt), block_size=BLOCK, num_kv_blocks=3)
     prompt = random_prompts([2 * BLOCK + 4], VOCAB, seed=7)[0]
     params = SamplingParams(n=3, max_tokens=4, temperature=0.8, seed=21, ignore_eos=True, prompt_logprobs=1)
     tight.engine.add_request("t", prompt, params)

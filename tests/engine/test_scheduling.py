@@ -6,6 +6,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engines import make_llm
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LENGTHS = [3, 16, 17, 50, 129, 260]
@@ -40,7 +41,7 @@ def prefill_kv(llm: LLM, prompts) -> list[torch.Tensor]:
 
 
 def test_packed_prefill_equals_prefilling_each_alone(ckpt):
-    llm = LLM(ckpt, max_num_batched_tokens=4096)
+    llm = make_llm(ckpt, max_num_batched_tokens=4096)
     prompts = random_prompts(LENGTHS, 300, seed=2)
     packed = prefill_kv(llm, prompts)
     assert llm.engine.stats.num_steps == 1, "all prompts should go through one packed forward"
@@ -53,8 +54,8 @@ def test_packed_prefill_equals_prefilling_each_alone(ckpt):
 
 def test_chunked_prefill_of_7_tokens_equals_whole(ckpt):
     prompts = random_prompts(LENGTHS, 300, seed=3)
-    whole = LLM(ckpt, max_num_batched_tokens=4096)
-    chunked = LLM(ckpt, max_num_batched_tokens=7)
+    whole = make_llm(ckpt, max_num_batched_tokens=4096)
+    chunked = make_llm(ckpt, max_num_batched_tokens=7)
     assert greedy_tokens(chunked, prompts) == greedy_tokens(whole, prompts)
     assert chunked.engine.stats.num_steps > whole.engine.stats.num_steps
     assert_all_blocks_free(whole)
@@ -63,7 +64,7 @@ def test_chunked_prefill_of_7_tokens_equals_whole(ckpt):
 
 def test_long_prefill_threshold_lets_short_prompts_into_the_same_step_same_output(ckpt):
     long_prompt, short_prompt = random_prompts([200, 5], 300, seed=4)
-    capped = LLM(ckpt, max_num_batched_tokens=512, long_prefill_token_threshold=32)
+    capped = make_llm(ckpt, max_num_batched_tokens=512, long_prefill_token_threshold=32)
     engine = capped.engine
     engine.add_request("long", long_prompt, GREEDY, prefill_only=True)
     engine.add_request("short", short_prompt, GREEDY, prefill_only=True)
@@ -73,11 +74,11 @@ def test_long_prefill_threshold_lets_short_prompts_into_the_same_step_same_outpu
     for request_id in ("long", "short"):
         engine.abort(request_id)
     prompts = random_prompts(LENGTHS, 300, seed=5)
-    whole = LLM(ckpt, max_num_batched_tokens=4096)
+    whole = make_llm(ckpt, max_num_batched_tokens=4096)
     assert greedy_tokens(capped, prompts) == greedy_tokens(whole, prompts)
     assert_all_blocks_free(capped)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
-        LLM(ckpt, long_prefill_token_threshold=-1)
+        make_llm(ckpt, long_prefill_token_threshold=-1)
 
 
 def _step_kinds(engine) -> tuple[set[str], set[str]]:
@@ -96,7 +97,7 @@ def _step_kinds(engine) -> tuple[set[str], set[str]]:
 def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(ckpt):
     a, b, late, later = random_prompts([20, 30, 12, 9], 300, seed=21)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    first = LLM(ckpt, max_num_batched_tokens=512, prefill_first="on")
+    first = make_llm(ckpt, max_num_batched_tokens=512, prefill_first="on")
     engine = first.engine
     engine.add_request("a", a, params)
     engine.add_request("b", b, params)
@@ -108,7 +109,7 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(first)
-    chunking = LLM(ckpt, max_num_batched_tokens=512, long_prefill_token_threshold=8, prefill_first="on")
+    chunking = make_llm(ckpt, max_num_batched_tokens=512, long_prefill_token_threshold=8, prefill_first="on")
     chunking.engine.add_request("a", a, params, prefill_only=True)  # a prefill worker: nothing decodes
     assert _step_kinds(chunking.engine) == ({"a"}, set())
     chunking.engine.add_request("late", late, params, prefill_only=True)
@@ -127,7 +128,7 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
     while chunking.engine.has_unfinished_requests():
         chunking.engine.step()
     assert_all_blocks_free(chunking)
-    mixed = LLM(ckpt, max_num_batched_tokens=512, prefill_first="off")
+    mixed = make_llm(ckpt, max_num_batched_tokens=512, prefill_first="off")
     mixed.engine.add_request("a", a, params)
     mixed.engine.add_request("b", b, params)
     _step_kinds(mixed.engine)
@@ -136,9 +137,9 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
     while mixed.engine.has_unfinished_requests():
         mixed.engine.step()
     prompts = random_prompts(LENGTHS, 300, seed=22)
-    assert greedy_tokens(LLM(ckpt, prefill_first="on"), prompts) == greedy_tokens(mixed, prompts)
+    assert greedy_tokens(make_llm(ckpt, prefill_first="on"), prompts) == greedy_tokens(mixed, prompts)
     with pytest.raises(ValueError, match="prefill_first"):
-        LLM(ckpt, prefill_first="sometimes")
+        make_llm(ckpt, prefill_first="sometimes")
 
 
 def test_prefill_first_is_on_for_cpu_and_off_for_cuda_by_default():
@@ -153,8 +154,8 @@ def test_prefix_cache_hit_computes_fewer_tokens_same_output(ckpt):
     block = 16
     shared = random_prompts([5 * block], 300, seed=4)[0]
     first, second = shared + [7, 8, 9], shared + [10, 11]
-    cached = LLM(ckpt, block_size=block)
-    uncached = LLM(ckpt, block_size=block, enable_prefix_caching=False)
+    cached = make_llm(ckpt, block_size=block)
+    uncached = make_llm(ckpt, block_size=block, enable_prefix_caching=False)
     assert greedy_tokens(cached, [first]) == greedy_tokens(uncached, [first])
     before = cached.engine.stats.num_prefill_tokens
     out = cached.generate(prompt_token_ids=[second], sampling_params=GREEDY)[0]
@@ -167,7 +168,7 @@ def test_prefix_cache_hit_computes_fewer_tokens_same_output(ckpt):
 
 
 def test_identical_prompt_reuses_all_but_the_last_token(ckpt):
-    llm = LLM(ckpt, block_size=4)
+    llm = make_llm(ckpt, block_size=4)
     prompt = random_prompts([32], 300, seed=5)[0]
     first = greedy_tokens(llm, [prompt])
     before = llm.engine.stats.num_prefill_tokens
@@ -180,8 +181,8 @@ def test_identical_prompt_reuses_all_but_the_last_token(ckpt):
 def test_preemption_by_recompute_gives_same_output(ckpt):
     prompts = random_prompts([40, 45, 50, 55, 60, 65], 300, seed=6)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    roomy = LLM(ckpt, block_size=8)
-    tight = LLM(ckpt, block_size=8, num_kv_blocks=32, enable_prefix_caching=False)
+    roomy = make_llm(ckpt, block_size=8)
+    tight = make_llm(ckpt, block_size=8, num_kv_blocks=32, enable_prefix_caching=False)
     assert greedy_tokens(tight, prompts, params) == greedy_tokens(roomy, prompts, params)
     assert tight.engine.scheduler.num_preemptions > 0, "the small pool must force preemption"
     assert_all_blocks_free(tight)
@@ -189,7 +190,7 @@ def test_preemption_by_recompute_gives_same_output(ckpt):
 
 
 def test_seeded_sampling_is_reproducible_across_batches(ckpt):
-    llm = LLM(ckpt)
+    llm = make_llm(ckpt)
     prompts = random_prompts([12, 30, 70], 300, seed=7)
     seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=123, ignore_eos=True)
     other = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
@@ -202,7 +203,7 @@ def test_seeded_sampling_is_reproducible_across_batches(ckpt):
 
 
 def test_top_k_1_is_greedy(ckpt):
-    llm = LLM(ckpt)
+    llm = make_llm(ckpt)
     prompts = random_prompts([20, 33], 300, seed=8)
     top1 = SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True)
     assert greedy_tokens(llm, prompts, top1) == greedy_tokens(llm, prompts)

@@ -7,9 +7,10 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.text.tokenizer import HFTokenizer
 from tests.support.engine_checks import assert_all_blocks_free
+from tests.support.engines import make_llm
 
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -21,7 +22,8 @@ def ckpt(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    return LLM(str(ckpt))
+    with make_llm(str(ckpt)) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from kv_transfer import DistRendezvous, KVReceiver, ReceivedKV, TransferConfig, create_receiver, start_store
 from kv_transfer.engine_pool import admit_received, engine_pool_view, take_prefilled
 from tests.support.engine_checks import random_prompts
+from tests.support.engines import make_llm
 from tests.support.kv_engine_peer import (AwaitShipped, PoolState, Prefill, PrefillPeerProcess, PrefillPeerSpec, Ship,
                                           prompt_kv_digest)
 
@@ -96,12 +97,13 @@ def prefill_peer(ckpt, store):
 
 @pytest.fixture(scope="module")
 def colocated(ckpt) -> LLM:
-    return LLM(ckpt, block_size=BLOCK_SIZE)
+    with make_llm(ckpt, block_size=BLOCK_SIZE) as llm:
+        yield llm
 
 
 @pytest.fixture
 def decode_engine(ckpt):
-    engine = LLM(ckpt, block_size=BLOCK_SIZE, num_kv_blocks=DECODE_BLOCKS).engine
+    engine = make_llm(ckpt, block_size=BLOCK_SIZE, num_kv_blocks=DECODE_BLOCKS).engine
     offset = engine.reserve_blocks(PREFILL_BLOCKS)
     yield engine
     engine.free_blocks(offset)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from kv_transfer import ManifestError, ModelFingerprint, SendRequest, TransferStatus, decode_manifest, encode_manifest
 from kv_transfer.engine_pool import take_prefilled
 from kv_transfer.incoming import IncomingTransfer
@@ -14,6 +14,7 @@ from kv_transfer.manifest import ManifestLimits
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.testing import FreeListPool, fill_blocks
+from tests.support.engines import make_llm
 
 FP = ModelFingerprint(num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_size=4)
 LIMITS = ManifestLimits(FP, max_blocks=16)
@@ -68,7 +69,7 @@ def test_a_receiver_allocates_only_the_blocks_that_travel():
 
 
 def test_take_prefilled_ships_the_rest_and_frees_the_skipped_blocks_into_the_prefix_cache():
-    engine = LLM(num_kv_blocks=32, block_size=16).engine
+    engine = make_llm(num_kv_blocks=32, block_size=16).engine
     prompt = list(range(3, 53))                            # 50 tokens: 4 blocks, at most 3 skipped
     engine.add_request("p", prompt, SamplingParams(max_tokens=4, temperature=0.0), prefill_only=True)
     while engine.get_sequence("p").status.value != "prefilled":

@@ -90,14 +90,14 @@ def prompt_kv_digest(kv: torch.Tensor, block_ids: Sequence[int], num_tokens: int
     blocks = kv[:, :, list(block_ids)]  # [L, 2, n, bs, H, D]
     num_layers, two, n, block_size, heads, head_dim = blocks.shape
     slots = blocks.reshape(num_layers, two, n * block_size, heads, head_dim)[:, :, :num_tokens]  # [L, 2, T, H, D]
-    return hashlib.sha256(slots.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(slots.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 class _PrefillPeer:
     def __init__(self, spec: PrefillPeerSpec):
-        from engine import LLM  # imported here: the parent only needs the command types
+        from tests.support.engines import make_llm  # imported here: the parent only needs the command types
         self.spec = spec
-        self.engine = LLM(spec.model, block_size=spec.block_size, num_kv_blocks=spec.num_kv_blocks).engine
+        self.engine = make_llm(spec.model, block_size=spec.block_size, num_kv_blocks=spec.num_kv_blocks).engine
         self.config = TransferConfig(kv_transfer_timeout_s=spec.timeout_s, connect_timeout_s=30,
                                      max_run_bytes=spec.max_run_bytes,
                                      direct_min_plane_bytes=spec.direct_min_plane_bytes)
