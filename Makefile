@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test bench-engine
+.PHONY: venv demo test bench-engine gpu-check
 
 venv:
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -24,3 +24,11 @@ test: venv
 bench-engine: venv
 	@$(PIP) -e ".[bench]"
 	$(VENV)/bin/tandem bench engine
+
+# On a GPU host (torch with CUDA and triton installed; no venv made): the selftest, the engine / memory / transfer
+# benchmarks, a 1P1D serving smoke test and the engine and transfer suites, in under 8 minutes, reported in
+# $(GPU_CHECK_OUT)/report.md. Without network: make gpu-check WHEELS=DIR (deploy/pack_gpu_wheels.sh DIR).
+GPU_CHECK_OUT ?= gpu-check
+WHEELS ?=
+gpu-check:
+	bash deploy/gpu_check.sh $(GPU_CHECK_OUT) $(WHEELS)

@@ -6,6 +6,7 @@ import gc
 import weakref
 
 import pytest
+import torch
 
 from engine import LLM, EngineClosed, SamplingParams
 from tests.support.engine_checks import random_prompts
@@ -78,3 +79,19 @@ def test_with_block_closes_the_engine_even_when_it_raises(ckpt):
     with LLM(ckpt, kv_cache_memory=4 << 20) as second:  # the next engine in the process starts as usual
         out = second.generate(prompt_token_ids=random_prompts([6], 300), sampling_params=LONG, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_card_gets_its_memory_back(ckpt):
+    """An engine that takes half the card (its KV pool, CUDA graphs, cuBLAS workspaces) gives it all back:
+    the device's free memory returns to within 1 GiB of where it was."""
+    torch.cuda.init()
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    llm = LLM(ckpt, gpu_memory_utilization=0.5)
+    llm.generate(prompt_token_ids=random_prompts([9, 40], 300), sampling_params=LONG, use_tqdm=False)
+    taken = free_before - torch.cuda.mem_get_info()[0]
+    assert taken > 4 << 30, f"the engine took only {taken / 2**30:.1f} GiB"
+    llm.close()
+    still_taken = free_before - torch.cuda.mem_get_info()[0]
+    assert still_taken < 1 << 30, f"{still_taken / 2**30:.2f} GiB not given back after close()"

@@ -1,0 +1,131 @@
+"""The Markdown report of `make gpu-check` (deploy/gpu_check.sh): the card and versions, every step's command,
+exit status and time, then the numbers each step wrote (selftest checks, engine bench, memory bench, KV transfer,
+the 1P1D serving smoke test, the suite's summary). A step whose output is missing says so.
+
+    python deploy/gpu_check_report.py OUT > OUT/report.md
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def main(out: Path) -> str:
+    sections = [_header(out), _steps(out), _selftest(out), _engine(out), _memory(out), _transfer(out),
+                _serving(out), _suite(out)]
+    return "\n\n".join(section for section in sections if section) + "\n"
+
+
+def _json(out: Path, name: str):
+    try:
+        return json.loads((out / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _header(out: Path) -> str:
+    env = (out / "env.txt").read_text().strip() if (out / "env.txt").exists() else "(env.txt missing)"
+    return "## GPU check\n\n```\n" + env + "\n```"
+
+
+def _steps(out: Path) -> str:
+    rows = ["| step | exit | seconds | command |", "|---|---|---|---|"]
+    path = out / "steps.tsv"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        name, rc, seconds, command = (line.split("\t", 3) + ["", "", ""])[:4]
+        rows.append(f"| {name} | {_exit(rc)} | {seconds} | `{_cell(command)}` |")
+    return "\n".join(rows)
+
+
+def _exit(rc: str) -> str:
+    return {"0": "ok", "124": "timed out"}.get(rc, rc)
+
+
+def _selftest(out: Path) -> str:
+    report = _json(out, "selftest.json")
+    if report is None:
+        return "### selftest\n\nno selftest.json"
+    rows = ["### selftest", "", "| check | status | detail |", "|---|---|---|"]
+    rows += [f"| {c['name']} | {c['status']} | {_cell(c.get('detail', ''))} |" for c in report.get("checks", [])]
+    return "\n".join(rows)
+
+
+def _engine(out: Path) -> str:
+    bench = _json(out, "bench_engine.json")
+    if bench is None:
+        return "### bench engine (qwen2.5-0.5b shape, bfloat16)\n\nno bench_engine.json"
+    rows = ["### bench engine (qwen2.5-0.5b shape, bfloat16)", "",
+            f"{bench['engine_tok_s']:,.0f} useful tok/s over {bench['num_requests']} requests", "",
+            "| phase | batch | engine ms | floor ms | engine / floor | floor |", "|---|---|---|---|---|---|"]
+    for limit in bench.get("limits", []):
+        ratio = limit["engine_ms"] / limit["floor_ms"] if limit.get("floor_ms") else float("nan")
+        rows.append(f"| {limit['phase']} | {limit['batch']} | {limit['engine_ms']:.2f} | {limit['floor_ms']:.2f} "
+                    f"| {ratio:.1f}x | {limit['floor']} |")
+    return "\n".join(rows)
+
+
+def _memory(out: Path) -> str:
+    memory = _json(out, "memory.json")
+    if memory is None:
+        return "### bench memory\n\nno memory.json"
+    keys = ("shape", "dtype", "decodes", "long_prompt", "kv_blocks", "peak_allocated_gib", "device_total_gib",
+            "decode_step_ms_before", "slowest_step_ms_during", "long_prompt_ttft_s", "preemptions", "out_of_memory")
+    rows = ["### bench memory", "", "| what | value |", "|---|---|"]
+    rows += [f"| {key} | {_number(memory.get(key))} |" for key in keys]
+    return "\n".join(rows + ["", f"memory plan: {memory.get('memory_plan', '')}"])
+
+
+def _transfer(out: Path) -> str:
+    rows_in = _json(out, "transfer.json")
+    if rows_in is None:
+        return "### KV transfer (ipc, two processes, one card)\n\nno transfer.json"
+    rows = ["### KV transfer (ipc, two processes, one card)", "",
+            "| size MiB | ms | GB/s | raw socket GB/s | bit exact |", "|---|---|---|---|---|"]
+    rows += [f"| {r['size_bytes'] / 2**20:.0f} | {r['seconds'] * 1e3:.2f} | {r['gbps']:.2f} | {r['baseline_gbps']:.2f} "
+             f"| {r['bit_exact']} |" for r in rows_in]
+    return "\n".join(rows)
+
+
+def _serving(out: Path) -> str:
+    result = _json(out, "bench_serve.json")
+    title = "### 1P1D serving smoke test (one card, mixed dataset)"
+    if result is None:
+        return f"{title}\n\nno bench_serve.json"
+    disagg = result.get("disagg", {})
+    pairs = [("completed / failed", f"{result['completed']} / {result['failed']}"),
+             ("output tok/s", _number(result.get("output_throughput"))),
+             ("TTFT median / p99 ms", f"{_number(result.get('median_ttft_ms'))} / {_number(result.get('p99_ttft_ms'))}"),
+             ("TPOT median / p99 ms", f"{_number(result.get('median_tpot_ms'))} / {_number(result.get('p99_tpot_ms'))}"),
+             ("ITL median / p99 ms", f"{_number(result.get('median_itl_ms'))} / {_number(result.get('p99_itl_ms'))}"),
+             ("KV transfer p50 ms", _number(disagg.get("transfer_ms_p50"))),
+             ("transfer share of TTFT p50", _number(disagg.get("transfer_share_of_ttft_p50")))]
+    smoke = (out / "serve-1p1d.log").read_text().strip() if (out / "serve-1p1d.log").exists() else ""
+    rows = [title, "", "| what | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in pairs]
+    return "\n".join(rows + ([f"\n{smoke.splitlines()[-1]}"] if smoke else []))
+
+
+def _suite(out: Path) -> str:
+    path = out / "pytest.log"
+    if not path.exists():
+        return "### suite\n\nno pytest.log"
+    lines = path.read_text(errors="replace").splitlines()
+    summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), "no summary")
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return "\n".join(["### suite (tests/engine tests/kv_transfer)", "", f"`{summary.strip('= ')}`", *failures])
+
+
+def _cell(text: str) -> str:
+    """Text that stays in its Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _number(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.2f}"
+    return "-" if value is None else str(value)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(main(Path(sys.argv[1])))

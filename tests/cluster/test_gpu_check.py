@@ -1,0 +1,58 @@
+"""`make gpu-check` without a GPU: the script's plumbing (env, steps under a budget, the report) and the report's
+rendering of each step's output, from files shaped as the real steps write them."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def render_report(out: Path) -> str:
+    """deploy/gpu_check_report.py's main(out), the script loaded from its file (deploy/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check_report", REPO / "deploy" / "gpu_check_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(out)
+
+
+def test_a_spent_budget_skips_every_step_and_still_reports(tmp_path):
+    env = {**os.environ, "GPU_CHECK_BUDGET_S": "5", "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(REPO / "deploy" / "gpu_check.sh"), str(tmp_path / "out")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "torch:" in report and "## GPU check" in report
+    steps = [line.split("\t") for line in (tmp_path / "out" / "steps.tsv").read_text().splitlines()]
+    assert [s[0] for s in steps] == ["selftest", "bench-engine", "bench-memory", "bench-transfer", "serve-1p1d",
+                                     "pytest"]
+    assert all(s[1].startswith("skipped") for s in steps)
+    assert "no selftest.json" in report and "no pytest.log" in report
+
+
+def test_the_report_carries_every_number(tmp_path):
+    (tmp_path / "env.txt").write_text("card 0: NVIDIA H100 80GB HBM3, 79.1 GiB\ntorch: 2.11.0 CUDA 13.0\n")
+    (tmp_path / "steps.tsv").write_text("selftest\t0\t73\tpython -m cluster.selftest\npytest\t124\t240\tpython -m pytest\n")
+    (tmp_path / "selftest.json").write_text(json.dumps({"checks": [
+        {"name": "kernels triton fp32", "status": "PASS", "detail": "max |err| 5.4e-07"}]}))
+    (tmp_path / "bench_engine.json").write_text(json.dumps({"num_requests": 48, "engine_tok_s": 4589.5, "limits": [
+        {"phase": "decode step", "batch": "1 seqs x 128 ctx", "engine_ms": 3.1, "floor_ms": 0.3, "floor": "weights"}]}))
+    (tmp_path / "memory.json").write_text(json.dumps({"shape": "llama-3-8b", "slowest_step_ms_during": 682.95,
+                                                      "memory_plan": "KV cache 56183 blocks"}))
+    (tmp_path / "transfer.json").write_text(json.dumps([{"size_bytes": 1 << 20, "seconds": 0.00367, "gbps": 0.29,
+                                                         "baseline_gbps": 2.14, "bit_exact": True}]))
+    (tmp_path / "bench_serve.json").write_text(json.dumps({"completed": 64, "failed": 0, "output_throughput": 512.0,
+                                                           "median_ttft_ms": 20.5, "p99_ttft_ms": 850.0,
+                                                           "disagg": {"transfer_ms_p50": 4.19}}))
+    (tmp_path / "pytest.log").write_text("....\nFAILED tests/engine/test_x.py::test_y\n1 failed, 345 passed in 226.72s\n")
+    report = render_report(tmp_path)
+    for expected in ("NVIDIA H100 80GB HBM3", "| selftest | ok | 73 |", "| pytest | timed out | 240 |",
+                     "max \\|err\\| 5.4e-07", "4,590 useful tok/s", "| 3.10 | 0.30 | 10.3x |", "682.95",
+                     "KV cache 56183 blocks", "| 1 | 3.67 | 0.29 | 2.14 | True |", "| completed / failed | 64 / 0 |",
+                     "20.50 / 850.00", "| KV transfer p50 ms | 4.19 |", "`1 failed, 345 passed in 226.72s`",
+                     "FAILED tests/engine/test_x.py::test_y"):
+        assert expected in report, expected
