@@ -1,4 +1,4 @@
-"""build_engine: a ready LLMEngine from a checkpoint directory, or the embedded default model."""
+"""build_engine: a ready LLMEngine from a Hugging Face checkpoint directory, a GGUF file, or the embedded model."""
 from __future__ import annotations
 
 import logging
@@ -6,33 +6,55 @@ from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.llm_engine import LLMEngine
-from engine.model.default_model import UNTRAINED_NOTICE, build_default_model, default_model_config
-from engine.model.loader import check_model_dir, load_model, resolve_device, resolve_dtype
-from engine.text.tokenizer import ByteTokenizer, HFTokenizer
+from engine.model.default_model import TINY_MODEL, UNTRAINED_NOTICE, build_default_model, default_model_config
+from engine.model.gguf_checkpoint import GGUFCheckpoint, is_gguf_file
+from engine.model.loader import check_model_dir, filled_model, iter_checkpoint_tensors, resolve_device, resolve_dtype
+from engine.text.gguf_tokenizer import tokenizer_from_gguf
+from engine.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger("tandem.engine")
 
 
-def build_engine(model: str | Path | None, config: EngineConfig, dtype: str = "auto",
-                 device: str = "auto") -> LLMEngine:
-    """Load model weights and tokenizer and size the KV pool. ValueError names any bad argument,
-    missing file or unsupported architecture."""
+def build_engine(model: str | Path | None, config: EngineConfig, dtype: str = "auto", device: str = "auto",
+                 tokenizer: str | Path | None = None) -> LLMEngine:
+    """Load the model's weights and tokenizer and size the KV pool. model: a Hugging Face checkpoint directory, a
+    GGUF file, or None / "tiny" for the embedded model. tokenizer: a Hugging Face tokenizer directory to use
+    instead of the model's own (a GGUF file's metadata, or the checkpoint's files). ValueError names any bad
+    argument, missing file or unsupported architecture."""
     torch_device = resolve_device(device)
-    if model is None:
-        model_config = default_model_config()
-        torch_dtype = resolve_dtype(dtype, model_config, torch_device)
-        max_positions = _max_positions(model_config, config)
-        net = build_default_model(torch_dtype, torch_device, max_positions)
-        tokenizer = ByteTokenizer()
-        logger.warning(UNTRAINED_NOTICE)
+    if model is None or str(model) == TINY_MODEL:
+        return _embedded_engine(config, dtype, torch_device, tokenizer)
+    if is_gguf_file(model):
+        checkpoint = GGUFCheckpoint(model)
+        model_config = ModelConfig.from_hf_dict(checkpoint.hf_config())
+        text = _tokenizer_dir(tokenizer) or tokenizer_from_gguf(checkpoint.metadata, str(model))
+        weights = checkpoint.tensors()
     else:
         model_dir = check_model_dir(model)
         model_config = ModelConfig.from_dir(model_dir)
-        torch_dtype = resolve_dtype(dtype, model_config, torch_device)
-        tokenizer = HFTokenizer.from_dir(model_dir)
-        net = load_model(model_dir, model_config, torch_dtype, torch_device,
-                         _max_positions(model_config, config))
-    return LLMEngine(net, tokenizer, model_config, config, torch_dtype, torch_device)
+        text = _tokenizer_dir(tokenizer) or HFTokenizer.from_dir(model_dir)
+        weights = iter_checkpoint_tensors(model_dir)
+    torch_dtype = resolve_dtype(dtype, model_config, torch_device)
+    net = filled_model(weights, model_config, torch_dtype, torch_device, _max_positions(model_config, config))
+    return LLMEngine(net, text, model_config, config, torch_dtype, torch_device)
+
+
+def _embedded_engine(config: EngineConfig, dtype: str, device, tokenizer: str | Path | None) -> LLMEngine:
+    if tokenizer is not None:
+        raise ValueError("the embedded model has its own byte tokenizer: tokenizer= does not apply to it")
+    model_config = default_model_config()
+    torch_dtype = resolve_dtype(dtype, model_config, device)
+    net = build_default_model(torch_dtype, device, _max_positions(model_config, config))
+    logger.warning(UNTRAINED_NOTICE)
+    return LLMEngine(net, ByteTokenizer(), model_config, config, torch_dtype, device)
+
+
+def _tokenizer_dir(tokenizer: str | Path | None) -> Tokenizer | None:
+    if tokenizer is None:
+        return None
+    if not Path(tokenizer).is_dir():
+        raise ValueError(f"tokenizer {str(tokenizer)!r} is not a Hugging Face tokenizer directory")
+    return HFTokenizer.from_dir(tokenizer)
 
 
 def _max_positions(model_config: ModelConfig, config: EngineConfig) -> int:

@@ -25,11 +25,14 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 **engine_options) -> None:
+                 tokenizer: str | None = None, **engine_options) -> None:
+        """model: a Hugging Face checkpoint directory, a GGUF file, or None / "tiny" (the embedded model).
+        tokenizer: a Hugging Face tokenizer directory used instead of the model's own."""
         unknown = set(engine_options) - _ENGINE_FIELDS
         if unknown:
             raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
-        self.engine = build_engine(model, EngineConfig(**engine_options), dtype=dtype, device=device)
+        self.engine = build_engine(model, EngineConfig(**engine_options), dtype=dtype, device=device,
+                                   tokenizer=tokenizer)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):

@@ -75,7 +75,10 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
+        # [vocab, hidden] unallocated, nothing drawn (the checkpoint fills it)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta",
+                                                             dtype=dtype))
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

@@ -11,6 +11,7 @@ from engine.config import ModelConfig
 from engine.model.causal_lm import CausalLM
 
 DEFAULT_MODEL_NAME = "tandem-default-untrained"
+TINY_MODEL = "tiny"  # the name that asks for this model (model=None may mean a trained default)
 DEFAULT_MODEL_SEED = 1234
 UNTRAINED_NOTICE = ("Using the embedded default model (Llama architecture, seeded random weights, "
                     "byte-level tokenizer): it is UNTRAINED, so its text is gibberish.")

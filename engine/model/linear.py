@@ -32,6 +32,10 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        """Nothing drawn: the weights come from a checkpoint (on the meta device, an init would only cost the
+        import of torch's decompositions, seconds at start)."""
+
     def prepare(self) -> None:
         """Pack the weight for oneDNN when that is the faster small-batch path (CPU float32)."""
         self.packed_weight = None

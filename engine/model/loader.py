@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -66,6 +66,9 @@ def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor
 
 def check_model_dir(model: str | Path) -> Path:
     model_dir = Path(model)
+    if model_dir.is_file():
+        raise ValueError(f"model path {str(model)!r} is a file but not a GGUF file (it does not start with b'GGUF'); "
+                         "a model is a GGUF file or a Hugging Face checkpoint directory")
     if not model_dir.is_dir():
         raise ValueError(f"model path {str(model)!r} does not exist or is not a directory")
     return model_dir
@@ -74,7 +77,14 @@ def check_model_dir(model: str | Path) -> Path:
 def load_model(model_dir: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_positions: int) -> CausalLM:
     """Build the model on device and fill it from the checkpoint (ValueError on any mismatch)."""
+    return filled_model(iter_checkpoint_tensors(model_dir), model_config, dtype, device, max_positions)
+
+
+def filled_model(weights: Iterable[tuple[str, torch.Tensor]], model_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, max_positions: int) -> CausalLM:
+    """The model allocated on device without initial values (nothing drawn that loading would overwrite), filled
+    from Hugging Face-named tensors (ValueError on a missing, extra or misshapen one), its kernels prepared."""
     model = CausalLM(model_config, dtype, max_positions).materialize(device)
-    model.load_weights(iter_checkpoint_tensors(model_dir))
+    model.load_weights(weights)
     model.prepare_kernels()
     return model.eval()
