@@ -1,4 +1,4 @@
-"""The `tandem` command: serve, client, scale, demo, bench, plan, selftest."""
+"""The `tandem` command: serve, client, scale, demo, convert, bench, plan, selftest."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "serve a mixed workload disaggregated and colocated, side by side")
     _add_command(commands, "serve", "cluster.serve", "gRPC + OpenAI-compatible HTTP front ends")
     _add_command(commands, "client", "cluster.clients.generate", "stream a completion from a Tandem gRPC server")
+    _add_command(commands, "convert", "cluster.drivers.convert",
+                 "write a GGUF file as a Hugging Face checkpoint directory (config, safetensors, tokenizer)")
     _add_command(commands, "scale", "cluster.clients.scale",
                  "add or drain workers of a running server (POST /admin/workers), or list them")
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -49,16 +49,15 @@ class GGUFFile:
             self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         except (OSError, ValueError) as error:
             raise ValueError(f"cannot open {self.path}: {error}") from error
+        self._buffer, self._pos = memoryview(self._map), len(MAGIC)
+        if bytes(self._buffer[:len(MAGIC)]) != MAGIC:
+            raise ValueError(f"{self.path} is not a GGUF file (it does not start with {MAGIC!r})")
         try:
             self._read_header()
         except (struct.error, IndexError, UnicodeDecodeError, ValueError) as error:
             raise ValueError(f"{self.path} is not a complete GGUF file: {type(error).__name__}: {error}") from error
 
     def _read_header(self) -> None:
-        self._buffer, self._pos = memoryview(self._map), 0
-        if bytes(self._buffer[:4]) != MAGIC:
-            raise ValueError(f"it does not start with {MAGIC!r}")
-        self._pos = 4
         version, tensor_count, kv_count = self._scalar("<I"), self._scalar("<Q"), self._scalar("<Q")
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")

@@ -145,6 +145,22 @@ class HFTokenizer(Tokenizer):
             eos_ids += _as_id_list(_read_json(directory / config_name).get("eos_token_id"))
         return cls(backend, special_tokens=special_tokens, eos_token_ids=eos_ids, chat_template=chat_template)
 
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json (special tokens, chat templates; the fast tokenizer class,
+        so transformers keeps tokenizer.json's pipeline) and the EOS ids into generation_config.json, such that
+        HFTokenizer.from_dir and transformers' AutoTokenizer load this tokenizer back. Overwrites those files."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(directory / TOKENIZER_FILE))
+        templates = self._chat_templates
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+                  **self._special_tokens,
+                  "chat_template": templates.get("default") if list(templates) == ["default"]
+                  else [{"name": name, "template": source} for name, source in templates.items()] or None}
+        (directory / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        generation = {"eos_token_id": list(self.eos_token_ids), "bos_token_id": self.bos_token_id}
+        (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
     @property
     def chat_template(self) -> str | None:
         """The jinja source of the default chat template, or None when the checkpoint has none."""

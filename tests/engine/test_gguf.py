@@ -159,3 +159,28 @@ def test_fast_dequantize_equals_the_gguf_reference(quant):
     assert fast.shape == (48, 256) and torch.equal(fast, reference)
     step = float(abs(values).max()) / 8  # 4-bit types: 16 levels over [-max, max]; Q8_0: far finer
     assert (fast - torch.from_numpy(values)).abs().max() <= step  # and it is the matrix that was quantized
+
+
+def test_convert_writes_a_checkpoint_transformers_loads(tmp_path, gguf_file):
+    """`tandem convert`: transformers reads the directory back; its greedy tokens equal its own GGUF loading's,
+    its tokenizer encodes as ours, and the engine serves the directory as it serves the file."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+    path, out = gguf_file("llama", "Q4_1"), tmp_path / "converted"
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "convert", str(path), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    prompts = random_prompts([4, 19], 300, seed=13)
+    assert hf_greedy_generate(load_hf_model(out), prompts, 8) == hf_greedy_generate(_hf_from_gguf(path), prompts, 8)
+    theirs = AutoTokenizer.from_pretrained(out)
+    with make_llm(str(path), device="cpu") as from_file, make_llm(str(out), device="cpu") as from_dir:
+        for text in TEXTS:
+            assert theirs.encode(text) == from_file.get_tokenizer().encode(text) == from_dir.get_tokenizer().encode(text)
+        got = [o.outputs[0].token_ids for o in from_dir.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+        assert got == [o.outputs[0].token_ids for o in from_file.generate(prompt_token_ids=prompts,
+                                                                          sampling_params=GREEDY)]
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "convert", str(out / "config.json"), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "config.json is not a GGUF file" in bad.stderr

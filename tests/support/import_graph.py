@@ -41,7 +41,7 @@ ALLOWED_FOR_MODULE: dict[str, frozenset[str]] = {"kv_transfer.engine_pool": froz
 
 # engine/'s top-level modules by room; its subpackages are rooms by their own names (engine.core.scheduler: engine.core)
 ENGINE_TOP_LEVEL_ROOMS = {
-    "engine": "engine.api", "engine.llm": "engine.api", "engine.builder": "engine.api",
+    "engine": "engine.api", "engine.llm": "engine.api", "engine.builder": "engine.api", "engine.convert": "engine.api",
     "engine.outputs": "engine.results",
     "engine.config": "engine.types", "engine.sampling_params": "engine.types", "engine.sequence": "engine.types",
     "engine.host_lists": "engine.types",
