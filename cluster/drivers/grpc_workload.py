@@ -10,31 +10,43 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
 from proto import tandem_pb2, tandem_pb2_grpc
 
-SHORT_PROMPTS = (
-    "The quick brown fox",
-    "def fibonacci(n):",
-    "Q: What is continuous batching?\nA:",
-    "Once upon a time,",
-    "Paged attention stores",
-    "KV blocks are owned",
-    "Hello, Tandem!",
-    "SELECT * FROM",
-    "Prefill and decode",
+SHORT_QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What does a GPU do, in one sentence?",
+    "Give me a synonym for happy.",
+    "How many days are there in a week?",
+    "Translate 'good morning' into Spanish.",
+    "What is the boiling point of water in Celsius?",
+    "Suggest a name for a friendly robot.",
 )
-LONG_PROMPT_CHARS = (600, 900, 1200)
+LONG_CONTEXT = (
+    "Large language model serving has two phases. Prefill reads the whole prompt at once and is limited by "
+    "compute; decode writes one token at a time for every running request and is limited by memory bandwidth. "
+    "When both share one GPU, a long prefill stalls every decode behind it, so the time between tokens jumps. "
+    "Disaggregated serving runs prefill and decode on different workers: a prefill worker ingests prompts in "
+    "packed batches, then ships the key-value cache of each prompt to a decode worker, which generates the answer "
+    "with continuous batching over a paged cache. The cost is the transfer of that cache between the workers. "
+)
+LONG_CONTEXT_CHARS = (600, 900, 1200)
+Render = Callable[[str], str]  # a user message -> the prompt text (a chat template), or the message as it is
 
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    """One request of a workload: its id, prompt text and how many tokens to generate."""
+    """One request of a workload: its id, the user's message, the prompt text sent (the message rendered
+    with the model's chat template) and how many tokens to generate at most."""
 
     request_id: str
+    question: str
     prompt: str
     max_tokens: int
 
@@ -53,6 +65,7 @@ class RequestResult:
     token_gaps_ms: tuple[float, ...] = ()
     timing: tandem_pb2.Timing | None = None
     error: str | None = None
+    text: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,30 +82,45 @@ class WorkloadSummary:
     failed: int = 0
 
 
-def mixed_workload(num_requests: int = 12, max_tokens: int = 24) -> list[WorkloadRequest]:
-    """Mostly short prompts plus one long prompt in every four requests."""
+def mixed_workload(num_requests: int = 12, max_tokens: int = 24, render: Render | None = None
+                   ) -> list[WorkloadRequest]:
+    """Mostly short questions plus, in every four requests, one long text to summarize (600-1200 characters);
+    render turns each message into the prompt sent (default: the message itself)."""
     requests = []
     for index in range(num_requests):
         if index % 4 == 3:
-            chars = LONG_PROMPT_CHARS[(index // 4) % len(LONG_PROMPT_CHARS)]
-            prompt = ("Disaggregated serving moves the KV cache between workers. " * 40)[:chars]
+            chars = LONG_CONTEXT_CHARS[(index // 4) % len(LONG_CONTEXT_CHARS)]
+            question = (LONG_CONTEXT * 4)[:chars] + "\nSummarize the text above in one sentence."
         else:
-            prompt = SHORT_PROMPTS[index % len(SHORT_PROMPTS)]
-        requests.append(WorkloadRequest(f"req-{index:02d}", prompt, max_tokens))
+            question = SHORT_QUESTIONS[index % len(SHORT_QUESTIONS)]
+        prompt = question if render is None else render(question)
+        requests.append(WorkloadRequest(f"req-{index:02d}", question, prompt, max_tokens))
     return requests
 
 
+def chat_renderer(model: str | None) -> Render | None:
+    """How a user message becomes a prompt for `model` (as engine.builder resolves it): its tokenizer's chat
+    template with the assistant's turn opened; None when the model has none (the embedded tiny model)."""
+    from engine.builder import load_tokenizer
+    tokenizer = load_tokenizer(model)
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    return lambda message: tokenizer.apply_chat_template([{"role": "user", "content": message}])
+
+
 async def run_one(stub: tandem_pb2_grpc.TandemStub, request: WorkloadRequest) -> RequestResult:
-    """Stream one request greedily (ignore_eos, so it yields exactly max_tokens tokens)."""
+    """Stream one request greedily, until the model's end of answer or max_tokens."""
     message = tandem_pb2.GenerateRequest(request_id=request.request_id, prompt=request.prompt,
-                                         max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+                                         max_tokens=request.max_tokens, temperature=0.0)
     sent = time.perf_counter()
     arrivals: list[float] = []
+    pieces: list[str] = []
     last = None
     try:
         async for response in stub.Generate(message):
             now = time.perf_counter()
             arrivals += [now] * len(response.token_ids)
+            pieces.append(response.text)
             last = response
     except grpc.RpcError as error:
         return RequestResult(request.request_id, len(request.prompt), len(arrivals), 0.0,
@@ -101,7 +129,8 @@ async def run_one(stub: tandem_pb2_grpc.TandemStub, request: WorkloadRequest) ->
     ttft_ms = (arrivals[0] - sent) * 1e3 if arrivals else 0.0
     gaps = tuple((b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]))
     timing = last.timing if last is not None and last.HasField("timing") else None
-    return RequestResult(request.request_id, len(request.prompt), len(arrivals), ttft_ms, elapsed, gaps, timing)
+    return RequestResult(request.request_id, len(request.prompt), len(arrivals), ttft_ms, elapsed, gaps, timing,
+                         text="".join(pieces))
 
 
 async def run_workload(target: str, requests: list[WorkloadRequest]) -> tuple[list[RequestResult], float]:

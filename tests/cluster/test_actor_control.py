@@ -54,7 +54,7 @@ def busy_prefill_actor(local_ray):
     transfer = TransferConfig(kv_transfer_timeout_s=HOLD_S, connect_timeout_s=HOLD_S)
     config = PrefillWorkerConfig("prefill-busy", "grpc", transfer, max_transfers_per_peer=CALLS)
     actor = PrefillActor.options(max_concurrency=2, num_cpus=1).remote(
-        EngineSpec(None, "float32", "cpu", SMALL_ENGINE, 1), config)
+        EngineSpec("tiny", "float32", "cpu", SMALL_ENGINE, 1), config)
     info = ray.get(actor.info.remote(), timeout=120)
     yield actor
     ray.kill(actor)

@@ -23,7 +23,7 @@ from tests.support.http_rig import KV_BYTES, completion_body
 
 @pytest.fixture(scope="module")
 def served():
-    return LLM(kv_cache_memory=KV_BYTES).engine
+    return LLM("tiny", kv_cache_memory=KV_BYTES).engine
 
 
 def test_one_bound_counts_the_requests_of_both_front_ends(served):

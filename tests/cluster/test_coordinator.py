@@ -47,7 +47,7 @@ def one_by_one(local_ray):
 
 @pytest.fixture(scope="module")
 def colocated() -> LLM:
-    return LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+    return LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
 
 
 def prompts_with_shared_prefixes(seed: int) -> list[list[int]]:

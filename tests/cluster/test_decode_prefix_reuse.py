@@ -28,12 +28,13 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def colocated():
-    return LLM(kv_cache_memory=8 << 20)
+    return LLM("tiny", kv_cache_memory=8 << 20)
 
 
 @pytest.fixture(scope="module")
 def prefill():
-    worker = PrefillWorker(LLM(kv_cache_memory=8 << 20).engine, PrefillWorkerConfig("prefill-r", transfer=TRANSFER))
+    worker = PrefillWorker(LLM("tiny", kv_cache_memory=8 << 20).engine,
+                           PrefillWorkerConfig("prefill-r", transfer=TRANSFER))
     yield worker
     worker.stop()
     assert idle(worker)
@@ -41,7 +42,7 @@ def prefill():
 
 @pytest.fixture(scope="module")
 def decode():
-    worker = DecodeWorker(LLM(num_kv_blocks=64).engine, DecodeWorkerConfig("decode-r", transfer=TRANSFER))
+    worker = DecodeWorker(LLM("tiny", num_kv_blocks=64).engine, DecodeWorkerConfig("decode-r", transfer=TRANSFER))
     yield worker
     worker.stop()
     assert idle(worker)
@@ -150,14 +151,14 @@ def test_the_uncached_bound_lets_the_decode_worker_prefill_a_known_prefix_itself
 
 
 def test_a_stopping_decode_worker_releases_the_pins_of_waiting_requests(prefill):
-    worker = DecodeWorker(LLM(num_kv_blocks=32).engine, DecodeWorkerConfig("decode-s", transfer=TRANSFER))
+    worker = DecodeWorker(LLM("tiny", num_kv_blocks=32).engine, DecodeWorkerConfig("decode-s", transfer=TRANSFER))
     try:
         prompt = random_prompts([50], VOCAB, seed=36)[0]
         run_turn(prefill, worker, "warm", prompt, 2)
         events: queue.Queue = queue.Queue()
         admission = worker.expect(ExpectedRequest("left", tuple(prompt), greedy(2)), events.put)
         assert admission.accepted and admission.cached_blocks == 3
-        off = DecodeWorker(LLM(num_kv_blocks=32).engine,
+        off = DecodeWorker(LLM("tiny", num_kv_blocks=32).engine,
                            DecodeWorkerConfig("decode-off", transfer=TRANSFER, prefix_reuse=False))
         try:  # with reuse off nothing is pinned, even for a prompt the engine holds
             run_turn(prefill, off, "warm", prompt, 2)

@@ -15,7 +15,7 @@ def run_command(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_job_entrypoint_standalone_serves_every_request():
-    done = run_command("deploy/job.py", "--requests", "3", "--max-tokens", "8")
+    done = run_command("deploy/job.py", "--requests", "3", "--max-tokens", "8", "--model", "tiny")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line for line in done.stdout.splitlines() if line.startswith("req-")]
     assert len(rows) == 3 and all("prefill-0->decode-0" in row for row in rows), done.stdout
@@ -24,7 +24,7 @@ def test_job_entrypoint_standalone_serves_every_request():
 
 
 def test_demo_serving_mode_prints_both_modes_and_empty_pools():
-    done = run_command("-m", "cluster.cli", "demo", "--requests", "6", "--max-tokens", "8")
+    done = run_command("-m", "cluster.cli", "demo", "--requests", "6", "--max-tokens", "8", "--model", "tiny")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert any(line.startswith("disaggregated ") for line in lines), done.stdout

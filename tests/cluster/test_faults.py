@@ -46,7 +46,7 @@ def three_by_one():
 
 @pytest.fixture(scope="module")
 def colocated() -> LLM:
-    return LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+    return LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
 
 
 def expected_tokens(colocated: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -24,12 +24,12 @@ API_KEY = "s3cret-key"
 @pytest.fixture(scope="module")
 def served():
     """The engine behind the server (owned by one backend per test)."""
-    return LLM(kv_cache_memory=KV_BYTES).engine
+    return LLM("tiny", kv_cache_memory=KV_BYTES).engine
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return LLM(kv_cache_memory=KV_BYTES)
+    return LLM("tiny", kv_cache_memory=KV_BYTES)
 
 
 @contextlib.asynccontextmanager

@@ -26,7 +26,7 @@ SERVICES = {"tandem.v1.Tandem", "grpc.health.v1.Health", "grpc.reflection.v1alph
 
 @pytest.fixture(scope="module")
 def served():
-    return LLM(kv_cache_memory=KV_BYTES).engine
+    return LLM("tiny", kv_cache_memory=KV_BYTES).engine
 
 
 class ScriptedHealth:

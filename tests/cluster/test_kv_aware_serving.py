@@ -36,7 +36,7 @@ def chat_cluster():
 
 @pytest.fixture(scope="module")
 def colocated():
-    return LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+    return LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
 
 
 async def converse(coordinator, name: str, messages: list[list[int]]) -> list[tuple[list[int], list[int], object]]:

@@ -29,7 +29,7 @@ def test_short_prompts_prefill_on_the_decode_worker_and_all_equal_colocated(cond
     lengths = [1, 5, 19, 20, 21, 64, 3, 90, 12, 33]
     prompts = random_prompts(lengths, VOCAB, seed=11)
     params = greedy(8)
-    expected = LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory).generate(
+    expected = LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory).generate(
         prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
 
     async def run_all():

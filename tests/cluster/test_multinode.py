@@ -50,7 +50,7 @@ def fake():
 
 @pytest.fixture(scope="module")
 def local() -> LLM:
-    return LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+    return LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
 
 
 def spread(num_prefill: int, num_decode: int, transport: str, **fields) -> ClusterConfig:
@@ -231,7 +231,8 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_before_anything_starts(fak
 def test_serve_refuses_an_unsatisfiable_strategy_with_the_reason(fake):
     done = subprocess.run([*TANDEM, "serve", "--address", fake.address, "--node-ip-address", NODE_IP,
                            "--prefill-workers", "2", "--decode-workers", "2", "--device", "cpu",
-                           "--placement-strategy", "STRICT_SPREAD", "--grpc-port", "0", "--http-port", "0"],
+                           "--placement-strategy", "STRICT_SPREAD", "--grpc-port", "0", "--http-port", "0",
+                           "--model", "tiny"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "tandem: error: STRICT_SPREAD puts every worker on a node of its own" in done.stderr
@@ -274,7 +275,7 @@ def test_ray_job_submit_of_deploy_job_runs_on_the_cluster(fake):
         pytest.skip("ray job submit needs the Ray dashboard: pip install 'ray[default]' (the jobs extra)")
     done = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address",
                            fake.dashboard_url, "--", sys.executable, str(JOB), "--requests", "2", "--max-tokens",
-                           "4", "--device", "cpu", "--kv-cache-mib", "16"],
+                           "4", "--device", "cpu", "--kv-cache-mib", "16", "--model", "tiny"],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "2/2 ok" in done.stdout and "KV pools empty" in done.stdout, done.stdout[-4000:]

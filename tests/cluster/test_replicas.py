@@ -57,7 +57,7 @@ def replicas():
 
 @pytest.fixture(scope="module")
 def in_process() -> LLM:
-    return LLM(kv_cache_memory=POOL_BYTES, max_num_batched_tokens=CHUNK)
+    return LLM("tiny", kv_cache_memory=POOL_BYTES, max_num_batched_tokens=CHUNK)
 
 
 def expected_tokens(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
@@ -89,7 +89,7 @@ def test_a_replica_is_a_decode_worker_without_a_kv_receiver(in_process):
     (and equals the in-process engine), refuses to wait for KV that can never come, and ends with its pool
     whole and its threads stopped."""
     prompt = tuple(random_prompts([40], VOCAB, seed=2)[0])
-    worker = DecodeWorker(LLM(kv_cache_memory=POOL_BYTES, max_num_batched_tokens=CHUNK).engine,
+    worker = DecodeWorker(LLM("tiny", kv_cache_memory=POOL_BYTES, max_num_batched_tokens=CHUNK).engine,
                           DecodeWorkerConfig("replica-t", NO_TRANSPORT))
     try:
         assert worker.address is None

@@ -48,7 +48,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def colocated():
-    return LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+    return LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
 
 
 def colocated_run(llm, prompts, params) -> list[tuple[list[int], list]]:

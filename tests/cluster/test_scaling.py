@@ -67,7 +67,7 @@ def replicas(local_ray):
 
 @pytest.fixture(scope="module")
 def colocated() -> LLM:
-    return LLM(kv_cache_memory=POOL_BYTES)
+    return LLM("tiny", kv_cache_memory=POOL_BYTES)
 
 
 @pytest.fixture(scope="module")

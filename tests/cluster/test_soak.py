@@ -73,7 +73,7 @@ def test_soak_with_cancels_and_a_decode_worker_killed_half_way(one_by_two):
     errors = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} requests failed, e.g. {errors[:3]}"
     kept = [i for i, (_, _, cancel_after) in enumerate(plan) if cancel_after is None]
-    colocated = LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+    colocated = LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
     expected = colocated.generate(prompt_token_ids=[plan[i][0] for i in kept], use_tqdm=False,
                                   sampling_params=[SamplingParams(max_tokens=plan[i][1], temperature=0.0,
                                                                   ignore_eos=True) for i in kept])

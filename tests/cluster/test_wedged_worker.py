@@ -44,7 +44,7 @@ def process_gone(pid: int, timeout_s: float) -> bool:
 def test_a_hung_decode_worker_is_declared_lost_and_its_requests_migrate(one_by_two):
     prompts = random_prompts([20, 21, 22, 23], VOCAB, seed=31)
     params = greedy(200)
-    colocated = LLM(kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
+    colocated = LLM("tiny", kv_cache_memory=SMALL_ENGINE.kv_cache_memory)
     expected = [o.outputs[0].token_ids for o in colocated.generate(prompt_token_ids=prompts, sampling_params=params,
                                                                     use_tqdm=False)]
     victim = one_by_two.workers["decode-1"]

@@ -19,7 +19,7 @@ STALL_S = 0.3
 
 @pytest.fixture(params=["prefill", "decode"])
 def worker_and_engine(request):
-    engine = LLM(kv_cache_memory=8 << 20).engine
+    engine = LLM("tiny", kv_cache_memory=8 << 20).engine
     worker = PrefillWorker(engine, PrefillWorkerConfig("prefill-h")) if request.param == "prefill" \
         else DecodeWorker(engine, DecodeWorkerConfig("decode-h", transport="grpc"))
     yield worker, engine

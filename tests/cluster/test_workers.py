@@ -34,7 +34,7 @@ def idle(worker) -> bool:
 
 @pytest.fixture(scope="module")
 def prefill():
-    worker = PrefillWorker(LLM(kv_cache_memory=8 << 20).engine,
+    worker = PrefillWorker(LLM("tiny", kv_cache_memory=8 << 20).engine,
                            PrefillWorkerConfig("prefill-t", transfer=TRANSFER, max_transfers_per_peer=1))
     yield worker
     worker.stop()
@@ -43,7 +43,7 @@ def prefill():
 
 @pytest.fixture(scope="module")
 def decode():
-    worker = DecodeWorker(LLM(num_kv_blocks=DECODE_BLOCKS).engine,
+    worker = DecodeWorker(LLM("tiny", num_kv_blocks=DECODE_BLOCKS).engine,
                           DecodeWorkerConfig("decode-t", transfer=TRANSFER, max_live_requests=3, expect_timeout_s=0.3))
     yield worker
     worker.stop()

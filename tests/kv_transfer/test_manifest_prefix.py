@@ -69,7 +69,7 @@ def test_a_receiver_allocates_only_the_blocks_that_travel():
 
 
 def test_take_prefilled_ships_the_rest_and_frees_the_skipped_blocks_into_the_prefix_cache():
-    engine = make_llm(num_kv_blocks=32, block_size=16).engine
+    engine = make_llm("tiny", num_kv_blocks=32, block_size=16).engine
     prompt = list(range(3, 53))                            # 50 tokens: 4 blocks, at most 3 skipped
     engine.add_request("p", prompt, SamplingParams(max_tokens=4, temperature=0.0), prefill_only=True)
     while engine.get_sequence("p").status.value != "prefilled":

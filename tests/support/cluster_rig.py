@@ -24,7 +24,7 @@ def start_local_ray() -> None:
 
 
 def cluster_config(num_prefill: int, num_decode: int, transport: str = "grpc") -> ClusterConfig:
-    return ClusterConfig(model=None, device="cpu", num_prefill_workers=num_prefill, num_decode_workers=num_decode,
+    return ClusterConfig(model="tiny", device="cpu", num_prefill_workers=num_prefill, num_decode_workers=num_decode,
                          transport=transport, engine=SMALL_ENGINE, expect_timeout_s=30.0,
                          worker_start_timeout_s=60.0)
 

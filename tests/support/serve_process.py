@@ -96,7 +96,8 @@ def start_serve(*args: str):
     """Runs `tandem serve ... --grpc-port 0 --http-port 0` in its own session and yields (process, gRPC
     port, HTTP port) once it listens. At the end: SIGTERM if it still runs, SIGKILL if it does not exit
     in 60 s, then SIGKILL for anything left of the sessions it started."""
-    proc = subprocess.Popen([*TANDEM, "serve", "--grpc-port", "0", "--http-port", "0", *args],
+    model = () if "--model" in args else ("--model", "tiny")  # the embedded model unless the test names one
+    proc = subprocess.Popen([*TANDEM, "serve", "--grpc-port", "0", "--http-port", "0", *model, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     sessions = {proc.pid}
     try:
