@@ -42,6 +42,17 @@ def load_tokenizer(model: str | Path | None, tokenizer: str | Path | None = None
     return HFTokenizer.from_dir(check_model_dir(model))
 
 
+def load_model_config(model: str | Path | None) -> ModelConfig:
+    """The shape of `model` (resolved as resolve_model does), read without its weights: what a cluster checks
+    in the serve process before it starts a worker. ValueError as build_engine's for a bad path or file."""
+    model = resolve_model(model)
+    if model == TINY_MODEL:
+        return default_model_config()
+    if is_gguf_file(model):
+        return ModelConfig.from_hf_dict(GGUFCheckpoint(model).hf_config())
+    return ModelConfig.from_dir(check_model_dir(model))
+
+
 def build_engine(model: str | Path | None, config: EngineConfig, dtype: str = "auto", device: str = "auto",
                  tokenizer: str | Path | None = None) -> LLMEngine:
     """Load the model's weights and tokenizer and size the KV pool. model: a Hugging Face checkpoint directory, a

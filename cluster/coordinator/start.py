@@ -14,17 +14,19 @@ from cluster.coordinator.worker_set import Worker
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.launch import launch_workers
 from cluster.workers.placement import release_cluster
-from engine.builder import load_tokenizer
+from engine.builder import load_model_config, load_tokenizer
 
 
 def start_cluster(config: ClusterConfig, address: str | None = None,
                   node_ip_address: str | None = None) -> Coordinator:
     """Start (or join) Ray, place the workers, wait until every engine is loaded, and return the
-    Coordinator. On any failure everything started here is released before the error propagates."""
+    Coordinator. The model and tokenizer are checked here first (ValueError naming the file and what is wrong,
+    before anything starts). On any failure everything started here is released before the error propagates."""
+    load_model_config(config.model)
+    tokenizer = load_tokenizer(config.model, config.tokenizer)  # the front ends encode prompts with it
     launched = launch_workers(config, address, node_ip_address)
     try:
         workers = [Worker(info, actor) for info, actor in launched.workers]
-        tokenizer = load_tokenizer(launched.model, config.tokenizer)  # the front ends encode prompts with it
         return Coordinator(config, tokenizer, workers, launched.resources, launched.template)
     except BaseException:
         release_cluster([actor for _, actor in launched.workers], launched.resources)

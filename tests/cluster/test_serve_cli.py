@@ -103,3 +103,14 @@ def test_engine_flags_reach_the_engine_config():
     assert (engine.attention_backend, engine.enforce_eager, engine.gpu_memory_utilization) == ("torch", True, 0.5)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         config_from_args(parser.parse_args(["--gpu-memory-utilization", "1.5"]))
+
+
+def test_serve_refuses_a_bad_model_before_starting_anything(tmp_path):
+    """Colocated or disaggregated, a model file that is not GGUF is exit 2 naming it, before any worker starts."""
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not a model")
+    for mode in ((), ("--prefill-workers", "1")):
+        done = subprocess.run([*TANDEM, "serve", "--model", str(bad), *mode, "--grpc-port", "0", "--http-port", "0"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "model.gguf' is a file but not a GGUF file" in done.stderr and "Traceback" not in done.stderr

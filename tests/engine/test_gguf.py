@@ -114,6 +114,13 @@ def test_unsupported_architecture_and_missing_tokenizer_are_named(tmp_path, tiny
     _close(writer)
     with pytest.raises(ValueError, match="odd.gguf.*architecture 'mamba' is not supported"):
         make_llm(str(odd))
+    iq = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(iq), "llama")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 66, dtype=torch.uint8).numpy(),
+                      raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)  # 4 rows of 256 values, 66 bytes each
+    _close(writer)
+    with pytest.raises(ValueError, match="iq.gguf: tensor types IQ2_XXS are not supported"):
+        make_llm(str(iq))
     bare = tmp_path / "bare.gguf"
     _strip_tokenizer(write_gguf(tiny_checkpoint("llama"), tmp_path / "full.gguf", "F32"), bare)
     with pytest.raises(ValueError, match="bare.gguf has no tokenizer.*--tokenizer"):
