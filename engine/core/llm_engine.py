@@ -25,8 +25,8 @@ from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.model.causal_lm import CausalLM
 from engine.outputs import OutputText, RequestMetrics, StepDelta
 from engine.runner.decode_graphs import decode_graphs_for
-from engine.runner.memory_plan import plan_memory
 from engine.runner.device_memory import release_device_memory
+from engine.runner.memory_plan import plan_memory
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.sampler import Sampler

@@ -36,7 +36,8 @@ def test_a_spent_budget_skips_every_step_and_still_reports(tmp_path):
 
 def test_the_report_carries_every_number(tmp_path):
     (tmp_path / "env.txt").write_text("card 0: NVIDIA H100 80GB HBM3, 79.1 GiB\ntorch: 2.11.0 CUDA 13.0\n")
-    (tmp_path / "steps.tsv").write_text("selftest\t0\t73\tpython -m cluster.selftest\npytest\t124\t240\tpython -m pytest\n")
+    (tmp_path / "steps.tsv").write_text("selftest\t0\t73\tpython -m cluster.selftest\n"
+                                        "pytest\t124\t240\tpython -m pytest\n")
     (tmp_path / "selftest.json").write_text(json.dumps({"checks": [
         {"name": "kernels triton fp32", "status": "PASS", "detail": "max |err| 5.4e-07"}]}))
     (tmp_path / "bench_engine.json").write_text(json.dumps({"num_requests": 48, "engine_tok_s": 4589.5, "limits": [
@@ -48,7 +49,8 @@ def test_the_report_carries_every_number(tmp_path):
     (tmp_path / "bench_serve.json").write_text(json.dumps({"completed": 64, "failed": 0, "output_throughput": 512.0,
                                                            "median_ttft_ms": 20.5, "p99_ttft_ms": 850.0,
                                                            "disagg": {"transfer_ms_p50": 4.19}}))
-    (tmp_path / "pytest.log").write_text("....\nFAILED tests/engine/test_x.py::test_y\n1 failed, 345 passed in 226.72s\n")
+    (tmp_path / "pytest.log").write_text("....\nFAILED tests/engine/test_x.py::test_y\n"
+                                         "1 failed, 345 passed in 226.72s\n")
     report = render_report(tmp_path)
     for expected in ("NVIDIA H100 80GB HBM3", "| selftest | ok | 73 |", "| pytest | timed out | 240 |",
                      "max \\|err\\| 5.4e-07", "4,590 useful tok/s", "| 3.10 | 0.30 | 10.3x |", "682.95",

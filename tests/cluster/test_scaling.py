@@ -20,10 +20,10 @@ import ray
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from cluster.api.metrics import ServingMetrics
 from cluster.backend import BackendUnavailable, ScaleRefused
-from cluster.coordinator.autoscaler import AutoscalePolicy
-from cluster.coordinator.start import start_cluster
 from cluster.clients.scale import add_arguments as add_scale_arguments
 from cluster.clients.scale import run as run_scale
+from cluster.coordinator.autoscaler import AutoscalePolicy
+from cluster.coordinator.start import start_cluster
 from cluster.workers.worker_bounds import WorkerBounds
 from engine import LLM
 from tests.support.cluster_rig import POOL_BYTES, cluster_config, greedy, start_local_ray, wait_until_idle

@@ -180,14 +180,16 @@ def test_convert_writes_a_checkpoint_transformers_loads(tmp_path, gguf_file):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     prompts = random_prompts([4, 19], 300, seed=13)
-    assert hf_greedy_generate(load_hf_model(out), prompts, 8) == hf_greedy_generate(_hf_from_gguf(path), prompts, 8)
+    expected = hf_greedy_generate(_hf_from_gguf(path), prompts, 8)
+    assert hf_greedy_generate(load_hf_model(out), prompts, 8) == expected
     theirs = AutoTokenizer.from_pretrained(out)
     with make_llm(str(path), device="cpu") as from_file, make_llm(str(out), device="cpu") as from_dir:
         for text in TEXTS:
-            assert theirs.encode(text) == from_file.get_tokenizer().encode(text) == from_dir.get_tokenizer().encode(text)
-        got = [o.outputs[0].token_ids for o in from_dir.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
-        assert got == [o.outputs[0].token_ids for o in from_file.generate(prompt_token_ids=prompts,
-                                                                          sampling_params=GREEDY)]
-    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "convert", str(out / "config.json"), str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=120)
+            ids = theirs.encode(text)
+            assert ids == from_file.get_tokenizer().encode(text) == from_dir.get_tokenizer().encode(text)
+        for llm in (from_file, from_dir):
+            outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "convert", str(out / "config.json"),
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "config.json is not a GGUF file" in bad.stderr

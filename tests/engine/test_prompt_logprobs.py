@@ -8,8 +8,8 @@ import torch
 
 from engine import SamplingParams
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
-from tests.support.factories import load_hf_model
 from tests.support.engines import make_llm
+from tests.support.factories import load_hf_model
 
 ATOL = 1e-4
 

@@ -6,8 +6,8 @@ import torch
 
 from engine import SamplingParams
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
-from tests.support.factories import hf_greedy_generate, load_hf_model
 from tests.support.engines import make_llm
+from tests.support.factories import hf_greedy_generate, load_hf_model
 
 PROMPT_LENGTHS = [1, 7, 16, 17, 40, 333]
 MAX_TOKENS = 10
