@@ -193,3 +193,20 @@ def test_convert_writes_a_checkpoint_transformers_loads(tmp_path, gguf_file):
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "convert", str(out / "config.json"),
                           str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "config.json is not a GGUF file" in bad.stderr
+
+
+def test_sentencepiece_vocabulary_encodes_as_transformers_does(tmp_path):
+    """A Llama 2 / Mistral style vocabulary (llama.cpp's "llama" kind: byte fallback, scores, no merges)."""
+    from transformers import AutoTokenizer
+
+    from engine.model.gguf_file import GGUFFile
+    from engine.text.gguf_tokenizer import tokenizer_from_gguf
+    from tests.support.gguf_files import write_sentencepiece_vocab_gguf
+    path = write_sentencepiece_vocab_gguf(tmp_path / "spm.gguf")
+    ours = tokenizer_from_gguf(GGUFFile(path).metadata, str(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in [*TEXTS, "</s> between <s> specials"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ids[0] == ours.bos_token_id == 1  # a sentencepiece vocabulary that does not say adds BOS
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)

@@ -113,3 +113,38 @@ def _add_tensor(writer, name: str, array: np.ndarray, quant: str) -> None:
         writer.add_tensor(name, array.astype(np.float16))
     else:
         writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def write_sentencepiece_vocab_gguf(out: Path) -> Path:
+    """A GGUF whose tokenizer is a sentencepiece BPE (llama.cpp's "llama" kind, as Llama 2 and Mistral v0.1 files
+    carry): <unk>, <s>, </s>, the 256 <0xNN> byte tokens, then pieces learned on the factories' corpus, each with
+    a score (earlier merges score higher) and no merges in the file, as llama.cpp writes them. The model part is
+    a shape and an embedding only: for tokenizer tests."""
+    import gguf
+    from tokenizers import SentencePieceBPETokenizer
+
+    from tests.support.factories import CORPUS
+    learner = SentencePieceBPETokenizer(add_prefix_space=True)
+    learner.train_from_iterator(CORPUS.splitlines(), vocab_size=400, min_frequency=1, show_progress=False)
+    learned = sorted(learner.get_vocab().items(), key=lambda item: item[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [piece for piece, _ in learned if piece not in tokens]
+    scores = [0.0] * 259 + [-float(rank) for rank in range(len(tokens) - 259)]
+    types = [2, 3, 3] + [6] * 256 + [NORMAL] * (len(tokens) - 259)  # unknown, control, byte, normal
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 32),
+                       (writer.add_feed_forward_length, 64), (writer.add_head_count, 2)):
+        add(value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
