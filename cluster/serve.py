@@ -141,9 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-queue-tokens", type=int, default=1 << 20,
                         help="disaggregated: answer 429 / RESOURCE_EXHAUSTED while every prefill worker's queue "
                              "would pass this many prompt tokens with the request (0: no bound)")
-    parser.add_argument("--cpu-threads", type=int, default=None,
-                        help="torch threads of the colocated engine (default: all cores) or of each CPU "
-                             "worker (default: 1)")
+    parser.add_argument("--cpu-threads", "--cpu-threads-per-worker", dest="cpu_threads", type=int, default=None,
+                        help="torch threads of the colocated engine, or of each worker on Ray (default: this "
+                             "host's cores, shared evenly among the workers, at least 1 each)")
     add_api_arguments(parser.add_argument_group("API"))
     add_ray_arguments(parser.add_argument_group("Ray cluster (disaggregated mode)"))
     add_engine_arguments(parser.add_argument_group("engine (every worker's engine)"))
@@ -250,7 +250,7 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          dtype=config.dtype, device=config.device,
                          num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                          transport=config.transport, placement_strategy=config.placement_strategy,
-                         engine=config.engine, cpu_threads_per_worker=config.cpu_threads or 1,
+                         engine=config.engine, cpu_threads_per_worker=config.cpu_threads,
                          kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens,
                          worker_stall_timeout_s=config.worker_stall_timeout_s,
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,

@@ -66,6 +66,7 @@ class WorkerInfo:
     total_blocks: int
     kv_address: ReceiverAddress | None  # decode workers: where prefill workers send KV
     node_ip: str = ""                    # the address of the Ray node it runs on
+    torch_threads: int = 0               # the intra-op threads its engine's torch runs with
 
 
 def _build_engine(spec: EngineSpec):
@@ -77,11 +78,12 @@ def _build_engine(spec: EngineSpec):
 
 
 def _info(name: str, role: str, engine, kv_address: ReceiverAddress | None) -> WorkerInfo:
+    import torch
     context = ray.get_runtime_context()
     gpu_ids = tuple(str(i) for i in context.get_accelerator_ids().get("GPU", []))
     return WorkerInfo(name, role, str(engine.device), context.get_node_id(), os.getpid(), gpu_ids,
                       engine.max_model_len, engine.config.block_size, engine.num_total_blocks, kv_address,
-                      ray.util.get_node_ip_address())
+                      ray.util.get_node_ip_address(), torch.get_num_threads())
 
 
 class _WorkerActor:

@@ -2,6 +2,7 @@
 replicas) on Ray (frozen)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from cluster.workers.placement_check import check_role_resources
@@ -63,7 +64,7 @@ class ClusterConfig:
     placement_strategy: str = "PACK"
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    cpu_threads_per_worker: int = 1
+    cpu_threads_per_worker: int | None = None  # None: the host's cores shared among the workers (thread_share)
     kv_host: str = "127.0.0.1"
     max_live_per_decode_worker: int = 256
     local_prefill_tokens: int = 0
@@ -99,7 +100,7 @@ class ClusterConfig:
             raise ValueError(f"placement_strategy must be one of {PLACEMENT_STRATEGIES}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.cpu_threads_per_worker < 1:
+        if self.cpu_threads_per_worker is not None and self.cpu_threads_per_worker < 1:
             raise ValueError("cpu_threads_per_worker must be >= 1")
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
@@ -149,6 +150,18 @@ class ClusterConfig:
     @property
     def num_workers(self) -> int:
         return self.num_prefill_workers + self.num_decode_workers
+
+    def thread_share(self, host_cores: int, workers_on_host: bool) -> ClusterConfig:
+        """This config with cpu_threads_per_worker decided: as given, else the host's cores shared evenly among the
+        workers it starts with (at least one thread each; a lone replica gets them all). With workers_on_host
+        (a local Ray), ValueError when the given count asks for more threads than the host has cores."""
+        threads = self.cpu_threads_per_worker
+        if threads is None:
+            threads = max(1, host_cores // self.num_workers)
+        elif workers_on_host and threads * self.num_workers > host_cores:
+            raise ValueError(f"{self.num_workers} workers x {threads} CPU threads is more than this host's "
+                             f"{host_cores} cores: give --cpu-threads at most {max(1, host_cores // self.num_workers)}")
+        return dataclasses.replace(self, cpu_threads_per_worker=threads)
 
     @property
     def most_workers(self) -> int:

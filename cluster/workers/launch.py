@@ -115,6 +115,10 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
     """Start (or join) Ray, place the workers and wait until every engine is loaded. On any failure
     everything started here is released before the error propagates; a placement the cluster can never
     satisfy is a PlacementInfeasible (ValueError) before any worker starts."""
+    host_cores = os.cpu_count() or 1
+    config = config.thread_share(host_cores, workers_on_host=address is None and not ray.is_initialized())
+    logger.info("workers: %d x %d CPU threads (this host: %d cores)", config.num_workers,
+                config.cpu_threads_per_worker, host_cores)
     owns_ray, host = connect_ray(address, config, node_ip_address)
     group = store = None
     actors: list = []
@@ -141,7 +145,7 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
             release_ray(owns_ray, host)
         raise
     for info in infos:
-        logger.info("%s: %s on node %s (%s; pid %d, GPUs %s), %d KV blocks, transport %s", info.name,
-                    info.device, info.node_id[:12], info.node_ip, info.pid,
-                    ",".join(info.accelerator_ids) or "none", info.total_blocks, transport)
+        logger.info("%s: %s on node %s (%s; pid %d, GPUs %s, %d torch threads), %d KV blocks, transport %s",
+                    info.name, info.device, info.node_id[:12], info.node_ip, info.pid,
+                    ",".join(info.accelerator_ids) or "none", info.torch_threads, info.total_blocks, transport)
     return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray, host), model, template)

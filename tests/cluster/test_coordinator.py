@@ -59,6 +59,14 @@ def prompts_with_shared_prefixes(seed: int) -> list[list[int]]:
     return prompts
 
 
+def test_each_worker_runs_torch_with_its_share_of_the_cores(one_by_one):
+    """No thread count given: the host's cores shared evenly between the two workers, at least 1 each, as each
+    worker's actor reports it from its own process."""
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert {name: info.torch_threads for name, info in one_by_one.workers.items()} == {"prefill-0": share,
+                                                                                       "decode-0": share}
+
+
 def test_greedy_equals_colocated_with_timing(one_by_one, colocated):
     prompts = prompts_with_shared_prefixes(seed=3)
     params = greedy(10)

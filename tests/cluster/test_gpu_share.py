@@ -79,3 +79,18 @@ def test_ray_places_fractional_bundles_on_one_gpu():
         ray.util.remove_placement_group(group)
     finally:
         ray.shutdown()
+
+
+def test_the_cpu_threads_of_each_worker_come_from_the_hosts_cores():
+    two = ClusterConfig(num_prefill_workers=1, num_decode_workers=1)
+    assert two.thread_share(8, workers_on_host=True).cpu_threads_per_worker == 4
+    assert two.thread_share(2, workers_on_host=True).cpu_threads_per_worker == 1
+    assert ClusterConfig(num_prefill_workers=2, num_decode_workers=2).thread_share(
+        3, workers_on_host=True).cpu_threads_per_worker == 1          # at least one each
+    lone = ClusterConfig(num_prefill_workers=0, num_decode_workers=1)  # one replica: every core
+    assert lone.thread_share(8, workers_on_host=True).cpu_threads_per_worker == 8
+    asked = ClusterConfig(num_prefill_workers=1, num_decode_workers=1, cpu_threads_per_worker=3)
+    assert asked.thread_share(8, workers_on_host=True).cpu_threads_per_worker == 3
+    with pytest.raises(ValueError, match="2 workers x 3 CPU threads is more than this host's 4 cores"):
+        asked.thread_share(4, workers_on_host=True)
+    assert asked.thread_share(4, workers_on_host=False).cpu_threads_per_worker == 3  # other nodes: not checked here
