@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from engine.model.gguf_dequant import dequantize
-from engine.model.gguf_file import GGUFFile, TensorInfo
+from engine.model.gguf_file import MAGIC, GGUFFile, TensorInfo
 
-GGUF_MAGIC = b"GGUF"
 # GGUF architecture -> (Hugging Face architecture, whether llama.cpp's converter permuted attn_q / attn_k rows)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
                  "qwen3": ("Qwen3ForCausalLM", False)}
@@ -36,7 +35,7 @@ def is_gguf_file(path: str | Path) -> bool:
     if not path.is_file():
         return False
     with open(path, "rb") as file:
-        return file.read(4) == GGUF_MAGIC
+        return file.read(len(MAGIC)) == MAGIC
 
 
 class GGUFCheckpoint:
@@ -53,8 +52,8 @@ class GGUFCheckpoint:
         if self.gguf_architecture not in ARCHITECTURES:
             raise ValueError(f"{self.path}: GGUF architecture {self.gguf_architecture!r} is not supported; "
                              f"supported: {', '.join(ARCHITECTURES)}")
-        names = {t.type_id: _type_name(GGMLQuantizationType, t.type_id) for t in self._file.tensors}
-        unsupported = sorted(set(names.values()) - set(SUPPORTED_TYPES))
+        type_names = {_type_name(GGMLQuantizationType, t.type_id) for t in self._file.tensors}
+        unsupported = sorted(type_names - set(SUPPORTED_TYPES))
         if unsupported:
             raise ValueError(f"{self.path}: tensor types {', '.join(unsupported)} are not supported; "
                              f"supported: {', '.join(SUPPORTED_TYPES)}")
