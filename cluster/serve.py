@@ -33,7 +33,8 @@ from cluster.backend import Backend
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, add_scaling_arguments,
-                                 engine_config_from_args, scaling_from_args, served_names_from_args)
+                                 engine_config_from_args, mode_and_workers_from_args, scaling_from_args,
+                                 served_names_from_args)
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import DISAGG_POLICIES, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.placement_check import role_resources
@@ -153,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ValueError names the first inconsistent flag."""
-    mode, prefill_workers, decode_workers, replicas = _mode_and_workers(args)
+    mode, prefill_workers, decode_workers, replicas = mode_and_workers_from_args(args)
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError("--cpu-threads must be >= 1")
     if args.local_prefill_tokens < 0 or (args.local_prefill_tokens and mode == "colocated"):
@@ -192,29 +193,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--transport, --gpus-per-worker, --kv-streaming and --prefill/decode-resources need "
                          "--mode disaggregated")
     return config
-
-
-def _mode_and_workers(args: argparse.Namespace) -> tuple[str, int, int, int]:
-    """(mode, prefill workers, decode workers, replicas). Worker counts without --mode: disaggregated;
-    --replicas N (colocated implied): 0 prefill + N decode-side workers; neither: the in-process engine."""
-    prefill_workers, replicas = args.prefill_workers, args.replicas
-    mode = args.mode or ("disaggregated" if prefill_workers else "colocated")  # worker counts given: disaggregated
-    if replicas < 0:
-        raise ValueError("--replicas must be >= 0 (0: one colocated engine in this process)")
-    if replicas and (mode != "colocated" or prefill_workers or args.decode_workers != 1):
-        raise ValueError("--replicas N is colocated serving (N engines on Ray, each doing both phases): it takes "
-                         "no --prefill-workers or --decode-workers, and not --mode disaggregated")
-    if mode == "colocated":
-        if prefill_workers or args.decode_workers != 1:
-            raise ValueError("colocated serving runs one engine in this process (or --replicas N on Ray): use "
-                             "--decode-workers 1 and no --prefill-workers, or --mode disaggregated")
-        if args.address is not None and not replicas:
-            raise ValueError("--address (a Ray cluster) needs --mode disaggregated or --replicas N")
-        return mode, 0, replicas or 1, replicas
-    prefill_workers = prefill_workers or 1
-    if prefill_workers < 1 or args.decode_workers < 1:
-        raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
-    return mode, prefill_workers, args.decode_workers, 0
 
 
 def run(args: argparse.Namespace) -> int:

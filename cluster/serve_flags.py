@@ -1,7 +1,7 @@
 """The flag groups of `tandem serve` beside its main ones (cluster/serve.py): the API (served names, the
-admission bound), the Ray cluster, the engine, and scaling (the worker set's bounds, the autoscaler). Each
-group is added by one function, and the values that need checking are read back by another (ValueError names
-the flag)."""
+admission bound), the Ray cluster, the engine, and scaling (the worker set's bounds, the autoscaler); and the
+serving mode with its worker counts, read from the main flags. Each group is added by one function, and the
+values that need checking are read back by another (ValueError names the flag)."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,29 @@ def served_names_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     if args.max_pending_requests < 1:
         raise ValueError("--max-pending-requests must be >= 1")
     return names
+
+
+def mode_and_workers_from_args(args: argparse.Namespace) -> tuple[str, int, int, int]:
+    """(mode, prefill workers, decode workers, replicas). Worker counts without --mode: disaggregated;
+    --replicas N (colocated implied): 0 prefill + N decode-side workers; neither: the in-process engine."""
+    prefill_workers, replicas = args.prefill_workers, args.replicas
+    mode = args.mode or ("disaggregated" if prefill_workers else "colocated")  # worker counts given: disaggregated
+    if replicas < 0:
+        raise ValueError("--replicas must be >= 0 (0: one colocated engine in this process)")
+    if replicas and (mode != "colocated" or prefill_workers or args.decode_workers != 1):
+        raise ValueError("--replicas N is colocated serving (N engines on Ray, each doing both phases): it takes "
+                         "no --prefill-workers or --decode-workers, and not --mode disaggregated")
+    if mode == "colocated":
+        if prefill_workers or args.decode_workers != 1:
+            raise ValueError("colocated serving runs one engine in this process (or --replicas N on Ray): use "
+                             "--decode-workers 1 and no --prefill-workers, or --mode disaggregated")
+        if args.address is not None and not replicas:
+            raise ValueError("--address (a Ray cluster) needs --mode disaggregated or --replicas N")
+        return mode, 0, replicas or 1, replicas
+    prefill_workers = prefill_workers or 1
+    if prefill_workers < 1 or args.decode_workers < 1:
+        raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
+    return mode, prefill_workers, args.decode_workers, 0
 
 
 def add_ray_arguments(group) -> None:
