@@ -33,8 +33,10 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
-        """Nothing drawn: the weights come from a checkpoint (on the meta device, an init would only cost the
-        import of torch's decompositions, seconds at start)."""
+        """On the meta device nothing is drawn: the weights come from a checkpoint, and the draw would only cost
+        the import of torch's decompositions (seconds at start). Elsewhere nn.Linear's initialization."""
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
 
     def prepare(self) -> None:
         """Pack the weight for oneDNN when that is the faster small-batch path (CPU float32)."""
