@@ -17,10 +17,12 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig, max_model_len
 from engine.core.fork import fork_samples
+from engine.core.live_requests import LiveRequests
 from engine.core.request_checks import check_prefilled, check_request
 from engine.core.scheduler import Scheduler, prefill_first_enabled
 from engine.core.stats import EngineStats
 from engine.core.step_observer import StepObserver
+from engine.core.stop_rules import finish_reason, is_stop_token
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.model.causal_lm import CausalLM
 from engine.outputs import OutputText, RequestMetrics, StepDelta
@@ -61,8 +63,7 @@ class LLMEngine:
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device)
         self.stats = EngineStats()
-        self._requests: dict[str, list[Sequence]] = {}  # the live sequences (samples) of each request
-        self._texts: dict[Sequence, OutputText] = {}
+        self._live = LiveRequests()
         self._closed = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class LLMEngine:
         free_blocks find nothing left to free. Call it from the thread that steps the engine."""
         if self._closed:
             return
-        for request_id in list(self._requests):
+        for request_id in self._live.request_ids():
             self.abort(request_id)
         self._closed = True
         self.runner.close()
@@ -167,15 +168,14 @@ class LLMEngine:
         return self._append_token(seq, first_token, logprobs)
 
     def _track(self, seq: Sequence) -> None:
-        self._requests.setdefault(seq.request_id, []).append(seq)
         prompt = seq.token_ids[:seq.num_prompt_tokens]
-        self._texts[seq] = OutputText.create(self.tokenizer, prompt, seq.params,
-                                             resumed_token_ids=seq.output_token_ids)
+        self._live.add(seq, OutputText.create(self.tokenizer, prompt, seq.params,
+                                              resumed_token_ids=seq.output_token_ids))
 
     def _validate(self, request_id: str, prompt: Seq[int], params: SamplingParams,
                   num_resumed_tokens: int = 0) -> None:
         self._check_open()
-        if isinstance(request_id, str) and request_id in self._requests:
+        if isinstance(request_id, str) and request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(request_id, prompt, params, num_resumed_tokens, self.max_model_len,
                       self.model_config.vocab_size)
@@ -224,14 +224,14 @@ class LLMEngine:
         if first:
             seq.first_token_time = time.perf_counter()
         seq.token_ids.append(token)
-        text = self._texts[seq]
+        text = self._live.text(seq)
         may_stop = seq.num_output_tokens > seq.params.min_tokens  # min_tokens: no stop of any kind before
-        stop_token = may_stop and self._is_stop_token(seq.params, token)
+        stop_token = may_stop and is_stop_token(seq.params, token, self.tokenizer.eos_token_ids)
         # a stop token (EOS, stop_token_ids) that ends the request is not detokenized unless the request
         # keeps stop strings in its output (vLLM's rule)
         hit = False if stop_token and not seq.params.include_stop_str_in_output else \
             text.append([token], check_stop=may_stop)
-        reason = self._finish_reason(seq, hit or stop_token, may_stop)
+        reason = finish_reason(seq, hit or stop_token, may_stop, self.max_model_len)
         extras = {"logprobs": (logprobs,) if logprobs is not None else None, "index": seq.index,
                   "prompt_logprobs": tuple(seq.prompt_logprobs) if first and seq.prompt_logprobs else None}
         if reason is not None:
@@ -242,21 +242,11 @@ class LLMEngine:
                              kv_block_ids=tuple(seq.block_table), metrics=RequestMetrics.of(seq), **extras)
         return StepDelta(seq.request_id, (token,), text.take_delta(final=False), **extras)
 
-    def _is_stop_token(self, params: SamplingParams, token: int) -> bool:
-        return token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids)
-
-    def _finish_reason(self, seq: Sequence, stopped: bool, may_stop: bool) -> str | None:
-        if may_stop and stopped:
-            return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def _finish(self, seq: Sequence, reason: str, new_tokens: tuple[int, ...], extras: dict) -> StepDelta:
         """The sample's last delta; extras: its StepDelta fields logprobs, index, prompt_logprobs."""
         seq.finish_reason = reason
         self.scheduler.finish(seq, SequenceStatus.FINISHED)
-        text = self._forget(seq)
+        text = self._live.remove(seq)
         text.finish()
         return StepDelta(seq.request_id, new_tokens, text.take_delta(final=True), finish_reason=reason,
                          metrics=RequestMetrics.of(seq), **extras)
@@ -265,16 +255,16 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Drop a live request (every sample) wherever it is and free its blocks; False if it is unknown or
         done."""
-        samples = self._requests.get(request_id)
-        if samples is None:
+        samples = self._live.samples(request_id)
+        if not samples:
             return False
-        for seq in list(samples):
+        for seq in samples:
             if seq.status == SequenceStatus.PREFILLED:
                 self.release_prefilled(request_id)
                 continue
             seq.finish_reason = "abort"
             self.scheduler.finish(seq, SequenceStatus.FINISHED)
-            self._forget(seq)
+            self._live.remove(seq)
         return True
 
     def release_prefilled(self, request_id: str) -> bool:
@@ -285,7 +275,7 @@ class LLMEngine:
         self.kv_cache.allocator.free(seq.block_table)
         seq.block_table = []
         seq.status = SequenceStatus.FINISHED
-        self._forget(seq)
+        self._live.remove(seq)
         return True
 
     def take_prefilled_blocks(self, request_id: str) -> list[int]:
@@ -297,26 +287,17 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} has no prefilled KV blocks to hand over")
         block_ids, seq.block_table = seq.block_table, []
         seq.status = SequenceStatus.FINISHED
-        self._forget(seq)
+        self._live.remove(seq)
         return block_ids
-
-    def _forget(self, seq: Sequence) -> OutputText:
-        """A sample that ended leaves the engine; with the request's last, its id becomes reusable."""
-        samples = self._requests[seq.request_id]
-        samples.remove(seq)
-        if not samples:
-            del self._requests[seq.request_id]
-        return self._texts.pop(seq)
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         """The live (waiting, running or prefilled) request with this id, if any (of several samples, the
         first still live)."""
-        samples = self._requests.get(request_id)
-        return samples[0] if samples else None
+        return self._live.first(request_id)
 
     @property
     def num_live_requests(self) -> int:
-        return len(self._requests)
+        return len(self._live)
 
     @property
     def num_free_blocks(self) -> int:
