@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "every serving mode on the same workload: table and plots")
     _add_command(bench, "transfer", "cluster.bench.transfer",
                  "KV transfer GB/s against a raw loopback socket; --streaming: the transfer layer streaming hides")
+    _add_command(bench, "load", "cluster.bench.load",
+                 "a model's load time to its first token, stage by stage, in fresh processes")
     _add_command(bench, "sampler", "cluster.bench.sampler",
                  "engine.sampling.sampler.Sampler alone: ms per call per sampling mode")
     _add_command(bench, "memory", "cluster.bench.memory_stress",

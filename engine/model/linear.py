@@ -11,10 +11,15 @@ oneDNN builds (JIT-compiles) a kernel for every row count it meets: 0.6-4 ms per
 measured here, so the first decode step at each new batch size took 12-19 ms instead of 4 (the benchmark
 model: four weight shapes), and every stream of that decode worker waited for it. prepare_linears() builds
 the kernels of every row count up to WARMED_ROWS (every decode batch up to 64) once the weights are loaded,
-within the noise of the default model's 1.7 s build; a larger count compiles once, at its first step. Rows
-are not padded to fewer counts instead: that cost every later step at an odd batch size 5-14% (a decode
-batch of 5 run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: the default model
-keeps 4 x 64 of them.
+by running each shape once per row count; a larger count compiles once, at its first step. Rows are not
+padded to fewer counts instead: that cost every later step at an odd batch size 5-14% (a decode batch of 5
+run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: SmolLM2 keeps 4 x 64 (below).
+
+Building is cheap (~1 ms per row count and shape), but building by running is not for a large weight: the LM
+head of SmolLM2 (49,152 x 576) took 1.24 s of matmuls at 1..64 rows to build ~0.1 s of kernels, a third of the
+model's load. A weight whose warm-up would compute more than WARM_BUDGET_MACS multiply-adds is left to build
+at its first use, 1-2 ms once per row count: a few percent of that weight's own matmul (the LM head's: 20-40 ms
+at 32-64 rows here).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from torch import nn
 SMALL_BATCH_ROWS = 192
 PACKING_HINT_ROWS = 32  # the batch size oneDNN tunes its weight layout for
 WARMED_ROWS = 64        # prepare_linears() builds oneDNN's kernels for 1..WARMED_ROWS rows
+WARM_BUDGET_MACS = 8 * 10**9  # ...of the weights whose warm-up (rows 1..WARMED_ROWS) costs at most this
 
 
 class Linear(nn.Linear):
@@ -64,7 +70,7 @@ def meta_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dt
 
 def prepare_linears(model: nn.Module) -> None:
     """Call prepare() on every Linear of model (after its weights are loaded), then build oneDNN's kernels
-    for 1..WARMED_ROWS rows of every distinct packed weight shape (the module docstring)."""
+    for 1..WARMED_ROWS rows of every distinct packed weight shape within WARM_BUDGET_MACS (module docstring)."""
     by_shape: dict[tuple[int, int, bool], Linear] = {}
     for module in model.modules():
         if isinstance(module, Linear):
@@ -73,5 +79,12 @@ def prepare_linears(model: nn.Module) -> None:
                 by_shape.setdefault((module.in_features, module.out_features, module.bias is not None), module)
     with torch.no_grad():
         for linear in by_shape.values():
+            if warm_up_macs(linear.in_features, linear.out_features) > WARM_BUDGET_MACS:
+                continue
             for rows in range(1, WARMED_ROWS + 1):
                 linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
+
+
+def warm_up_macs(in_features: int, out_features: int) -> int:
+    """The multiply-adds of running a weight once at each row count 1..WARMED_ROWS."""
+    return WARMED_ROWS * (WARMED_ROWS + 1) // 2 * in_features * out_features
