@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_command(bench, "engine", "cluster.bench.engine_vs_hf", "engine.LLM vs transformers on a serving-like mix")
     _add_command(bench, "serve", "cluster.bench.serve", "load a running server; vLLM's serving metrics")
+    _add_command(bench, "peer", "cluster.bench.peer",
+                 "Tandem's serving modes against a peer's OpenAI server (vLLM's), same model and client, one run")
     _add_command(bench, "compare", "cluster.bench.compare",
                  "every serving mode on the same workload: table and plots")
     _add_command(bench, "transfer", "cluster.bench.transfer",

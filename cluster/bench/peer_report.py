@@ -1,0 +1,110 @@
+"""The results of `tandem bench peer`: one row per server and rate, each Tandem row's ratios to the peer at the
+same rate (below 1.0x is better for the latencies, above for throughput), the JSON, and one bar chart."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+
+from cluster.bench.serve_metrics import BenchmarkMetrics, RequestResult
+from cluster.bench.serve_report import RunSettings, result_json
+
+PEER_NAMES = ("vllm", "peer")
+PLOTTED = (("TTFT p50", lambda m: m.ttft.median), ("TPOT p50", lambda m: m.tpot.median),
+           ("ITL p99", lambda m: m.itl.p99))
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRun:
+    """One server at one request rate: its metrics, or None with the error when it could not run."""
+
+    server: str
+    rate: float
+    metrics: BenchmarkMetrics | None
+    results: list[RequestResult]
+    error: str = ""
+
+    @property
+    def usable(self) -> bool:
+        """Whether there are figures to report: the server ran and answered at least one request."""
+        return self.metrics is not None and self.metrics.completed > 0
+
+    def summary_line(self) -> str:
+        if not self.usable:
+            return f"no figures: {self.error or self._first_failure()}"
+        m = self.metrics
+        return (f"{m.completed} ok, {m.failed} failed, {m.output_throughput:.1f} out tok/s, TTFT p50 "
+                f"{m.ttft.median:.0f} ms, TPOT p50 {m.tpot.median:.1f} ms, ITL p99 {m.itl.p99:.0f} ms")
+
+    def _first_failure(self) -> str:
+        errors = [r.error for r in self.results if not r.success]
+        return f"all {len(errors)} requests failed, e.g. {errors[0]}" if errors else "no requests"
+
+
+def _rate(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _peer_at(runs: list[PeerRun], rate: float) -> PeerRun | None:
+    return next((r for r in runs if r.server in PEER_NAMES and r.rate == rate and r.usable), None)
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs > 0 else "-"
+
+
+def format_markdown(runs: list[PeerRun], command: str = "") -> str:
+    lines = [f"`{command}`\n" if command else "",
+             "| server | rate | ok / failed | TTFT p50 / p99 ms | TPOT p50 ms | ITL p99 ms | out tok/s | "
+             "vs peer: TTFT p50 | TPOT p50 | ITL p99 | out tok/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in runs:
+        if not run.usable:
+            lines.append(f"| {run.server} | {_rate(run.rate)} | no figures: {run.summary_line()[12:]} "
+                         "| | | | | | | | |")
+            continue
+        m, peer = run.metrics, _peer_at(runs, run.rate)
+        ratios = "- | - | - | -"
+        if peer is not None and run is not peer:
+            p = peer.metrics
+            ratios = " | ".join((_ratio(m.ttft.median, p.ttft.median), _ratio(m.tpot.median, p.tpot.median),
+                                 _ratio(m.itl.p99, p.itl.p99), _ratio(m.output_throughput, p.output_throughput)))
+        lines.append(f"| {run.server} | {_rate(run.rate)} | {m.completed} / {m.failed} | {m.ttft.median:.0f} / "
+                     f"{m.ttft.p99:.0f} | {m.tpot.median:.1f} | {m.itl.p99:.0f} | {m.output_throughput:.1f} | "
+                     f"{ratios} |")
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def runs_json(runs: list[PeerRun], max_concurrency: int | None, burstiness: float) -> list[dict]:
+    """Each run's server, rate and error, with vLLM's result keys (serve_report.result_json) when it ran."""
+    return [{"server": r.server, "rate": r.rate, "error": r.error or None,
+             "metrics": result_json(r.metrics, RunSettings(r.rate, max_concurrency, burstiness)) if r.usable else None}
+            for r in runs]
+
+
+def write_plot(runs: list[PeerRun], path: Path) -> Path | None:
+    """peer.png: one panel per plotted metric, bars per server grouped by rate; None when nothing ran."""
+    usable = [run for run in runs if run.usable]
+    if not usable:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rates = sorted({run.rate for run in usable})
+    servers = list(dict.fromkeys(run.server for run in usable))
+    figure, axes = plt.subplots(1, len(PLOTTED), figsize=(5.5 * len(PLOTTED), 4.2), squeeze=False)
+    width = 0.8 / len(servers)
+    for axis, (label, value_of) in zip(axes[0], PLOTTED):
+        for index, server in enumerate(servers):
+            values = [next((value_of(r.metrics) for r in usable if r.server == server and r.rate == rate), 0.0)
+                      for rate in rates]  # [rates] ms
+            axis.bar(np.arange(len(rates)) + index * width, values, width, label=server)
+        axis.set_xticks(np.arange(len(rates)) + width * (len(servers) - 1) / 2, [f"{_rate(r)} req/s" for r in rates])
+        axis.set(ylabel="ms", title=label)
+    axes[0][0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
