@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -37,11 +38,14 @@ from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ra
                                  served_names_from_args)
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import DISAGG_POLICIES, PLACEMENT_STRATEGIES, ClusterConfig
+from cluster.workers.host_memory import cpu_kv_share
 from cluster.workers.placement_check import role_resources
 from cluster.workers.startup_heap import freeze_startup_heap
 from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import EngineConfig
 from kv_transfer.layer_stream import STREAMING_MODES
+
+logger = logging.getLogger("tandem.serve")
 
 
 @dataclass(frozen=True)
@@ -211,10 +215,16 @@ def start_backend(config: ServeConfig) -> Backend:
     worker is loaded)."""
     if config.mode == "colocated" and not config.replicas:
         from engine.builder import build_engine
+        import torch
         if config.cpu_threads is not None:
-            import torch
             torch.set_num_threads(config.cpu_threads)
-        engine = build_engine(config.model, config.engine, dtype=config.dtype, device=config.device,
+        engine_config = config.engine
+        on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+        if on_cpu and engine_config.num_kv_blocks is None:
+            share = cpu_kv_share(engine_config.kv_cache_memory, engines=1)
+            logger.info("%s", share.describe())
+            engine_config = dataclasses.replace(engine_config, kv_cache_memory=share.bytes_per_engine)
+        engine = build_engine(config.model, engine_config, dtype=config.dtype, device=config.device,
                               tokenizer=config.tokenizer)
         return LocalEngineBackend(engine, LocalBackendConfig(model_name=config.model_name))
     from cluster.coordinator.start import start_cluster

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import ATTENTION_BACKENDS, PREFILL_FIRST_MODES, EngineConfig
+
+# Serving on CPU: while requests decode, a step takes at most this many prompt tokens (one 512-token prompt), so
+# a decode waits at most ~0.5-1 s of prompt work between two tokens on 2 cores (docs/architecture.md, "Steps").
+SERVING_CPU_PREFILL_BOUND = 512
 
 
 def add_api_arguments(group) -> None:
@@ -76,6 +82,10 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--long-prefill-token-threshold", type=int, default=defaults.long_prefill_token_threshold,
                        help="cap on one prompt's tokens per step, so prompts queued behind a long one join "
                             "the same step (0: off)")
+    group.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                       help="while requests decode, no step takes more prompt tokens than this: the longest "
+                            f"wait between two tokens (0: --max-num-batched-tokens; default {SERVING_CPU_PREFILL_BOUND} "
+                            "on CPU, where a step's cost grows with its tokens, 0 on GPUs)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)
@@ -98,10 +108,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.kv_cache_memory_mib is not None and args.kv_cache_memory_mib < 1:
         raise ValueError("--kv-cache-memory-mib must be >= 1")
     memory = None if args.kv_cache_memory_mib is None else args.kv_cache_memory_mib << 20
+    prefill_bound = args.max_prefill_tokens_while_decoding
+    if prefill_bound is None:  # the workers' device: CPU unless CUDA is named or (auto) found here
+        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        prefill_bound = SERVING_CPU_PREFILL_BOUND if on_cpu else 0
     return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_chunked_prefill=args.enable_chunked_prefill,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
+                        max_prefill_tokens_while_decoding=prefill_bound,
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

@@ -151,6 +151,9 @@ class EngineConfig:
     long_prefill_token_threshold (> 0, with chunked prefill): no prompt takes more than this many tokens
     of a step, so a long prompt's prefill leaves room for the prompts queued behind it (vLLM's knob of
     the same name); 0 lets one prompt take the whole budget.
+    max_prefill_tokens_while_decoding (> 0, with chunked prefill): while any sequence decodes, no step takes
+    more prompt tokens than this, so no decode waits more than one such step's prompt work between two tokens
+    (engine/core/scheduler.py); 0: max_num_batched_tokens is the only bound.
     attention_backend: "auto" (triton on CUDA, the numba kernel on CPU float32, torch otherwise),
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
@@ -167,6 +170,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_prefill_tokens_while_decoding: int = 0
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
@@ -185,6 +189,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 0 (0: no bound but "
+                             f"max_num_batched_tokens), got {self.max_prefill_tokens_while_decoding}")
+        if self.max_prefill_tokens_while_decoding and not self.enable_chunked_prefill:
+            raise ValueError("max_prefill_tokens_while_decoding needs enable_chunked_prefill")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

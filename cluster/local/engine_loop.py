@@ -117,6 +117,7 @@ class EngineLoop:
             self._end_all(BackendUnavailable("the backend is shutting down"))
             self._reject_queued()
             self.load = self._snapshot()
+            logger.info("%s", self._engine.step_log.summary())
 
     def _next_commands(self) -> list:
         """Waits for a command while the engine is idle; otherwise takes whatever is queued."""

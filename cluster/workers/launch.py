@@ -22,6 +22,7 @@ import torch
 
 from cluster.workers.actors import EngineSpec, WorkerInfo
 from cluster.workers.cluster_config import ClusterConfig
+from cluster.workers.host_memory import cpu_kv_share
 from cluster.workers.placement import ClusterResources, place_bundles, release_cluster, release_ray, start_actor
 from cluster.workers.placement_check import worker_bundles
 from cluster.workers.ray_host import RayHost, RayHostConfig, start_local_ray
@@ -110,13 +111,22 @@ def initial_workers(config: ClusterConfig) -> list[tuple[str, str, int, tuple[in
                       for j in range(config.num_decode_workers)]
 
 
+def with_cpu_kv_share(config: ClusterConfig) -> ClusterConfig:
+    """config with every CPU worker's KV pool sized for this host (cluster/workers/host_memory.py), logged."""
+    share = cpu_kv_share(config.engine.kv_cache_memory, config.most_workers)
+    logger.info("%s", share.describe())
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine,
+                                                                  kv_cache_memory=share.bytes_per_engine))
+
+
 def launch_workers(config: ClusterConfig, address: str | None = None,
                    node_ip_address: str | None = None) -> LaunchedWorkers:
     """Start (or join) Ray, place the workers and wait until every engine is loaded. On any failure
     everything started here is released before the error propagates; a placement the cluster can never
     satisfy is a PlacementInfeasible (ValueError) before any worker starts."""
     host_cores = os.cpu_count() or 1
-    config = config.thread_share(host_cores, workers_on_host=address is None and not ray.is_initialized())
+    workers_on_host = address is None and not ray.is_initialized()
+    config = config.thread_share(host_cores, workers_on_host=workers_on_host)
     logger.info("workers: %d x %d CPU threads (this host: %d cores)", config.num_workers,
                 config.cpu_threads_per_worker, host_cores)
     owns_ray, host = connect_ray(address, config, node_ip_address)
@@ -126,6 +136,8 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
         device = resolve_device(config)
         transport = NO_TRANSPORT if config.replicas else resolve_cluster_transport(config, device)
         gpus = config.gpus_per_worker if device == "cuda" else 0.0
+        if device == "cpu" and workers_on_host and config.engine.num_kv_blocks is None:
+            config = with_cpu_kv_share(config)
         bundles = worker_bundles([("prefill", config.num_prefill_workers, config.prefill_resources),
                                   (config.decode_role, config.num_decode_workers, config.decode_resources)],
                                  config.cpu_threads_per_worker, gpus)

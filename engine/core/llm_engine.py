@@ -9,6 +9,7 @@ Not thread-safe: one thread drives an engine.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 
@@ -21,6 +22,7 @@ from engine.core.live_requests import LiveRequests
 from engine.core.request_checks import check_prefilled, check_request
 from engine.core.scheduler import Scheduler, prefill_first_enabled
 from engine.core.stats import EngineStats
+from engine.core.step_log import StepLog, StepRecord, chunk_tokens
 from engine.core.step_observer import StepObserver
 from engine.core.stop_rules import finish_reason, is_stop_token
 from engine.kv.kv_cache import KVCache, KVCacheSpec
@@ -35,6 +37,8 @@ from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.text.tokenizer import Tokenizer
+
+logger = logging.getLogger("tandem.engine")
 
 
 class EngineClosed(RuntimeError):
@@ -63,6 +67,7 @@ class LLMEngine:
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device)
         self.stats = EngineStats()
+        self.step_log = StepLog()  # the last steps: what each held and cost
         self._live = LiveRequests()
         self._closed = False
 
@@ -75,6 +80,8 @@ class LLMEngine:
         free_blocks find nothing left to free. Call it from the thread that steps the engine."""
         if self._closed:
             return
+        if self.step_log.records():
+            logger.info("%s", self.step_log.summary())
         for request_id in self._live.request_ids():
             self.abort(request_id)
         self._closed = True
@@ -192,6 +199,7 @@ class LLMEngine:
         a slot), and gets per-layer callbacks during it; if the forward raises, forward_failed(error) runs
         before the exception propagates."""
         self._check_open()
+        step_started = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -206,6 +214,8 @@ class LLMEngine:
             if on_layer is not None:
                 observer.forward_failed(f"{type(error).__name__}: {error}")
             raise
+        forward_s = time.perf_counter() - started
+        held = chunk_tokens(chunks)  # counted before the chunks' tokens are marked computed
         seqs, sampled = result.seqs, result.sampled
         for seq, entry in result.prompt_logprobs:
             seq.prompt_logprobs.append(entry)
@@ -216,8 +226,10 @@ class LLMEngine:
             if seq.forks:  # a prefill of n samples just ended: the others take their share of its KV
                 fork_samples(seq, self.scheduler, self.kv_cache)
         self.stats.record_step(chunks, time.perf_counter() - started)
-        return [self._append_token(seq, token, logprobs)
-                for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
+        deltas = [self._append_token(seq, token, logprobs)
+                  for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
+        self.step_log.record(StepRecord(step_started, forward_s, time.perf_counter() - step_started, *held))
+        return deltas
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepDelta:
         first = seq.first_token_time is None

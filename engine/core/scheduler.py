@@ -66,27 +66,37 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
-        if self.prefill_first and self.waiting and not self._last_was_prompts_only and self._any_decoding():
-            prompts = self._admit_waiting(budget, whole_only=True)  # []: none finishes now, the usual step
+        decoding = self._any_decoding()
+        bound = self.config.max_prefill_tokens_while_decoding
+        prompt_budget = min(budget, bound) if bound and decoding else budget
+        if self.prefill_first and self.waiting and not self._last_was_prompts_only and decoding:
+            prompts = self._admit_waiting(prompt_budget, whole_only=True)  # []: none finishes now, the usual step
             self._last_was_prompts_only = bool(prompts)
             if prompts:
                 return prompts
         self._last_was_prompts_only = False
-        chunks, preempted = self._schedule_running(budget)
+        chunks, preempted = self._schedule_running(budget, prompt_budget)
         budget -= sum(c.num_new_tokens for c in chunks)
+        prompt_budget -= sum(c.num_new_tokens for c in chunks if c.seq.num_uncomputed_tokens > 1)
         if not preempted:
-            chunks += self._admit_waiting(budget)
+            chunks += self._admit_waiting(min(budget, prompt_budget))
         return chunks
 
     def _any_decoding(self) -> bool:
         """Whether a running sequence waits for its next token (a prefill worker's never do: it packs prompts)."""
         return any(seq.num_output_tokens and seq.num_uncomputed_tokens == 1 for seq in self.running)
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledChunk], bool]:
+    def _schedule_running(self, budget: int, prompt_budget: int) -> tuple[list[ScheduledChunk], bool]:
+        """Running sequences in order: a decode takes its token, a prompt's next chunk fits what is left of
+        prompt_budget too (a prompt with none left skips this step)."""
         chunks, preempted, index = [], False, 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = self._chunk_size(seq, budget)
+            is_prompt = seq.num_uncomputed_tokens > 1
+            num_new = self._chunk_size(seq, min(budget, prompt_budget) if is_prompt else budget)
+            if num_new == 0:
+                index += 1
+                continue
             while not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -95,6 +105,7 @@ class Scheduler:
                     return chunks, preempted
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
+            prompt_budget -= num_new if is_prompt else 0
             index += 1
         return chunks, preempted
 
