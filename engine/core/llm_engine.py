@@ -215,7 +215,6 @@ class LLMEngine:
                 observer.forward_failed(f"{type(error).__name__}: {error}")
             raise
         forward_s = time.perf_counter() - started
-        held = chunk_tokens(chunks)  # counted before the chunks' tokens are marked computed
         seqs, sampled = result.seqs, result.sampled
         for seq, entry in result.prompt_logprobs:
             seq.prompt_logprobs.append(entry)
@@ -225,10 +224,11 @@ class LLMEngine:
         for seq in seqs:
             if seq.forks:  # a prefill of n samples just ended: the others take their share of its KV
                 fork_samples(seq, self.scheduler, self.kv_cache)
-        self.stats.record_step(chunks, time.perf_counter() - started)
+        self.stats.record_step(chunks, forward_s)
         deltas = [self._append_token(seq, token, logprobs)
                   for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
-        self.step_log.record(StepRecord(step_started, forward_s, time.perf_counter() - step_started, *held))
+        self.step_log.record(StepRecord(step_started, forward_s, time.perf_counter() - step_started,
+                                        *chunk_tokens(chunks)))
         return deltas
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepDelta:

@@ -68,10 +68,11 @@ class StepLog:
 
 
 def chunk_tokens(chunks: list[ScheduledChunk]) -> tuple[int, int, int]:
-    """(prompt tokens, decode tokens, prompts) of a step's chunks, counted before their tokens are computed."""
+    """(prompt tokens, decode tokens, prompts) of a step's chunks, counted once their tokens are computed (as
+    EngineStats counts them: a chunk that started past the prompt is a decode)."""
     prompt_tokens = decode_tokens = prompts = 0
     for chunk in chunks:
-        if chunk.seq.num_computed_tokens >= chunk.seq.num_prompt_tokens:
+        if chunk.seq.num_computed_tokens - chunk.num_new_tokens >= chunk.seq.num_prompt_tokens:
             decode_tokens += chunk.num_new_tokens
         else:
             prompt_tokens += chunk.num_new_tokens
