@@ -73,8 +73,21 @@ def _build_engine(spec: EngineSpec):
     import torch
 
     from engine.builder import build_engine
+    _log_engine_info()
     torch.set_num_threads(spec.cpu_threads)
     return build_engine(spec.model, spec.engine, dtype=spec.dtype, device=spec.device, tokenizer=spec.tokenizer)
+
+
+def _log_engine_info() -> None:
+    """The engine's INFO lines (its memory plan at start, its step summary at stop) reach the actor's stderr, which
+    Ray copies to the driver: a worker process has no logging configured of its own."""
+    engine_logger = logging.getLogger("tandem.engine")
+    if not engine_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        engine_logger.addHandler(handler)
+        engine_logger.setLevel(logging.INFO)
+        engine_logger.propagate = False
 
 
 def _info(name: str, role: str, engine, kv_address: ReceiverAddress | None) -> WorkerInfo:
