@@ -24,6 +24,13 @@ from pathlib import Path
 _ANNOUNCE = re.compile(r"^tandem serving .* HTTP (http://[\d.]+:\d+)/v1")
 
 
+def file_tail(path: Path, lines: int = 20) -> str:
+    """The last `lines` lines of a server's log ("" if it cannot be read)."""
+    with contextlib.suppress(OSError):
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    return ""
+
+
 class ServerStartError(RuntimeError):
     """`tandem serve` exited or did not announce its ports in time."""
 
@@ -87,9 +94,7 @@ class ServerProcess:
                                        f"{self.start_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
-        return ""
+        return file_tail(self.log_path, lines)
 
     def metrics_text(self) -> str:
         """GET /metrics (Prometheus text)."""

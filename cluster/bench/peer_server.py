@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cluster.bench.compare_server import ServerStartError
+from cluster.bench.compare_server import ServerStartError, file_tail
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -97,9 +97,7 @@ class VllmServer:
             time.sleep(1.0)
 
     def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
-        return ""
+        return file_tail(self.log_path, lines)
 
     def stop(self) -> None:
         """SIGTERM to the server's process group, SIGKILL after 30 s."""
