@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import re
 import sys
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "colocated-<N> (N replicas on Ray), disagg-<P>p<D>d; 'none' for the peer alone")
     parser.add_argument("--serve-args", default="", help="extra `tandem serve` flags for every Tandem mode")
     parser.add_argument("--request-rates", default="1,3", help="comma-separated req/s, 'inf' = all at once")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds: every server once per round, rounds one after another; each Tandem row's "
+                             "ratios are to the peer's run of its round (the machine's speed drifts)")
     parser.add_argument("--results-dir", default="bench_results/peer")
     parser.add_argument("--server-start-timeout", type=float, default=600.0)
     add_workload_arguments(parser)
@@ -85,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
     rates, names = parse_rates(args.request_rates), parse_mode_names(args.modes)
     if args.peer_runner is None and args.peer_url is None and not names:
         raise ValueError("nothing to run: give --peer-runner or --peer-url, or Tandem --modes")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     model = _resolve_model(args.model)
     vocab_size = _vocab_size(model)
     workload = workload_from_args(args)
@@ -96,8 +102,11 @@ def run(args: argparse.Namespace) -> int:
           f"{model}; servers: {'peer, ' if args.peer_runner or args.peer_url else ''}{', '.join(names)}", flush=True)
     runs: list[PeerRun] = []
     with tempfile.TemporaryDirectory(prefix="tandem-peer-") as tmp:
-        for name, server in _servers(args, model, names, Path(tmp), results_dir):
-            runs += _measure(name, server, args, rates, samples, warm)
+        peer_checkpoint = _hf_checkpoint(model, Path(tmp)) if args.peer_runner is not None else None
+        for round_ in range(args.repeats):
+            for name, server in _servers(args, model, peer_checkpoint, names, results_dir, round_):
+                runs += [dataclasses.replace(run, round=round_)
+                         for run in _measure(name, server, args, rates, samples, warm)]
     _write_results(runs, args, results_dir)
     return 0
 
@@ -112,17 +121,20 @@ def _vocab_size(model: str) -> int:
     return load_model_config(model).vocab_size
 
 
-def _servers(args, model: str, names: list[str], tmp: Path, results_dir: Path):
-    """(name, server context manager) of the peer and each Tandem mode, built lazily in run order."""
+def _servers(args, model: str, peer_checkpoint: Path | None, names: list[str], results_dir: Path, round_: int):
+    """(name, server context manager) of the peer and each Tandem mode, built lazily in run order; the logs of
+    round r > 0 are server-<name>-<r + 1>.log."""
+    suffix = "" if round_ == 0 else f"-{round_ + 1}"
     if args.peer_url is not None:
         yield "peer", ExternalServer(args.peer_url)
     elif args.peer_runner is not None:
-        yield "vllm", VllmServer(args.peer_runner, _hf_checkpoint(model, tmp), results_dir / "server-vllm.log",
+        yield "vllm", VllmServer(args.peer_runner, peer_checkpoint, results_dir / f"server-vllm{suffix}.log",
                                  args.server_start_timeout)
     extra = args.serve_args.split()
     for name in names:
         flags = ["--model", model, *tandem_mode_flags(name), *extra]
-        yield f"tandem {name}", ServerProcess(flags, results_dir / f"server-{name}.log", args.server_start_timeout)
+        yield f"tandem {name}", ServerProcess(flags, results_dir / f"server-{name}{suffix}.log",
+                                              args.server_start_timeout)
 
 
 def _hf_checkpoint(model: str, tmp: Path) -> Path:

@@ -18,13 +18,15 @@ PLOTTED = (("TTFT p50", lambda m: m.ttft.median), ("TPOT p50", lambda m: m.tpot.
 
 @dataclasses.dataclass(frozen=True)
 class PeerRun:
-    """One server at one request rate: its metrics, or None with the error when it could not run."""
+    """One server at one request rate (in one round of --repeats): its metrics, or None with the error when it
+    could not run."""
 
     server: str
     rate: float
     metrics: BenchmarkMetrics | None
     results: list[RequestResult]
     error: str = ""
+    round: int = 0  # --repeats: every server once per round; ratios pair the runs of one round
 
     @property
     def usable(self) -> bool:
@@ -47,8 +49,13 @@ def _rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-def _peer_at(runs: list[PeerRun], rate: float) -> PeerRun | None:
-    return next((r for r in runs if r.server in PEER_NAMES and r.rate == rate and r.usable), None)
+def _peer_at(runs: list[PeerRun], rate: float, round_: int) -> PeerRun | None:
+    return next((r for r in runs if r.server in PEER_NAMES and r.rate == rate and r.round == round_ and r.usable),
+                None)
+
+
+def _name(run: PeerRun, rounds: int) -> str:
+    return run.server if rounds == 1 else f"{run.server} #{run.round + 1}"
 
 
 def _ratio(ours: float, theirs: float) -> str:
@@ -60,18 +67,19 @@ def format_markdown(runs: list[PeerRun], command: str = "") -> str:
              "| server | rate | ok / failed | TTFT p50 / p99 ms | TPOT p50 ms | ITL p99 ms | out tok/s | "
              "vs peer: TTFT p50 | TPOT p50 | ITL p99 | out tok/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rounds = 1 + max((run.round for run in runs), default=0)
     for run in runs:
         if not run.usable:
-            lines.append(f"| {run.server} | {_rate(run.rate)} | no figures: {run.summary_line()[12:]} "
+            lines.append(f"| {_name(run, rounds)} | {_rate(run.rate)} | no figures: {run.summary_line()[12:]} "
                          "| | | | | | | | |")
             continue
-        m, peer = run.metrics, _peer_at(runs, run.rate)
+        m, peer = run.metrics, _peer_at(runs, run.rate, run.round)
         ratios = "- | - | - | -"
         if peer is not None and run is not peer:
             p = peer.metrics
             ratios = " | ".join((_ratio(m.ttft.median, p.ttft.median), _ratio(m.tpot.median, p.tpot.median),
                                  _ratio(m.itl.p99, p.itl.p99), _ratio(m.output_throughput, p.output_throughput)))
-        lines.append(f"| {run.server} | {_rate(run.rate)} | {m.completed} / {m.failed} | {m.ttft.median:.0f} / "
+        lines.append(f"| {_name(run, rounds)} | {_rate(run.rate)} | {m.completed} / {m.failed} | {m.ttft.median:.0f} / "
                      f"{m.ttft.p99:.0f} | {m.tpot.median:.1f} | {m.itl.p99:.0f} | {m.output_throughput:.1f} | "
                      f"{ratios} |")
     return "\n".join(line for line in lines if line) + "\n"
@@ -79,14 +87,15 @@ def format_markdown(runs: list[PeerRun], command: str = "") -> str:
 
 def runs_json(runs: list[PeerRun], max_concurrency: int | None, burstiness: float) -> list[dict]:
     """Each run's server, rate and error, with vLLM's result keys (serve_report.result_json) when it ran."""
-    return [{"server": r.server, "rate": r.rate, "error": r.error or None,
+    return [{"server": r.server, "rate": r.rate, "round": r.round, "error": r.error or None,
              "metrics": result_json(r.metrics, RunSettings(r.rate, max_concurrency, burstiness)) if r.usable else None}
             for r in runs]
 
 
 def write_plot(runs: list[PeerRun], path: Path) -> Path | None:
-    """peer.png: one panel per plotted metric, bars per server grouped by rate; None when nothing ran."""
-    usable = [run for run in runs if run.usable]
+    """peer.png: one panel per plotted metric, bars per server grouped by rate (the first round); None when nothing
+    ran."""
+    usable = [run for run in runs if run.usable and run.round == 0]  # the first round's
     if not usable:
         return None
     import matplotlib

@@ -69,9 +69,20 @@ def test_a_peer_that_does_not_answer_gets_no_figures(tmp_path) -> None:
     (("--modes", "colocated,colocated"), "twice"),
     (("--modes", "none"), "nothing to run"),
     (("--peer-url", "http://127.0.0.1:9", "--request-rates", "0"), "positive"),
+    (("--peer-url", "http://127.0.0.1:9", "--repeats", "0"), "--repeats"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(tmp_path, flags, message) -> None:
     parser = argparse.ArgumentParser()
     peer.add_arguments(parser)
     with pytest.raises(ValueError, match=message):
         peer.run(parser.parse_args([*SMALL, "--results-dir", str(tmp_path), *flags]))
+
+
+def test_repeats_run_every_server_once_per_round_and_pair_the_ratios_within_a_round(tmp_path) -> None:
+    with StubOpenAIServer() as stub:
+        code, markdown, runs = run_bench(tmp_path, "--peer-url", stub.base_url, "--modes", "none",
+                                         "--request-rates", "inf", "--repeats", "2")
+        assert stub.completions == 2 * 2 * 4  # the warm pass and the measured rate, in each round
+    assert code == 0
+    assert [(r["server"], r["round"]) for r in runs] == [("peer", 0), ("peer", 1)]
+    assert "| peer #1 |" in markdown and "| peer #2 |" in markdown
