@@ -10,8 +10,10 @@ defaults plus the mode's flags). Each gets the whole workload once with other to
 side runs cold, neither finds the measured prompts in its prefix cache), then the measured workload at each
 --request-rates (vLLM's `random` dataset: 512 prompt tokens, 64 out, ignore_eos, Poisson arrivals), all through
 the `tandem bench serve` client. A server that does not start, or whose requests all fail, is reported without
-figures. --results-dir gets results.md (the table, each Tandem row's ratios to the peer at the same rate),
-results.json, peer.png (TTFT p50, TPOT p50 and ITL p99 per server and rate) and every server's log.
+figures. --repeats N runs all of it N times, a round after another, and pairs each Tandem row with the peer's
+run of its round (the machine's speed drifts while the servers take their turns). --results-dir gets results.md
+(the table, each Tandem row's ratios to the peer at the same rate), results.json, peer.png (TTFT p50, TPOT p50 and
+ITL p99 per server and rate, the first round) and every server's log.
 """
 from __future__ import annotations
 
