@@ -18,6 +18,7 @@ import torch
 from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig, max_model_len
 from engine.core.fork import fork_samples
+from engine.core.kv_handoff import KVHandoff
 from engine.core.live_requests import LiveRequests
 from engine.core.request_checks import check_prefilled, check_request
 from engine.core.scheduler import Scheduler, prefill_first_enabled
@@ -30,6 +31,7 @@ from engine.model.causal_lm import CausalLM
 from engine.outputs import OutputText, RequestMetrics, StepDelta
 from engine.runner.decode_graphs import decode_graphs_for
 from engine.runner.device_memory import release_device_memory
+from engine.runner.host_malloc import keep_freed_host_memory
 from engine.runner.memory_plan import plan_memory
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.logprobs import TokenLogprobs
@@ -45,11 +47,16 @@ class EngineClosed(RuntimeError):
     """The engine was closed (LLMEngine.close): its model and KV pool are gone, it takes no more work."""
 
 
-class LLMEngine:
+class LLMEngine(KVHandoff):
+    """See the module docstring; the KV hand-off calls (reserve_blocks, pin_cached_prefix, free_blocks,
+    release_prefilled, take_prefilled_blocks) are in engine/core/kv_handoff.py."""
+
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, model_config: ModelConfig,
                  config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
         self.model_config, self.config, self.tokenizer = model_config, config, tokenizer
         self.device, self.dtype = device, dtype
+        if device.type == "cpu":
+            keep_freed_host_memory()  # steps reuse their activations' memory instead of page-faulting it in
         spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                            config.block_size, dtype)
         attention = select_backend(config.attention_backend, device, dtype)
@@ -122,30 +129,6 @@ class LLMEngine:
             self._track(seq)
         samples[0].forks = samples[1:]
         self.scheduler.add_waiting(samples[0])
-
-    def reserve_blocks(self, num_blocks: int) -> list[int] | None:
-        """Allocate blocks for incoming KV (decode side of a transfer); None when the pool is short.
-        Safe to call from a transfer thread while another thread steps the engine."""
-        self._check_open()
-        return self.kv_cache.allocator.allocate(num_blocks)
-
-    def pin_cached_prefix(self, token_ids: Seq[int]) -> list[int]:
-        """The cached blocks holding the longest run of token_ids' leading full blocks, never the block of
-        the last token (the prefix cache's own rule), each with a reference taken: they cannot be evicted
-        until the caller hands them to add_prefilled_request or frees them with free_blocks. Empty without
-        prefix caching. Safe to call from any thread (a decode worker matches at expect())."""
-        self._check_open()
-        max_blocks = (len(token_ids) - 1) // self.config.block_size
-        block_ids, _ = self.kv_cache.allocator.lookup_prefix(token_ids, max_blocks)
-        return block_ids
-
-    def free_blocks(self, block_ids: Seq[int]) -> None:
-        """Return blocks this caller owns: reserved ones never handed to add_prefilled_request, or
-        ones taken with take_prefilled_blocks. Safe to call from any thread. A closed engine has nothing
-        left to free: the call returns."""
-        if self._closed:
-            return
-        self.kv_cache.allocator.free(block_ids)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                               params: SamplingParams, block_ids: Seq[int],
@@ -278,29 +261,6 @@ class LLMEngine:
             self.scheduler.finish(seq, SequenceStatus.FINISHED)
             self._live.remove(seq)
         return True
-
-    def release_prefilled(self, request_id: str) -> bool:
-        """Free the KV blocks a prefill-only request kept for its transfer; False if there are none."""
-        seq = self.get_sequence(request_id)
-        if seq is None or seq.status != SequenceStatus.PREFILLED:
-            return False
-        self.kv_cache.allocator.free(seq.block_table)
-        seq.block_table = []
-        seq.status = SequenceStatus.FINISHED
-        self._live.remove(seq)
-        return True
-
-    def take_prefilled_blocks(self, request_id: str) -> list[int]:
-        """Hand a prefill-only result's blocks to the caller (a KV transfer), which must free them
-        with free_blocks() once the receiver acknowledged. The request leaves the engine."""
-        self._check_open()
-        seq = self.get_sequence(request_id)
-        if seq is None or seq.status != SequenceStatus.PREFILLED:
-            raise ValueError(f"request {request_id!r} has no prefilled KV blocks to hand over")
-        block_ids, seq.block_table = seq.block_table, []
-        seq.status = SequenceStatus.FINISHED
-        self._live.remove(seq)
-        return block_ids
 
     def get_sequence(self, request_id: str) -> Sequence | None:
         """The live (waiting, running or prefilled) request with this id, if any (of several samples, the
