@@ -59,14 +59,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-    def forward(self, h: torch.Tensor, rope: RopeTables, meta: AttentionMetadata, kv_cache: KVCache,
-                kv_written: Callable[[], None] | None = None):
-        """kv_written, when given, runs once the attention (which stores this layer's K/V) is issued,
-        before the MLP: a layer-streamed transfer can send this layer's KV under the MLP's work."""
-        h = h + self.self_attn(self.input_layernorm(h), rope, meta, kv_cache)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables, meta: AttentionMetadata,
+                kv_cache: KVCache, kv_written: Callable[[], None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the last layer's MLP output (the embeddings, residual None, for the first layer); residual: the
+        sum of the embeddings and every earlier attention and MLP output. Returns (this layer's MLP output,
+        the sum before it); the residual passed in may be written to (CPU: the add is fused into the norm).
+        kv_written, when given, runs once the attention (which stores this layer's K/V) is issued, before the
+        MLP: a layer-streamed transfer can send this layer's KV under the MLP's work."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(h, residual)
+        attention = self.self_attn(x, rope, meta, kv_cache)
         if kv_written is not None:
             kv_written()
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, residual = self.post_attention_layernorm.add_and_norm(attention, residual)
+        return self.mlp(x), residual
 
 
 class CausalLM(nn.Module):
@@ -105,11 +114,12 @@ class CausalLM(nn.Module):
                 kv_cache: KVCache, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """on_layer(i), when given, runs once layer i has issued the work that stores its K/V (they are in
         the pool once that work completes), before its MLP: layer-wise KV streaming sends layer i then."""
-        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         rope = self.rotary.lookup(positions)
         for index, layer in enumerate(self.layers):
-            h = layer(h, rope, meta, kv_cache, None if on_layer is None else lambda i=index: on_layer(i))
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, meta, kv_cache,
+                                None if on_layer is None else lambda i=index: on_layer(i))
+        return self.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab]."""

@@ -8,11 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import RopeScaling
+from engine.model import fused_cpu
 from engine.model.linear import meta_linear
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, computed in float32 like Hugging Face's LlamaRMSNorm."""
+    """y = x / rms(x) * weight, computed in float32 like Hugging Face's LlamaRMSNorm (on CPU float32 in one
+    fused pass: engine/model/fused_cpu.py)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -21,10 +23,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        if x.dim() == 2 and fused_cpu.supports(x):
+            return fused_cpu.rms_norm(x, self.weight, self.eps)
+        return fused_cpu.rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta); delta, residual: [T, dim]. On CPU float32 the sum is
+        written into residual (one fused pass); elsewhere residual is left as it was."""
+        if fused_cpu.supports(delta) and fused_cpu.supports(residual) and residual.is_contiguous():
+            return fused_cpu.add_rms_norm_(residual, delta, self.weight, self.eps), residual
+        return fused_cpu.add_rms_norm_reference(residual, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -69,13 +77,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim]. On CPU float32 x is rotated in place (fused, the same
+    roundings as the reference) and returned; elsewhere a new tensor."""
+    if fused_cpu.supports(x) and x.stride(1) == x.shape[2]:
+        return fused_cpu.rotate_(x, cos, sin)
+    return fused_cpu.rotate_reference(x, cos, sin)
 
 
 class GatedMLP(nn.Module):
