@@ -17,6 +17,8 @@ AVAILABLE is False when numba is missing: the model then calls the references.
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import torch
 
@@ -89,9 +91,19 @@ def _launch(kernel, num_rows: int, *args) -> None:
 
 
 def _serial_and_parallel(row_loop, fastmath: bool = True):
-    """(serial, parallel) compilations of a kernel written with prange over rows."""
+    """(serial, parallel) compilations of a kernel written with prange over rows. Each compiles a copy of the
+    function under a name of its own: numba's on-disk cache is keyed by the function's name and line, not by
+    the compile options, and would hand one variant the other's machine code."""
     options = dict(fastmath=fastmath, boundscheck=False, nogil=True, cache=True)
-    return njit(**options)(row_loop), njit(parallel=True, **options)(row_loop)
+    return (njit(**options)(_renamed(row_loop, "serial")),
+            njit(parallel=True, **options)(_renamed(row_loop, "parallel")))
+
+
+def _renamed(function, suffix: str):
+    copy = types.FunctionType(function.__code__, function.__globals__, f"{function.__name__}_{suffix}",
+                              function.__defaults__, function.__closure__)
+    copy.__qualname__ = f"{function.__qualname__}_{suffix}"
+    return copy
 
 
 if AVAILABLE:
