@@ -7,8 +7,8 @@ prefill of SmolLM2, each page zeroed by the kernel while the step's other OpenMP
 With mmap's threshold at glibc's maximum (32 MiB) and the heap kept up to HEAP_KEEP_BYTES, the same prefill takes
 ~20 faults (getrusage), and took 593-769 ms against 680-849 ms in three alternating pairs of processes on a
 2-core host (docs/benchmarks.md). vLLM's CPU guide gets the same from tcmalloc (LD_PRELOAD); this needs no
-library. The settings are the process's
-(mallopt), for every thread's arena; a no-op where the C library is not glibc.
+library. The settings are the process's (mallopt), for every thread's arena; a no-op where the C library is
+not glibc.
 """
 from __future__ import annotations
 
