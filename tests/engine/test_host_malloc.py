@@ -9,10 +9,10 @@ from tests.support.engine_checks import assert_all_blocks_free
 from tests.support.engines import make_llm
 from tests.support.factories import make_checkpoint
 
-# Five rounds of a prefill step's allocation pattern (tensors of 1-24 MiB, freed at once), after one round to
-# warm up; prints the minor page faults of those five rounds.
+# Twenty rounds of a prefill step's allocation pattern (tensors of 1-24 MiB, freed at once) on a thread, after one
+# round to warm up; prints the minor page faults of those twenty rounds.
 CHURN = """
-import resource, sys, torch
+import resource, sys, threading, torch
 if sys.argv[1] == "keep":
     from engine.runner.host_malloc import keep_freed_host_memory
     assert keep_freed_host_memory()
@@ -21,11 +21,15 @@ def churn():
         a = torch.empty(rows, 3072).fill_(1.0)
         b = torch.empty(rows, 1536).fill_(2.0)
         del a, b
-churn()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+def rounds():  # on a thread of its own, as the engine loop steps: its own malloc arena
     churn()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        churn()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+thread = threading.Thread(target=rounds)
+thread.start()
+thread.join()
 """
 
 
@@ -37,8 +41,8 @@ def _faults(mode: str) -> int:
 @pytest.mark.skipif(_glibc() is None, reason="mallopt's parameters are glibc's")
 def test_freed_step_memory_is_reused_instead_of_faulted_in_again():
     default, kept = _faults("default"), _faults("keep")
-    assert default > 1000             # glibc's own settings give the pages back and fault them in again
-    assert kept < default / 20
+    assert default > 10_000           # glibc's own settings give the pages back and fault them in again
+    assert kept < default / 5         # (a few hundred faults of the interpreter's own may land in the window)
 
 
 def test_an_engine_on_the_cpu_sets_the_heap_up_for_its_steps(tmp_path, monkeypatch):
