@@ -35,7 +35,7 @@ from decode_worker.waiting import WaitingRequests
 from engine.core.command_queue import take_commands
 from engine.core.llm_engine import LLMEngine
 from engine.core.step_watch import StepHealth, StepWatch
-from engine.runner.openmp_pools import release_openmp_pool
+from engine.runner.openmp_pools import start_stepping_thread
 from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, TransferStatus, create_receiver
 from kv_transfer.engine_pool import admit_received, engine_pool_view
 
@@ -65,8 +65,7 @@ class DecodeWorker:
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
         self._pump = threading.Thread(target=self._pump_inbox, name=f"{self.name}-inbox", daemon=True)
         self._watch = StepWatch(self._thread)
-        release_openmp_pool()  # this thread built the engine; the step thread steps it (openmp_pools.py)
-        self._thread.start()
+        start_stepping_thread(self._thread)  # this thread built the engine; that one steps it
         self._pump.start()
 
     # ---- any thread ----------------------------------------------------------------------------

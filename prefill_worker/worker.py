@@ -21,7 +21,7 @@ from engine.core.command_queue import take_commands
 from engine.core.llm_engine import LLMEngine
 from engine.core.step_watch import StepHealth, StepWatch
 from engine.outputs import StepDelta
-from engine.runner.openmp_pools import release_openmp_pool
+from engine.runner.openmp_pools import start_stepping_thread
 from kv_transfer import KVTransferError, ReceiverAddress, TransferHandle, create_sender
 from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
 from prefill_worker.commands import Cancel, Live, Stop, Submit, TransferDone
@@ -50,8 +50,7 @@ class PrefillWorker:
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
         self._watch = StepWatch(self._thread)
-        release_openmp_pool()  # this thread built the engine; the step thread steps it (openmp_pools.py)
-        self._thread.start()
+        start_stepping_thread(self._thread)  # this thread built the engine; that one steps it
 
     # ---- any thread ----------------------------------------------------------------------------
     def submit(self, task: PrefillTask) -> Future:

@@ -18,7 +18,7 @@ from cluster.backend import BackendUnavailable, GenerationChunk, GenerationReque
 from engine.core.command_queue import take_commands
 from engine.core.llm_engine import LLMEngine
 from engine.outputs import StepDelta
-from engine.runner.openmp_pools import release_openmp_pool
+from engine.runner.openmp_pools import start_stepping_thread
 
 logger = logging.getLogger("tandem.cluster.engine_loop")
 
@@ -84,8 +84,7 @@ class EngineLoop:
         self._unscheduled: set[str] = set()
         self.load = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="tandem-engine-loop", daemon=True)
-        release_openmp_pool()  # this thread built the engine; the loop's thread steps it (openmp_pools.py)
-        self._thread.start()
+        start_stepping_thread(self._thread)  # this thread built the engine; that one steps it
 
     # ---- called from other threads -----------------------------------------------------------
     def submit(self, engine_id: str, request: GenerationRequest, sink: ChunkSink) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 
 logger = logging.getLogger("tandem.engine")
 
@@ -41,6 +42,13 @@ def release_openmp_pool() -> int:
             released += 1
     logger.debug("released this thread's OpenMP pool in %d runtime(s)", released)
     return released
+
+
+def start_stepping_thread(thread: threading.Thread) -> None:
+    """Starts `thread`, which will step an engine the calling thread built, once the calling thread has given its
+    OpenMP pool back (release_openmp_pool): the one hand-over every engine loop and worker makes."""
+    release_openmp_pool()
+    thread.start()
 
 
 def _loaded_openmp_runtimes() -> list[str]:

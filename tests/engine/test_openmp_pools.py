@@ -41,10 +41,11 @@ def test_releasing_the_pool_ends_its_worker_threads():
 
 def test_an_engine_loop_releases_the_building_threads_pool(tmp_path, monkeypatch):
     import cluster.local.engine_loop as engine_loop
+    import engine.runner.openmp_pools as openmp_pools
     from tests.support.engines import make_llm
     from tests.support.factories import make_checkpoint
     calls = []
-    monkeypatch.setattr(engine_loop, "release_openmp_pool", lambda: calls.append("released") or 1)
+    monkeypatch.setattr(openmp_pools, "release_openmp_pool", lambda: calls.append("released") or 1)
     with make_llm(str(make_checkpoint(tmp_path, "llama")), device="cpu") as llm:
         loop = engine_loop.EngineLoop(llm.engine, "test")
         loop.stop()
