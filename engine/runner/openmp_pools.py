@@ -12,8 +12,8 @@ engine stepped, 5% once the building thread released its pool, and output throug
 51.6 / 55.3 tok/s, TPOT p50 277 / 377 -> 254 / 226 ms (two alternating pairs).
 
 release_openmp_pool() gives the calling thread's pool back (OpenMP 5.0's omp_pause_resource_all, which libgomp
-implements as freeing the caller's pool): the building thread calls it once the engine is built and it hands
-the engine to the thread that steps it. Should the thread run parallel work again, a new pool is made then.
+implements as freeing the caller's pool); start_stepping_thread() is where the building thread does so, as it
+starts the thread that steps the engine. Should the building thread run parallel work again, a new pool is made.
 """
 from __future__ import annotations
 
