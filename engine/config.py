@@ -158,10 +158,10 @@ class EngineConfig:
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
     enforce_eager: no CUDA graphs for decode steps (they are captured only on CUDA).
-    prefill_first: "on": while sequences decode, waiting prompts that one step finishes get a step of their own
-    ahead of the decodes' next token (never two such steps in a row, so a decode waits at most one prompt
-    step); "off" mixes them into the decode step (Sarathi); "auto" is on for CPU and off for CUDA
-    (engine/core/scheduler.py says why).
+    prefill_first: "on": while sequences decode, waiting prompts that one step finishes, of at most 4 tokens
+    together per decoding sequence, get a step of their own ahead of the decodes' next token
+    (never two such steps in a row, so a decode waits at most one prompt step); "off" mixes them into the
+    decode step (Sarathi); "auto" is on for CPU and off for CUDA (engine/core/scheduler.py says why).
     """
 
     block_size: int = 16

@@ -4,7 +4,8 @@ It picks each step's chunks by the rules of engine/core/scheduler.py (running se
 decoding sequence takes one token, a sequence in the middle of its prefill its next chunk; then waiting
 sequences in arrival order, within the step's token budget, `long_prefill_token_threshold` tokens of one
 prompt at most, and `max_num_seqs` running; with `prefill_first`, while sequences decode, waiting prompts
-one step can finish get a step of their own before the running ones, never two such steps in a row).
+one step can finish, of at most PREFILL_FIRST_TOKENS_PER_DECODE tokens per decoding sequence, get a step of
+their own before the running ones, never two such steps in a row).
 What it leaves out: the KV pool (no preemption: the planner assumes the pool holds every running request)
 and the prefix cache (no hits: every prompt is computed).
 tests/plan/ check its chunks against the real Scheduler's on the same arrivals.
@@ -15,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.plan.step_model import StepWork
+from engine.core.scheduler import PREFILL_FIRST_TOKENS_PER_DECODE
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,9 @@ class SimEngine:
     def schedule(self) -> list[Chunk]:
         """This step's chunks, as engine/core/scheduler.py picks them; moves admitted sequences to running."""
         budget, chunks = self.limits.max_num_batched_tokens, []
-        decoding = any(seq.num_generated and seq.num_uncomputed == 1 for seq in self.running)
+        decoding = sum(1 for seq in self.running if seq.num_generated and seq.num_uncomputed == 1)
         if self.limits.prefill_first and self.waiting and decoding and not self.last_was_prompts_only:
-            prompts = self._admit(budget, whole_only=True)
+            prompts = self._admit(min(budget, PREFILL_FIRST_TOKENS_PER_DECODE * decoding), whole_only=True)
             self.last_was_prompts_only = bool(prompts)
             if prompts:
                 return prompts

@@ -9,15 +9,19 @@ prompts behind a long one get into the same step instead of waiting for the whol
 When a sequence needs a block and none is free, the newest running sequence is preempted: its blocks
 are freed and it goes back to the head of the queue to recompute its KV later (preemption by recompute).
 
-Prefill first (prefill_first): while sequences decode, waiting prompts that one step can finish get a step
-of their own, ahead of the decodes, and the next step serves the running sequences first again, so a decode
-waits at most one such step between two tokens. Where a step's cost grows with its tokens (CPU: compute-
-bound at any batch), a short prompt mixed into a decode step makes its first token wait for the whole decode
-batch, while in its own step it costs about what mixing adds; where a step costs about the same whatever it
-carries (a GPU at small batch reads every weight each step), mixing is free and an extra step only delays
-the decodes. A prompt that needs several chunks would gain nothing from a first chunk of its own (its first
-token comes after the last one), so such prompts are mixed as usual, and the prompts behind them wait their
-turn (FCFS). Hence on for CPU and off for CUDA by default (EngineConfig.prefill_first "auto").
+Prefill first (prefill_first): while sequences decode, waiting prompts that one step can finish, of at most
+PREFILL_FIRST_TOKENS_PER_DECODE tokens together per decoding sequence, get a step of their own ahead of the
+decodes; the next step serves the running sequences first again, so a decode waits at most one such step
+between two tokens. Where a step's cost grows with its tokens (CPU: compute-bound at any batch), a short prompt
+mixed into a decode step makes its first token wait for the whole decode batch, while in its own step it costs
+about what mixing adds. The token bound keeps that step about as dear as the decode step it goes ahead of at
+most: a longer prompt in a step of its own would hold every decode for its whole prefill without a token,
+where mixed in, the decodes ride along for a few rows (served, 512-token prompts at 1 req/s against ~10
+decodes: TPOT 220-251 vs 255-267 ms, ITL p99 0.8-1.0 vs 1.6 s; docs/benchmarks.md). Where a step costs about the same whatever it carries (a GPU at small batch reads
+every weight each step), mixing is free and an extra step only delays the decodes. A prompt that needs several
+chunks would gain nothing from a first chunk of its own (its first token comes after the last one), so such
+prompts are mixed as usual, and the prompts behind them wait their turn (FCFS). Hence on for CPU and off for
+CUDA by default (EngineConfig.prefill_first "auto").
 """
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ from collections import deque
 from engine.config import EngineConfig
 from engine.kv.block_allocator import BlockAllocator
 from engine.sequence import ScheduledChunk, Sequence, SequenceStatus
+
+# A prompt token costs a quarter to a sixth of a decode row on CPU (a decode row reads its whole context):
+# 0.10 vs 0.61 ms on one thread (64 prompt tokens, 25 decodes), 1.4 vs 6 ms on two (512 tokens, ~15 decodes).
+PREFILL_FIRST_TOKENS_PER_DECODE = 4
 
 
 def prefill_first_enabled(config: EngineConfig, device_type: str) -> bool:
@@ -66,11 +74,13 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
-        decoding = self._any_decoding()
+        decoding = self._num_decoding()
         bound = self.config.max_prefill_tokens_while_decoding
         prompt_budget = min(budget, bound) if bound and decoding else budget
         if self.prefill_first and self.waiting and not self._last_was_prompts_only and decoding:
-            prompts = self._admit_waiting(prompt_budget, whole_only=True)  # []: none finishes now, the usual step
+            # []: no prompt finishes within the bound now: the usual step
+            prompts = self._admit_waiting(min(prompt_budget, PREFILL_FIRST_TOKENS_PER_DECODE * decoding),
+                                          whole_only=True)
             self._last_was_prompts_only = bool(prompts)
             if prompts:
                 return prompts
@@ -82,9 +92,9 @@ class Scheduler:
             chunks += self._admit_waiting(min(budget, prompt_budget))
         return chunks
 
-    def _any_decoding(self) -> bool:
-        """Whether a running sequence waits for its next token (a prefill worker's never do: it packs prompts)."""
-        return any(seq.num_output_tokens and seq.num_uncomputed_tokens == 1 for seq in self.running)
+    def _num_decoding(self) -> int:
+        """Running sequences waiting for their next token (a prefill worker's never do: it packs prompts)."""
+        return sum(1 for seq in self.running if seq.num_output_tokens and seq.num_uncomputed_tokens == 1)
 
     def _schedule_running(self, budget: int, prompt_budget: int) -> tuple[list[ScheduledChunk], bool]:
         """Running sequences in order: a decode takes its token, a prompt's next chunk fits what is left of

@@ -84,7 +84,7 @@ def test_long_prefill_threshold_lets_short_prompts_into_the_same_step_same_outpu
 def _step_kinds(engine) -> tuple[set[str], set[str]]:
     """One step: (the requests that computed prompt tokens in it, those that decoded a token in it)."""
     before = {rid: (seq.num_computed_tokens, seq.num_prompt_tokens)
-              for rid in ("a", "b", "late", "later", "d", "e") if (seq := engine.get_sequence(rid)) is not None}
+              for rid in ("a", "b", "late", "later", "longer", "d", "e") if (seq := engine.get_sequence(rid)) is not None}
     engine.step()
     prompts, decodes = set(), set()
     for rid, (computed, prompt_len) in before.items():
@@ -94,8 +94,8 @@ def _step_kinds(engine) -> tuple[set[str], set[str]]:
     return prompts, decodes
 
 
-def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(ckpt):
-    a, b, late, later = random_prompts([20, 30, 12, 9], 300, seed=21)
+def test_prefill_first_gives_a_short_new_prompt_its_own_step_then_serves_the_decodes(ckpt):
+    a, b, late, later, longer = random_prompts([20, 30, 8, 2, 17], 300, seed=21)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     first = make_llm(ckpt, max_num_batched_tokens=512, prefill_first="on")
     engine = first.engine
@@ -103,9 +103,11 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
     engine.add_request("b", b, params)
     assert _step_kinds(engine) == ({"a", "b"}, set())    # nothing decodes yet: one ordinary step
     engine.add_request("late", late, params)
-    assert _step_kinds(engine) == ({"late"}, set())      # the new prompt alone, ahead of a and b
+    assert _step_kinds(engine) == ({"late"}, set())      # 8 tokens, 2 decodes: alone, ahead of a and b
     engine.add_request("later", later, params)
     assert _step_kinds(engine) == ({"later"}, {"a", "b", "late"})  # never two prompt steps in a row: mixed
+    engine.add_request("longer", longer, params)         # 17 tokens, over 4 a decode: mixed, they ride along
+    assert _step_kinds(engine) == ({"longer"}, {"a", "b", "late", "later"})
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(first)
@@ -118,12 +120,12 @@ def test_prefill_first_gives_a_new_prompt_its_own_step_then_serves_the_decodes(c
         chunking.engine.step()
     for request_id in ("a", "late"):
         assert chunking.engine.release_prefilled(request_id)
-    d, e, uncached = random_prompts([5, 6, 20], 300, seed=23)
+    d, e, uncached = random_prompts([5, 4, 20], 300, seed=23)
     chunking.engine.add_request("d", d, params)
     assert _step_kinds(chunking.engine) == ({"d"}, set())
     chunking.engine.add_request("b", uncached, params)  # 20 tokens: 3 chunks of 8, no step of its own
     assert _step_kinds(chunking.engine) == ({"b"}, {"d"})
-    chunking.engine.add_request("e", e, params)  # one chunk finishes it: a step of its own
+    chunking.engine.add_request("e", e, params)  # one chunk finishes it, 4 tokens to d's decode: its own step
     assert _step_kinds(chunking.engine) == ({"e"}, set())
     while chunking.engine.has_unfinished_requests():
         chunking.engine.step()
