@@ -34,8 +34,8 @@ from cluster.backend import Backend
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, add_scaling_arguments,
-                                 engine_config_from_args, mode_and_workers_from_args, scaling_from_args,
-                                 served_names_from_args)
+                                 engine_config_from_args, http_limits_from_args, mode_and_workers_from_args,
+                                 scaling_from_args, served_names_from_args)
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import DISAGG_POLICIES, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.host_memory import cpu_kv_share
@@ -84,6 +84,8 @@ class ServeConfig:
     drain_timeout_s: float = 300.0
     autoscale: AutoscalePolicy | None = None  # None: the worker set changes only by admin call
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's own
+    request_read_timeout_s: float = 30.0  # HTTP: a body not arrived by then is answered 408
+    max_connections: int = 1024  # HTTP: connections served at once; past it 503
 
     @property
     def model_name(self) -> str:
@@ -186,7 +188,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          replicas=replicas, served_model_names=served_names_from_args(args),
                          kv_streaming=args.kv_streaming, disagg_policy=args.disagg_policy,
                          decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
-                         drain_timeout_s=args.drain_timeout_s, autoscale=autoscale, tokenizer=args.tokenizer)
+                         drain_timeout_s=args.drain_timeout_s, autoscale=autoscale, tokenizer=args.tokenizer,
+                         **http_limits_from_args(args))
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):
             raise ValueError("colocated replicas move no KV and have no prefill workers: --transport, "
@@ -270,7 +273,9 @@ async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig, 
         backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics)
     http_runner, http_port = await start_http_server(
         backend, HttpServerConfig(host=config.host, port=config.http_port, api_key=config.api_key,
-                                  served_model_names=config.served_model_names), metrics, scaling)
+                                  served_model_names=config.served_model_names,
+                                  request_read_timeout_s=config.request_read_timeout_s,
+                                  max_connections=config.max_connections), metrics, scaling)
     workers = f", {config.replicas} replicas on Ray" if config.replicas else "" if config.mode == "colocated" \
         else f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
     freeze_startup_heap()  # full collections would walk the start-up heap: ~150 ms with every stream stalled

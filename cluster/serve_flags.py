@@ -1,7 +1,8 @@
 """The flag groups of `tandem serve` beside its main ones (cluster/serve.py): the API (served names, the
-admission bound), the Ray cluster, the engine, and scaling (the worker set's bounds, the autoscaler); and the
-serving mode with its worker counts, read from the main flags. Each group is added by one function, and the
-values that need checking are read back by another (ValueError names the flag)."""
+admission bound, the HTTP read deadline and connection cap), the Ray cluster, the engine, and scaling (the
+worker set's bounds, the autoscaler); and the serving mode with its worker counts, read from the main flags.
+Each group is added by one function, and the values that need checking are read back by another (ValueError
+names the flag)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,13 @@ def add_api_arguments(group) -> None:
     group.add_argument("--max-pending-requests", type=int, default=256,
                        help="requests in the system at once, from both front ends, in every mode; past it: "
                             "429 / RESOURCE_EXHAUSTED")
+    group.add_argument("--request-read-timeout-s", type=float, default=30.0,
+                       help="HTTP: a request body (or chunked upload) must arrive whole within this many seconds "
+                            "of its first read, or it is answered 408 and its connection closed")
+    group.add_argument("--max-connections", type=int, default=1024,
+                       help="HTTP: connections served at once; a connection past it gets 503 (code "
+                            "too_many_connections, Retry-After: 1) to its first request without reaching the "
+                            "API, and is closed (uvicorn's --limit-concurrency, nginx's limit_conn)")
 
 
 def served_names_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -35,6 +43,16 @@ def served_names_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     if args.max_pending_requests < 1:
         raise ValueError("--max-pending-requests must be >= 1")
     return names
+
+
+def http_limits_from_args(args: argparse.Namespace) -> dict:
+    """ServeConfig's request_read_timeout_s and max_connections from their flags; ValueError names a flag out
+    of range."""
+    if not 0 < args.request_read_timeout_s <= 3600:
+        raise ValueError("--request-read-timeout-s must be in (0, 3600]")
+    if args.max_connections < 1:
+        raise ValueError("--max-connections must be >= 1")
+    return {"request_read_timeout_s": args.request_read_timeout_s, "max_connections": args.max_connections}
 
 
 def mode_and_workers_from_args(args: argparse.Namespace) -> tuple[str, int, int, int]:

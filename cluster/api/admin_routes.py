@@ -26,9 +26,10 @@ class AdminRoutes:
     def __init__(self, scaling: WorkerScaling | None) -> None:
         self._scaling = scaling
 
-    def add_to(self, app: web.Application) -> None:
-        app.router.add_get(ADMIN_WORKERS, self.workers)
-        app.router.add_post(ADMIN_WORKERS, self.scale)
+    def add_to(self, app: web.Application, expect_handler=None) -> None:
+        """Adds the routes to `app`, each with `expect_handler` (None: aiohttp's)."""
+        app.router.add_get(ADMIN_WORKERS, self.workers, expect_handler=expect_handler)
+        app.router.add_post(ADMIN_WORKERS, self.scale, expect_handler=expect_handler)
 
     async def workers(self, request: web.Request) -> web.Response:
         return web.json_response(self._backend_scaling().describe())

@@ -23,8 +23,8 @@ from cluster.api.grpc_wire import UndecodableRequest, add_tandem_service
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import ServingMetrics
-from cluster.api.request_validation import (OFF_LOOP_INPUT_CHARS, TEXT_ARGS, build_sampling_params,
-                                            check_prompt_token_ids, encode_prompt)
+from cluster.api.request_validation import (MAX_REQUEST_BYTES, OFF_LOOP_INPUT_CHARS, TEXT_ARGS,
+                                            build_sampling_params, check_prompt_token_ids, encode_prompt)
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from proto import tandem_pb2, tandem_pb2_grpc
 
@@ -36,14 +36,24 @@ GENERATE_METHOD = "/tandem.v1.Tandem/Generate"
 @dataclass(frozen=True)
 class GrpcServerConfig:
     """Where the gRPC front end listens and what it accepts. port 0 picks a free port. api_key None
-    serves without authentication. max_message_bytes bounds each received and sent message.
-    health_poll_s: how often grpc.health.v1.Health reads the backend's health."""
+    serves without authentication. max_message_bytes bounds each received and sent message (by default
+    the HTTP front end's body limit). health_poll_s: how often grpc.health.v1.Health reads the backend's
+    health. The connection bounds (HTTP/2, per connection): the server pings a connection silent for
+    keepalive_time_s and drops it when no answer comes within keepalive_timeout_s (a vanished client's
+    streams end, their requests are aborted); a connection with no call for max_connection_idle_s, or open
+    for max_connection_age_s, is told to go away (GOAWAY; clients reconnect), calls in flight then get
+    max_connection_age_grace_s to finish."""
 
     host: str = "127.0.0.1"
     port: int = 0
     api_key: str | None = None
-    max_message_bytes: int = 4 * 1024 * 1024
+    max_message_bytes: int = MAX_REQUEST_BYTES
     health_poll_s: float = 1.0
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    max_connection_idle_s: float = 300.0
+    max_connection_age_s: float = 3600.0
+    max_connection_age_grace_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -54,6 +64,24 @@ class GrpcServerConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if not 0 < self.health_poll_s <= 60:
             raise ValueError(f"health_poll_s must be in (0, 60], got {self.health_poll_s}")
+        for name in ("keepalive_time_s", "keepalive_timeout_s", "max_connection_idle_s", "max_connection_age_s",
+                     "max_connection_age_grace_s"):
+            if not 0 < getattr(self, name) <= 7 * 24 * 3600:
+                raise ValueError(f"{name} must be in (0, 1 week] seconds, got {getattr(self, name)}")
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """The grpc.server options of these bounds."""
+        def ms(seconds: float) -> int:
+            return max(1, round(seconds * 1000))
+
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+                ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+                ("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)),
+                ("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+                ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)),
+                ("grpc.so_reuseport", 0)]
 
 
 class TandemService(tandem_pb2_grpc.TandemServicer):
@@ -181,10 +209,7 @@ async def start_grpc_server(backend: Backend, config: GrpcServerConfig = GrpcSer
     if metrics is not None:
         backend = MeteredBackend(backend, metrics, "grpc")
     interceptors = [ApiKeyInterceptor(ApiKeyCheck(config.api_key))] if config.api_key else []
-    options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.max_send_message_length", config.max_message_bytes),
-               ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(interceptors=interceptors, options=options)
+    server = grpc.aio.server(interceptors=interceptors, options=config.server_options())
     add_tandem_service(TandemService(backend), server)
     health = await add_operator_services(server, backend, config.health_poll_s)
     port = server.add_insecure_port(f"{config.host}:{config.port}")

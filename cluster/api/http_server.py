@@ -3,9 +3,12 @@ the models, /tokenize, /detokenize and /version are in utility_routes.py, /admin
 
 Every error is answered with OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad
 input (`param` names the field), 401 missing or wrong API key (every route but the probes, PROBE_PATHS,
-which stay open for probes and scrapers), 404 unknown model or route, 413 body over the limit, 429
-overload, 503 no backend. A client that disconnects cancels its handler, which closes the backend stream:
-the request is aborted and its blocks freed.
+which stay open for probes and scrapers), 404 unknown model or route, 408 body not arrived within the read
+deadline, 413 body over the limit (refused on its Content-Length, before it is read), 414 / 431 request line
+or headers too long, 429 overload, 503 no backend or too many connections. A client that disconnects
+cancels its handler, which closes the backend stream: the request is aborted and its blocks freed. The
+bounds on what comes in (body size and deadline, `Expect: 100-continue`): http_body.py; on connections
+and what aiohttp's parser refuses: http_connections.py.
 """
 from __future__ import annotations
 
@@ -19,14 +22,16 @@ from aiohttp import web
 
 from cluster.api.admin_routes import AdminRoutes
 from cluster.api.api_key import ApiKeyCheck
+from cluster.api.http_body import BodyLimits, RequestBodyGate
+from cluster.api.http_connections import ConnectionLimits, OpenAIAppRunner
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
-from cluster.api.openai_fields import OpenAIError
+from cluster.api.openai_fields import OpenAIError, error_response
 from cluster.api.openai_generation import backend_error, generation_requests, respond
 from cluster.api.openai_protocol import (ParsedRequest, ServedModel, parse_chat_request, parse_completion_request,
                                          parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
-from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS
+from cluster.api.request_validation import MAX_REQUEST_BYTES, OFF_LOOP_INPUT_CHARS
 from cluster.api.utility_routes import UtilityRoutes
 from cluster.backend import Backend, WorkerScaling
 
@@ -38,15 +43,30 @@ PROBE_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})  # answere
 @dataclass(frozen=True)
 class HttpServerConfig:
     """Where the HTTP front end listens and what it accepts. port 0 picks a free port; api_key None
-    serves without authentication; a body over max_body_bytes gets 413. served_model_names: the names
-    requests may give as `model` (the first is the one reported); empty: the backend's model_name."""
+    serves without authentication; a body over max_body_bytes gets 413, one not arrived within
+    request_read_timeout_s 408. served_model_names: the names requests may give as `model` (the first is
+    the one reported); empty: the backend's model_name. max_connections: connections served at once (one
+    more gets 503 and is closed); keepalive_timeout_s: a connection without a request in progress (idle, or
+    its request head still arriving) closes after this long."""
 
     host: str = "127.0.0.1"
     port: int = 0
     api_key: str | None = None
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = MAX_REQUEST_BYTES
     shutdown_timeout_s: float = 2.0
     served_model_names: tuple[str, ...] = ()
+    request_read_timeout_s: float = 30.0
+    max_connections: int = 1024
+    keepalive_timeout_s: float = 75.0
+
+    @property
+    def body_limits(self) -> BodyLimits:
+        return BodyLimits(self.max_body_bytes, self.request_read_timeout_s)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        """Refused connections live at most as long as a request body may take to arrive."""
+        return ConnectionLimits(self.max_connections, self.keepalive_timeout_s, self.request_read_timeout_s)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,10 +79,11 @@ class HttpServerConfig:
         if not isinstance(names, tuple) or not all(isinstance(n, str) and n.strip() for n in names) \
                 or len(set(names)) != len(names):
             raise ValueError(f"served_model_names must be a tuple of distinct non-empty names, got {names!r}")
-
-
-def error_response(error: OpenAIError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+        if not 0 < self.request_read_timeout_s <= 3600 or not 0 < self.keepalive_timeout_s <= 3600:
+            raise ValueError(f"request_read_timeout_s and keepalive_timeout_s must be in (0, 3600] seconds, got "
+                             f"{self.request_read_timeout_s} and {self.keepalive_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
 
 class OpenAIFrontEnd:
@@ -75,17 +96,23 @@ class OpenAIFrontEnd:
         self._api_key = ApiKeyCheck(config.api_key)
         names = config.served_model_names or (backend.model_name,)
         self._served = ServedModel(names[0], backend.tokenizer, backend.max_model_len, names[1:])
+        self._body_limits = config.body_limits
 
-    def build_app(self, max_body_bytes: int) -> web.Application:
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._errors, self._auth])
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        UtilityRoutes(self._served).add_to(app)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ping", self.ping)
-        app.router.add_post("/ping", self.ping)
-        app.router.add_get("/metrics", self.metrics)
-        AdminRoutes(self._scaling).add_to(app)
+    def build_app(self) -> web.Application:
+        """The application: its routes, and the middlewares every request passes in this order: errors as
+        OpenAI JSON, the API key, the body read under its limits (RequestBodyGate)."""
+        gate = RequestBodyGate(self._body_limits)
+        app = web.Application(client_max_size=self._body_limits.max_bytes,
+                              middlewares=[self._errors, self._auth, gate.read_body_first])
+        expect = gate.expect_handler
+        app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
+        app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)
+        UtilityRoutes(self._served).add_to(app, expect)
+        app.router.add_get("/health", self.health, expect_handler=expect)
+        app.router.add_get("/ping", self.ping, expect_handler=expect)
+        app.router.add_post("/ping", self.ping, expect_handler=expect)
+        app.router.add_get("/metrics", self.metrics, expect_handler=expect)
+        AdminRoutes(self._scaling).add_to(app, expect)
         return app
 
     @web.middleware
@@ -161,8 +188,8 @@ async def start_http_server(backend: Backend, config: HttpServerConfig = HttpSer
     `await runner.cleanup()`; the backend is the caller's to shut down."""
     metrics = metrics if metrics is not None else ServingMetrics()
     front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config, scaling)
-    runner = web.AppRunner(front_end.build_app(config.max_body_bytes), handler_cancellation=True,
-                           shutdown_timeout=config.shutdown_timeout_s, access_log=None)
+    runner = OpenAIAppRunner(front_end.build_app(), config.connection_limits, handler_cancellation=True,
+                             shutdown_timeout=config.shutdown_timeout_s, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

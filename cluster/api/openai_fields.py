@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+from aiohttp import web
+
 
 class OpenAIError(Exception):
     """An error answered with `status` and {"error": {"message", "type", "param", "code"}}."""
@@ -18,6 +20,15 @@ class OpenAIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_response(error: OpenAIError, close_connection: bool = False) -> web.Response:
+    """`error` as an HTTP response (its status, OpenAI's error body); close_connection: the connection closes
+    once it is sent (a request whose body is left unread, or a client that stalled)."""
+    response = web.json_response(error.body(), status=error.status)
+    if close_connection:
+        response.force_close()
+    return response
 
 
 def bad_request(message: str, *, code: str = "invalid_value", param: str | None = None) -> OpenAIError:

@@ -7,6 +7,7 @@ chunks into choices. An error before every prompt has its first chunk is the ans
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -17,9 +18,12 @@ from cluster.api.internal_errors import report_internal_error
 from cluster.api.openai_fields import OpenAIError
 from cluster.api.openai_protocol import ParsedRequest
 from cluster.api.openai_responses import ChoiceResult, ResponseShape
+from cluster.api.request_validation import field_named_by
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationRequest
+from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger("tandem.cluster.http")
+SAMPLING_FIELDS = tuple(field.name for field in dataclasses.fields(SamplingParams))
 
 
 def backend_error(error: Exception) -> OpenAIError:
@@ -30,8 +34,9 @@ def backend_error(error: Exception) -> OpenAIError:
         return OpenAIError(429, str(error), type="rate_limit_error", code="overloaded")
     if isinstance(error, BackendUnavailable):
         return OpenAIError(503, str(error), type="service_unavailable", code="backend_unavailable")
-    if isinstance(error, ValueError):  # InvalidField names its field
-        return OpenAIError(400, str(error), code="invalid_value", param=getattr(error, "field", None))
+    if isinstance(error, ValueError):  # InvalidField names its field; the engine's messages start with it
+        param = getattr(error, "field", None) or field_named_by(str(error), SAMPLING_FIELDS)
+        return OpenAIError(400, str(error), code="invalid_value", param=param)
     return OpenAIError(500, report_internal_error(logger, error, None), type="internal_error",
                        code="internal_error")
 

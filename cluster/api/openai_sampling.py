@@ -3,7 +3,7 @@ build_sampling_params' keyword arguments (request_validation.py checks their val
 
 Both endpoints: n (samples per prompt, 1..128), presence_penalty, frequency_penalty (OpenAI's, in [-2, 2]),
 repetition_penalty, min_p, min_tokens (vLLM's extensions), logit_bias ({"token id": bias in [-100, 100]},
-JSON keys are strings).
+JSON keys are strings of ASCII digits).
 Logprobs: completions take `logprobs` (0..20: the sampled token plus that many alternatives); chat takes
 `logprobs: true` and `top_logprobs` (0..20; only with logprobs true, 0 or null otherwise). Anything
 malformed is an InvalidField naming the field (HTTP 400 with it as `param`). vLLM's text options:
@@ -16,6 +16,7 @@ import json
 from cluster.api.request_validation import TEXT_ARGS, InvalidField
 from engine.sampling_params import MAX_LOGPROBS
 
+MAX_TOKEN_ID_DIGITS = 10  # token ids are int32; longer keys are refused before int() reads them
 NUMBER_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 EXTRA_FIELDS = (*NUMBER_FIELDS, "min_tokens", "logit_bias", "n", *TEXT_ARGS)
 
@@ -56,13 +57,13 @@ def _logit_bias(value) -> dict[int, float] | None:
         raise InvalidField("logit_bias", "logit_bias must be an object mapping token ids to biases")
     bias = {}
     for key, amount in value.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise InvalidField("logit_bias", f"logit_bias keys must be token ids, got {json.dumps(key)}") from None
+        # int() would also take "+5", " 5", "5_0" and other scripts' digits ("１２"): only ASCII digits are ids
+        if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
+            raise InvalidField("logit_bias", f"logit_bias keys must be token ids (ASCII digits), got "
+                                             f"{json.dumps(key[:32])}")
         if isinstance(amount, bool) or not isinstance(amount, (int, float)):
             raise InvalidField("logit_bias", f"logit_bias[{key}] must be a number, got {json.dumps(amount)}")
-        bias[token_id] = amount
+        bias[int(key)] = amount
     return bias
 
 

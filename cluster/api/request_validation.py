@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 OFF_LOOP_INPUT_CHARS = 8192          # inputs longer than this are tokenized on a worker thread
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # an HTTP request body, a received gRPC message: the same default bound
 SEED_RANGE = (-(2 ** 63), 2 ** 63)  # what a torch.Generator takes and gRPC's int64 carries
 MAX_TOP_K = 2 ** 31 - 1              # the sampler builds an int64 tensor of top_k values
 MAX_LOGIT_BIAS_ENTRIES = 1024        # each biased token costs the sampler a little every step
@@ -103,40 +104,62 @@ def build_sampling_params(*, max_tokens: int | None = None, temperature: float |
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
     values = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
               "seed": seed, "stop": stop, "stop_token_ids": stop_token_ids}
-    for name in ("temperature", "top_p"):
-        value = values[name]
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise ValueError(f"seed must fit in a signed 64-bit integer, got {seed}")
-    if isinstance(top_k, int) and top_k > MAX_TOP_K:
-        raise ValueError(f"top_k must be at most {MAX_TOP_K}, got {top_k}")
-    _check_stop(stop)
-    if isinstance(stop_token_ids, (list, tuple)) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got {len(stop_token_ids)}")
-    if not isinstance(ignore_eos, bool):
-        raise ValueError(f"ignore_eos must be a boolean, got {ignore_eos!r}")
-    bias = processors.get("logit_bias")
-    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidField("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are supported, "
-                                         f"got {len(bias)}")
+    _check_wire_bounds(values, ignore_eos, processors.get("logit_bias"))
     given = {name: value for name, value in {**values, **processors}.items() if value is not None}
     try:
         return SamplingParams(ignore_eos=ignore_eos, **given)
     except ValueError as error:  # SamplingParams' messages start with the field's name
-        field = next((name for name in sorted(given, key=len, reverse=True) if str(error).startswith(name)), None)
+        field = field_named_by(str(error), given)
         if field is None:
             raise
         raise InvalidField(field, str(error)) from None
 
 
+def field_named_by(message: str, names) -> str | None:
+    """The longest of `names` that `message` starts with as a word ("top_k must be ..." -> "top_k", but not
+    "n" for "num_tokens ..."): SamplingParams' and the engine's messages about a request start with the
+    field at fault. None when none does."""
+    for name in sorted(names, key=len, reverse=True):
+        rest = message[len(name):len(name) + 1]
+        if message.startswith(name) and not (rest.isalnum() or rest == "_"):
+            return name
+    return None
+
+
+def _check_wire_bounds(values: dict, ignore_eos, logit_bias) -> None:
+    """InvalidField for what SamplingParams would take but the server does not: infinities, seeds past int64,
+    too large a top_k, too many or too long stop strings, too many stop ids or logit_bias entries."""
+    for name in ("temperature", "top_p"):
+        value = values[name]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidField(name, f"{name} must be a finite number, got {value!r}")
+    seed, top_k, stop_token_ids = values["seed"], values["top_k"], values["stop_token_ids"]
+    if isinstance(seed, int) and not isinstance(seed, bool) and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise InvalidField("seed", f"seed must fit in a signed 64-bit integer, got {seed}")
+    if isinstance(top_k, int) and top_k > MAX_TOP_K:
+        raise InvalidField("top_k", f"top_k must be at most {MAX_TOP_K}, got {top_k}")
+    _check_stop(values["stop"])
+    if isinstance(stop_token_ids, (list, tuple)) and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidField("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, "
+                                             f"got {len(stop_token_ids)}")
+    if not isinstance(ignore_eos, bool):
+        raise InvalidField("ignore_eos", f"ignore_eos must be a boolean, got {ignore_eos!r}")
+    if isinstance(logit_bias, dict) and len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidField("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries are supported, "
+                                         f"got {len(logit_bias)}")
+
+
 def _check_stop(stop) -> None:
+    """InvalidField("stop") for too many stop strings or not a list, ("stop[i]") for too long a string."""
     if stop is None or isinstance(stop, str):
-        stop = [] if stop is None else [stop]
+        if isinstance(stop, str) and len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidField("stop", f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters")
+        return
     if not isinstance(stop, (list, tuple)):
-        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        raise InvalidField("stop", f"stop must be a string or a list of strings, got {type(stop).__name__}")
     if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
-    for text in stop:
+        raise InvalidField("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
+    for index, text in enumerate(stop):
         if isinstance(text, str) and len(text) > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters")
+            raise InvalidField(f"stop[{index}]", f"stop[{index}] has {len(text)} characters; stop strings may "
+                                                 f"have at most {MAX_STOP_STRING_CHARS}")

@@ -44,12 +44,14 @@ class UtilityRoutes:
     def __init__(self, served: ServedModel) -> None:
         self._served = served
 
-    def add_to(self, app: web.Application) -> None:
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model_id:.+}", self.model)  # names may hold "/"
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
-        app.router.add_get("/version", self.version)
+    def add_to(self, app: web.Application, expect_handler=None) -> None:
+        """Adds the routes to `app`, each with `expect_handler` (None: aiohttp's)."""
+        routes = app.router
+        routes.add_get("/v1/models", self.models, expect_handler=expect_handler)
+        routes.add_get("/v1/models/{model_id:.+}", self.model, expect_handler=expect_handler)  # names may hold "/"
+        routes.add_post("/tokenize", self.tokenize, expect_handler=expect_handler)
+        routes.add_post("/detokenize", self.detokenize, expect_handler=expect_handler)
+        routes.add_get("/version", self.version, expect_handler=expect_handler)
 
     def _card(self, name: str) -> dict:
         served = self._served

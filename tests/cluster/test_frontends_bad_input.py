@@ -1,7 +1,8 @@
 """Hostile and malformed input gets 400 / INVALID_ARGUMENT naming the field, never a 500, and the server
 keeps serving: every bad request here is followed by one that succeeds. Lone surrogates, text the tokenizer
-cannot take, JSON nested 100k levels deep, unknown chat roles, the /tokenize and /detokenize fields, and
-over gRPC strings that are not UTF-8 and token ids outside the vocabulary."""
+cannot take, JSON nested 100k levels deep, unknown chat roles, sampling values past the server's bounds
+(infinities, int64, stop strings and ids, logit_bias keys), the /tokenize and /detokenize fields, and over
+gRPC strings that are not UTF-8 and token ids outside the vocabulary."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ import pytest
 
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.json_body import MAX_JSON_DEPTH
+from cluster.api.request_validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from cluster.api.request_validation import check_chat_roles
 from engine import LLM
 from proto import tandem_pb2, tandem_pb2_grpc
@@ -56,6 +58,18 @@ BAD_HTTP = [
      400, "max_completion_tokens"),
     ("/v1/completions", b'{"prompt": "x", "skip_special_tokens": "no"}', 400, "skip_special_tokens"),
     ("/v1/completions", b'{"prompt": "x", "include_stop_str_in_output": 1}', 400, "include_stop_str_in_output"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', 400, "temperature"),  # JSON's 1e999 is inf
+    ("/v1/completions", b'{"prompt": "x", "top_p": -1e999}', 400, "top_p"),
+    ("/v1/completions", json.dumps({"prompt": "x", "top_k": 2 ** 31}).encode(), 400, "top_k"),
+    ("/v1/completions", json.dumps({"prompt": "x", "seed": 2 ** 64}).encode(), 400, "seed"),
+    ("/v1/completions", json.dumps({"prompt": "x", "stop": ["s"] * (MAX_STOP_STRINGS + 1)}).encode(), 400, "stop"),
+    ("/v1/completions", json.dumps({"prompt": "x", "stop": ["ok", "s" * 257]}).encode(), 400, "stop[1]"),
+    ("/v1/completions", json.dumps({"prompt": "x", "stop": "s" * 257}).encode(), 400, "stop"),
+    ("/v1/chat/completions", json.dumps({"messages": CHAT, "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}
+                                        ).encode(), 400, "stop_token_ids"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"100000": 5}}', 400, "logit_bias"),  # past the vocabulary
+    *[("/v1/completions", json.dumps({"prompt": "x", "logit_bias": {key: 5}}).encode(), 400, "logit_bias")
+      for key in ("\uff11\uff12", "+5", " 5", "5 ", "5_0", "-1", "0x5", "", "1" * 400)],  # only ASCII digits
     ("/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt"),
     ("/tokenize", deep(100_000).replace(b'"stop"', b'"messages"'), 400, None),
     ("/tokenize", b'{"prompt": "x", "messages": []}', 400, "prompt"),
