@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from cluster.api.input_pool import InputPool
 from cluster.api.openai_protocol import OpenAIError, bad_request, parse_json_body
 from cluster.backend import BackendUnavailable, ScaleRefused, WorkerScaling
 
@@ -23,8 +24,10 @@ FIELDS = ("role", "delta")
 
 
 class AdminRoutes:
-    def __init__(self, scaling: WorkerScaling | None) -> None:
-        self._scaling = scaling
+    """/admin/workers over `scaling` (None: a backend without workers); a large body is parsed on `inputs`."""
+
+    def __init__(self, scaling: WorkerScaling | None, inputs: InputPool) -> None:
+        self._scaling, self._inputs = scaling, inputs
 
     def add_to(self, app: web.Application, expect_handler=None) -> None:
         """Adds the routes to `app`, each with `expect_handler` (None: aiohttp's)."""
@@ -36,7 +39,9 @@ class AdminRoutes:
 
     async def scale(self, request: web.Request) -> web.Response:
         scaling = self._backend_scaling()
-        role, delta = parse_scale_body(parse_json_body(await request.read()), scaling.roles)
+        raw = await request.read()
+        body = await self._inputs.prepare(len(raw), lambda: parse_json_body(raw))
+        role, delta = parse_scale_body(body, scaling.roles)
         try:
             return web.json_response(await scaling.scale(role, delta))
         except ScaleRefused as refused:

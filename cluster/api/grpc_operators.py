@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,13 +56,18 @@ class HealthFollower:
         for service in ("", TANDEM_SERVICE):
             await self.servicer.set(service, status)
 
-    def follow(self, server: grpc.aio.Server) -> None:
-        """Starts the task that publishes every poll_s until `server` stops (call once it started)."""
-        self._task = asyncio.ensure_future(self._follow(server))
+    def follow(self, server: grpc.aio.Server, on_stop: Callable[[], None] | None = None) -> None:
+        """Starts the task that publishes every poll_s until `server` stops, then calls `on_stop` (call once the
+        server started)."""
+        self._task = asyncio.ensure_future(self._follow(server, on_stop))
 
-    async def _follow(self, server: grpc.aio.Server) -> None:
-        while await server.wait_for_termination(timeout=self._poll_s):  # True: timed out, still running
-            await self.publish()
+    async def _follow(self, server: grpc.aio.Server, on_stop: Callable[[], None] | None) -> None:
+        try:
+            while await server.wait_for_termination(timeout=self._poll_s):  # True: timed out, still running
+                await self.publish()
+        finally:
+            if on_stop is not None:
+                on_stop()
 
 
 async def add_operator_services(server: grpc.aio.Server, backend: Backend, poll_s: float) -> HealthFollower:

@@ -3,12 +3,12 @@
 Generate streams one GenerateResponse per backend chunk; the last has finish_reason and timing.
 Status codes: bad input INVALID_ARGUMENT, overload RESOURCE_EXHAUSTED, no workers UNAVAILABLE,
 missing or wrong API key UNAUTHENTICATED. A client cancel closes the backend stream, which aborts the
-request and frees its blocks. Health needs no API key (for probes). Beside it, the standard
-grpc.health.v1.Health (following the backend) and server reflection: grpc_operators.py.
+request and frees its blocks. Health needs no API key (for probes). A large prompt is checked and tokenized on
+the InputPool's threads, never on the event loop that answers Health (input_pool.py, prompt_encoder.py). Beside
+it, the standard grpc.health.v1.Health (following the backend) and server reflection: grpc_operators.py.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -20,11 +20,12 @@ import grpc
 from cluster.api.api_key import ApiKeyCheck
 from cluster.api.grpc_operators import add_operator_services
 from cluster.api.grpc_wire import UndecodableRequest, add_tandem_service
+from cluster.api.input_pool import InputLimits, InputPool
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import ServingMetrics
-from cluster.api.request_validation import (MAX_REQUEST_BYTES, OFF_LOOP_INPUT_CHARS, TEXT_ARGS,
-                                            build_sampling_params, check_prompt_token_ids, encode_prompt)
+from cluster.api.prompt_encoder import PromptEncoder
+from cluster.api.request_validation import MAX_REQUEST_BYTES, TEXT_ARGS, build_sampling_params, check_prompt_token_ids
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
 from proto import tandem_pb2, tandem_pb2_grpc
 
@@ -42,7 +43,8 @@ class GrpcServerConfig:
     keepalive_time_s and drops it when no answer comes within keepalive_timeout_s (a vanished client's
     streams end, their requests are aborted); a connection with no call for max_connection_idle_s, or open
     for max_connection_age_s, is told to go away (GOAWAY; clients reconnect), calls in flight then get
-    max_connection_age_grace_s to finish."""
+    max_connection_age_grace_s to finish. input_limits: how large prompts are prepared off the event loop
+    (input_pool.py)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -54,6 +56,7 @@ class GrpcServerConfig:
     max_connection_idle_s: float = 300.0
     max_connection_age_s: float = 3600.0
     max_connection_age_grace_s: float = 600.0
+    input_limits: InputLimits = InputLimits()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -85,10 +88,12 @@ class GrpcServerConfig:
 
 
 class TandemService(tandem_pb2_grpc.TandemServicer):
-    """Validates GenerateRequests, runs them on the backend and streams the chunks back."""
+    """Validates GenerateRequests (large ones on `inputs`), runs them on the backend and streams the chunks
+    back."""
 
-    def __init__(self, backend: Backend) -> None:
-        self._backend = backend
+    def __init__(self, backend: Backend, inputs: InputPool) -> None:
+        self._backend, self._inputs = backend, inputs
+        self._encoder = PromptEncoder(backend.tokenizer, backend.max_model_len)
 
     async def Generate(self, request: tandem_pb2.GenerateRequest | UndecodableRequest,
                        context: grpc.aio.ServicerContext) -> None:
@@ -96,10 +101,8 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            if len(request.prompt) > OFF_LOOP_INPUT_CHARS:  # tokenizing a large prompt: not on the loop
-                generation = await asyncio.to_thread(self._generation_request, request, arrival)
-            else:
-                generation = self._generation_request(request, arrival)
+            size = len(request.prompt) + len(request.prompt_token_ids)
+            generation = await self._inputs.prepare(size, lambda: self._generation_request(request, arrival))
         except Exception as error:  # ValueError: INVALID_ARGUMENT; anything else: INTERNAL with an incident id
             await context.abort(*_status_of(error, request.request_id[:MAX_REQUEST_ID_CHARS] or "-"))
         failure: Exception | None = None
@@ -131,10 +134,9 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         has_text, has_ids = bool(request.prompt), len(request.prompt_token_ids) > 0
         if has_text == has_ids:
             raise ValueError("give exactly one of prompt or prompt_token_ids")
-        backend = self._backend
         if has_text:
-            return encode_prompt(request.prompt, backend.tokenizer, backend.max_model_len)
-        return check_prompt_token_ids(list(request.prompt_token_ids), backend.tokenizer, backend.max_model_len)
+            return self._encoder.encode_prompt(request.prompt)
+        return check_prompt_token_ids(request.prompt_token_ids, self._backend.tokenizer, self._backend.max_model_len)
 
 
 def _sampling_params(request: tandem_pb2.GenerateRequest):
@@ -202,20 +204,24 @@ async def _deny_unauthenticated(request, context: grpc.aio.ServicerContext) -> N
 
 
 async def start_grpc_server(backend: Backend, config: GrpcServerConfig = GrpcServerConfig(),
-                            metrics: ServingMetrics | None = None) -> tuple[grpc.aio.Server, int]:
+                            metrics: ServingMetrics | None = None,
+                            input_pool: InputPool | None = None) -> tuple[grpc.aio.Server, int]:
     """Start serving `backend` (from inside a running asyncio loop) and return the server and the
-    port it bound. With `metrics`, requests are recorded there under frontend="grpc". Stop it with
+    port it bound. With `metrics`, requests are recorded there under frontend="grpc". `input_pool`: the
+    InputPool large prompts are prepared on, the caller's to close (pass the HTTP front end's too, to bound
+    both together); None: one of config.input_limits, closed when the server stops. Stop it with
     `await server.stop(grace)`; the backend is the caller's to shut down."""
     if metrics is not None:
         backend = MeteredBackend(backend, metrics, "grpc")
     interceptors = [ApiKeyInterceptor(ApiKeyCheck(config.api_key))] if config.api_key else []
     server = grpc.aio.server(interceptors=interceptors, options=config.server_options())
-    add_tandem_service(TandemService(backend), server)
+    inputs = input_pool if input_pool is not None else InputPool(config.input_limits)
+    add_tandem_service(TandemService(backend, inputs), server)
     health = await add_operator_services(server, backend, config.health_poll_s)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise ValueError(f"cannot bind the gRPC server to {config.host}:{config.port}")
     await server.start()
-    health.follow(server)
+    health.follow(server, on_stop=inputs.close if input_pool is None else None)
     logger.info("gRPC front end on %s:%d serving %s", config.host, port, backend.model_name)
     return server, port

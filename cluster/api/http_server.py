@@ -8,11 +8,12 @@ deadline, 413 body over the limit (refused on its Content-Length, before it is r
 or headers too long, 429 overload, 503 no backend or too many connections. A client that disconnects
 cancels its handler, which closes the backend stream: the request is aborted and its blocks freed. The
 bounds on what comes in (body size and deadline, `Expect: 100-continue`): http_body.py; on connections
-and what aiohttp's parser refuses: http_connections.py.
+and what aiohttp's parser refuses: http_connections.py. A large body is parsed, rendered and tokenized on the
+InputPool's threads, never on the event loop that answers the probes (input_pool.py, prompt_encoder.py); 429
+when too many wait for them.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from cluster.api.admin_routes import AdminRoutes
 from cluster.api.api_key import ApiKeyCheck
 from cluster.api.http_body import BodyLimits, RequestBodyGate
 from cluster.api.http_connections import ConnectionLimits, OpenAIAppRunner
+from cluster.api.input_pool import InputLimits, InputPool
 from cluster.api.metered_backend import MeteredBackend
 from cluster.api.metrics import CONTENT_TYPE, ServingMetrics
 from cluster.api.openai_fields import OpenAIError, error_response
@@ -31,7 +33,7 @@ from cluster.api.openai_generation import backend_error, generation_requests, re
 from cluster.api.openai_protocol import (ParsedRequest, ServedModel, parse_chat_request, parse_completion_request,
                                          parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
-from cluster.api.request_validation import MAX_REQUEST_BYTES, OFF_LOOP_INPUT_CHARS
+from cluster.api.request_validation import MAX_REQUEST_BYTES
 from cluster.api.utility_routes import UtilityRoutes
 from cluster.backend import Backend, WorkerScaling
 
@@ -47,7 +49,8 @@ class HttpServerConfig:
     request_read_timeout_s 408. served_model_names: the names requests may give as `model` (the first is
     the one reported); empty: the backend's model_name. max_connections: connections served at once (one
     more gets 503 and is closed); keepalive_timeout_s: a connection without a request in progress (idle, or
-    its request head still arriving) closes after this long."""
+    its request head still arriving) closes after this long. input_limits: how large bodies are prepared off the
+    event loop (input_pool.py)."""
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -58,6 +61,7 @@ class HttpServerConfig:
     request_read_timeout_s: float = 30.0
     max_connections: int = 1024
     keepalive_timeout_s: float = 75.0
+    input_limits: InputLimits = InputLimits()
 
     @property
     def body_limits(self) -> BodyLimits:
@@ -88,11 +92,11 @@ class HttpServerConfig:
 
 class OpenAIFrontEnd:
     """Route handlers over one backend; `metrics` is what GET /metrics shows; `scaling`: the backend's
-    worker set for /admin/workers (None: it has none)."""
+    worker set for /admin/workers (None: it has none); `inputs`: where large bodies are prepared."""
 
     def __init__(self, backend: Backend, metrics: ServingMetrics, config: HttpServerConfig,
-                 scaling: WorkerScaling | None = None) -> None:
-        self._backend, self._metrics, self._scaling = backend, metrics, scaling
+                 scaling: WorkerScaling | None, inputs: InputPool) -> None:
+        self._backend, self._metrics, self._scaling, self._inputs = backend, metrics, scaling, inputs
         self._api_key = ApiKeyCheck(config.api_key)
         names = config.served_model_names or (backend.model_name,)
         self._served = ServedModel(names[0], backend.tokenizer, backend.max_model_len, names[1:])
@@ -107,12 +111,12 @@ class OpenAIFrontEnd:
         expect = gate.expect_handler
         app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
         app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)
-        UtilityRoutes(self._served).add_to(app, expect)
+        UtilityRoutes(self._served, self._inputs).add_to(app, expect)
         app.router.add_get("/health", self.health, expect_handler=expect)
         app.router.add_get("/ping", self.ping, expect_handler=expect)
         app.router.add_post("/ping", self.ping, expect_handler=expect)
         app.router.add_get("/metrics", self.metrics, expect_handler=expect)
-        AdminRoutes(self._scaling).add_to(app, expect)
+        AdminRoutes(self._scaling, self._inputs).add_to(app, expect)
         return app
 
     @web.middleware
@@ -145,10 +149,7 @@ class OpenAIFrontEnd:
                         id_prefix: str) -> web.StreamResponse:
         arrival = time.perf_counter()
         body = await request.read()
-        if len(body) > OFF_LOOP_INPUT_CHARS:  # tokenizing and templating a large input: not on the loop
-            call: ParsedRequest = await asyncio.to_thread(lambda: parse(parse_json_body(body), self._served))
-        else:
-            call = parse(parse_json_body(body), self._served)
+        call: ParsedRequest = await self._inputs.prepare(len(body), lambda: parse(parse_json_body(body), self._served))
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids,
                            call.params.logprobs, self._served.tokenizer, call.echo)
@@ -179,16 +180,22 @@ class OpenAIFrontEnd:
 
 
 async def start_http_server(backend: Backend, config: HttpServerConfig = HttpServerConfig(),
-                            metrics: ServingMetrics | None = None,
-                            scaling: WorkerScaling | None = None) -> tuple[web.AppRunner, int]:
+                            metrics: ServingMetrics | None = None, scaling: WorkerScaling | None = None,
+                            input_pool: InputPool | None = None) -> tuple[web.AppRunner, int]:
     """Start serving `backend` (from inside a running asyncio loop); returns the runner and the bound
     port. Requests are recorded in `metrics` (a new ServingMetrics if None) under frontend="http";
     pass the one given to start_grpc_server to see both in /metrics. `scaling`: the worker set
-    /admin/workers reads and changes (the coordinator's; None: the route answers 400). Stop with
+    /admin/workers reads and changes (the coordinator's; None: the route answers 400). `input_pool`: the
+    InputPool large bodies are prepared on, the caller's to close (pass the gRPC front end's too, to bound
+    both together); None: one of config.input_limits, closed with the runner. Stop with
     `await runner.cleanup()`; the backend is the caller's to shut down."""
     metrics = metrics if metrics is not None else ServingMetrics()
-    front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config, scaling)
-    runner = OpenAIAppRunner(front_end.build_app(), config.connection_limits, handler_cancellation=True,
+    inputs = input_pool if input_pool is not None else InputPool(config.input_limits)
+    front_end = OpenAIFrontEnd(MeteredBackend(backend, metrics, "http"), metrics, config, scaling, inputs)
+    app = front_end.build_app()
+    if input_pool is None:
+        app.on_cleanup.append(lambda _: _close(inputs))
+    runner = OpenAIAppRunner(app, config.connection_limits, handler_cancellation=True,
                              shutdown_timeout=config.shutdown_timeout_s, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
@@ -196,3 +203,7 @@ async def start_http_server(backend: Backend, config: HttpServerConfig = HttpSer
     port = runner.addresses[0][1]
     logger.info("HTTP front end on %s:%d serving %s", config.host, port, backend.model_name)
     return runner, port
+
+
+async def _close(inputs: InputPool) -> None:
+    inputs.close()

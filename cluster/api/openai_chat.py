@@ -9,7 +9,8 @@ only when null or empty. Options: `tools` (OpenAI function tools, handed to the 
 `documents`, `chat_template_kwargs` (extra template variables; `add_generation_prompt` and
 `continue_final_message` there override the fields, as in vLLM), `add_generation_prompt` (default true),
 `continue_final_message` (default false; both true is a 400, as vLLM answers). Roles: the standard ones or
-one the template names (request_validation.check_chat_roles); a template's raise_exception is a 400.
+one the template names (request_validation.check_chat_roles); a template's raise_exception is a 400. At most
+MAX_CHAT_MESSAGES messages, counted before any is read.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_
                             "reasoning"})
 ECHOED_RESPONSE_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
 ACCEPTED_TOOL_CHOICES = ("none", "auto")  # the model decides; Tandem does not constrain it to call a tool
+MAX_CHAT_MESSAGES = 4096  # checked before any message is looked at: rendering is work before admission
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ def chat_messages(messages) -> list[dict]:
     """The messages as the template sees them (see the module docstring)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise bad_request(f"at most {MAX_CHAT_MESSAGES} messages per request, got {len(messages)}", param="messages")
     cleaned = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):

@@ -5,7 +5,7 @@ ids in the vocabulary, within the context); 400 naming `prompt` or `prompt[i]`.
 from __future__ import annotations
 
 from cluster.api.openai_fields import bad_request, is_list_of
-from cluster.api.request_validation import check_prompt_token_ids, encode_prompt
+from cluster.api.request_validation import check_prompt_token_ids
 
 MAX_BATCHED_PROMPTS = 1024  # prompts of one /v1/completions request (each its own backend request)
 
@@ -29,7 +29,7 @@ def completion_prompts(prompt, served) -> tuple[tuple[tuple[int, ...], ...], tup
     for one, name in zip(batch, fields):
         try:
             if isinstance(one, str):
-                prompts.append(encode_prompt(one, served.tokenizer, served.max_model_len, field=name))
+                prompts.append(served.encoder.encode_prompt(one, field=name))
             else:
                 prompts.append(check_prompt_token_ids(one, served.tokenizer, served.max_model_len))
         except ValueError as error:

@@ -9,7 +9,7 @@ are parsed in openai_sampling.py, the chat messages and template options in open
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.api.json_body import load_json_object
 from cluster.api.openai_chat import TEMPLATE_FIELDS, render_chat_prompt
@@ -17,7 +17,8 @@ from cluster.api.openai_fields import (OpenAIError, bad_request, bool_field, che
                                        number_field)
 from cluster.api.openai_prompts import completion_prompts
 from cluster.api.openai_sampling import EXTRA_FIELDS, sampling_extras
-from cluster.api.request_validation import InvalidField, build_sampling_params, encode_prompt
+from cluster.api.prompt_encoder import PromptEncoder
+from cluster.api.request_validation import InvalidField, build_sampling_params
 from engine.sampling_params import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -34,12 +35,17 @@ COMPLETION_NO_OPS = {name: values for name, values in NO_OP_VALUES.items() if na
 @dataclass(frozen=True)
 class ServedModel:
     """What requests are checked against: the model's name, tokenizer and context length. `name` is
-    reported; `other_names` are accepted as `model` too (--served-model-name A B: name A, other_names (B,))."""
+    reported; `other_names` are accepted as `model` too (--served-model-name A B: name A, other_names (B,)).
+    `encoder`: the PromptEncoder of the tokenizer and context, built here once."""
 
     name: str
     tokenizer: object
     max_model_len: int
     other_names: tuple[str, ...] = ()
+    encoder: PromptEncoder = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "encoder", PromptEncoder(self.tokenizer, self.max_model_len))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -105,8 +111,7 @@ def parse_chat_request(body: dict, served: ServedModel) -> ParsedRequest:
     model = requested_model(body, served)
     text = render_chat_prompt(body, served.tokenizer)
     try:
-        ids = encode_prompt(text, served.tokenizer, served.max_model_len, add_special_tokens=False,
-                            field="messages")
+        ids = served.encoder.encode_prompt(text, add_special_tokens=False, field="messages")
     except ValueError as error:
         raise bad_request(str(error), param=getattr(error, "field", "messages")) from error
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), (ids,), served)

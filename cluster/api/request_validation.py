@@ -1,4 +1,5 @@
-"""Checks shared by the gRPC and HTTP front ends: prompts to token ids, and sampling settings.
+"""Checks shared by the gRPC and HTTP front ends: text, token-id prompts, chat roles and sampling settings (text
+prompts are encoded by prompt_encoder.py, with these checks).
 
 Everything here raises ValueError with a message meant for the client; the front ends turn it into
 INVALID_ARGUMENT or an HTTP 400. Nothing invalid reaches a backend.
@@ -14,7 +15,7 @@ from engine.sampling_params import SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-OFF_LOOP_INPUT_CHARS = 8192          # inputs longer than this are tokenized on a worker thread
+OFF_LOOP_INPUT_CHARS = 8192          # inputs longer than this are prepared off the event loop (input_pool.py)
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # an HTTP request body, a received gRPC message: the same default bound
 SEED_RANGE = (-(2 ** 63), 2 ** 63)  # what a torch.Generator takes and gRPC's int64 carries
 MAX_TOP_K = 2 ** 31 - 1              # the sampler builds an int64 tensor of top_k values
@@ -34,26 +35,6 @@ def check_text(text: str, field: str) -> None:
     except UnicodeEncodeError as error:
         raise InvalidField(field, f"{field} is not valid Unicode text: it has a lone surrogate "
                                   f"U+{ord(text[error.start]):04X} at character {error.start}") from None
-
-
-def encode_prompt(text: str, tokenizer, max_model_len: int, add_special_tokens: bool = True,
-                  field: str = "prompt") -> tuple[int, ...]:
-    """The token ids of a text prompt (with the tokenizer's BOS unless told otherwise), checked
-    like any token-id prompt. Text the tokenizer cannot take is InvalidField(`field`)."""
-    ids = tokenize_text(text, tokenizer, add_special_tokens, field)
-    return check_prompt_token_ids(ids, tokenizer, max_model_len)
-
-
-def tokenize_text(text: str, tokenizer, add_special_tokens: bool, field: str = "prompt") -> list[int]:
-    """tokenizer.encode(text), any length (empty too); InvalidField(`field`) for what is not a string,
-    a lone surrogate, or text the tokenizer raises on."""
-    if not isinstance(text, str):
-        raise InvalidField(field, f"{field} must be a string, got {type(text).__name__}")
-    check_text(text, field)
-    try:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    except Exception as error:  # the tokenizers library raises TypeError and bare Exceptions on odd text
-        raise InvalidField(field, f"the tokenizer cannot take {field} ({type(error).__name__})") from error
 
 
 def check_chat_roles(messages: Sequence[dict], tokenizer) -> None:
@@ -80,13 +61,17 @@ def check_prompt_token_ids(ids: Sequence, tokenizer, max_model_len: int) -> tupl
     if len(ids) == 0:
         raise ValueError("the prompt is empty: give at least one token")
     if len(ids) > max_model_len:  # before any per-token work
-        raise ValueError(f"the prompt has {len(ids)} tokens, more than the model's context of "
-                         f"{max_model_len} tokens")
+        raise context_error(f"{len(ids)} tokens", max_model_len)
     vocab = tokenizer.vocab_size
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab:
             raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab})")
     return tuple(ids)
+
+
+def context_error(prompt_length: str, max_model_len: int) -> ValueError:
+    """The error of a prompt past the context; `prompt_length` says how long it is ("1500 tokens")."""
+    return ValueError(f"the prompt has {prompt_length}, more than the model's context of {max_model_len} tokens")
 
 
 def build_sampling_params(*, max_tokens: int | None = None, temperature: float | None = None,

@@ -11,24 +11,27 @@
 
 Text is checked as generation checks it (a lone surrogate, text the tokenizer cannot take, an unknown chat
 role: 400 naming the field), but not against the context: /tokenize is how a client finds out how long a
-prompt is (vLLM does the same). Ids outside the vocabulary are a 400. Inputs past OFF_LOOP_INPUT_CHARS are
-tokenized on a worker thread, as generation requests are.
+prompt is (vLLM does the same). Ids outside the vocabulary are a 400. A large body is parsed, tokenized or
+decoded, and its answer written as JSON, on the InputPool's threads, as generation requests are; the long
+parts (tokenizing, decoding, and the token list written in slices) leave the GIL to the event loop.
 """
 from __future__ import annotations
 
-import asyncio
+import json
+import time
 from importlib import metadata
 
 from aiohttp import web
 
 from cluster.api.openai_chat import TEMPLATE_FIELDS, render_chat_prompt
 from cluster.api.openai_fields import OpenAIError, bad_request, bool_field
+from cluster.api.input_pool import InputPool
 from cluster.api.openai_protocol import ServedModel, parse_json_body, requested_model
-from cluster.api.request_validation import OFF_LOOP_INPUT_CHARS, tokenize_text
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
                              *TEMPLATE_FIELDS})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+JSON_SLICE = 8192  # token ids written per call (~1 ms): between calls the event loop can take the GIL
 
 
 def tandem_version() -> str:
@@ -39,10 +42,10 @@ def tandem_version() -> str:
 
 
 class UtilityRoutes:
-    """The handlers above over one served model."""
+    """The handlers above over one served model; large bodies are prepared on `inputs`."""
 
-    def __init__(self, served: ServedModel) -> None:
-        self._served = served
+    def __init__(self, served: ServedModel, inputs: InputPool) -> None:
+        self._served, self._inputs = served, inputs
 
     def add_to(self, app: web.Application, expect_handler=None) -> None:
         """Adds the routes to `app`, each with `expect_handler` (None: aiohttp's)."""
@@ -71,37 +74,38 @@ class UtilityRoutes:
         return web.json_response({"version": tandem_version()})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return web.json_response(await _off_loop_if_large(await request.read(), self._tokenize))
+        raw = await request.read()
+        return _json_answer(await self._inputs.prepare(len(raw), lambda: self._tokenize(raw)))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return web.json_response(await _off_loop_if_large(await request.read(), self._detokenize))
+        raw = await request.read()
+        return _json_answer(await self._inputs.prepare(len(raw), lambda: self._detokenize(raw)))
 
-    def _tokenize(self, raw: bytes) -> dict:
+    def _tokenize(self, raw: bytes) -> bytes:
         body = _body(raw, TOKENIZE_FIELDS, self._served)
         if ("prompt" in body) == ("messages" in body):
             raise bad_request("give exactly one of prompt (a string) or messages", param="prompt")
         if bool_field(body, "return_token_strs"):
             raise bad_request("return_token_strs is not supported by this server", code="unsupported_parameter",
                               param="return_token_strs")
-        tokenizer = self._served.tokenizer
         try:
             if "prompt" in body:
                 add_special = bool_field(body, "add_special_tokens", default=True)
-                ids = tokenize_text(body["prompt"], tokenizer, add_special, "prompt")
+                ids = self._served.encoder.tokenize(body["prompt"], add_special, "prompt")
             else:
                 ids = self._chat_ids(body)
         except ValueError as error:
             raise bad_request(str(error), param=getattr(error, "field", None)) from error
-        return {"count": len(ids), "max_model_len": self._served.max_model_len, "tokens": list(ids),
-                "token_strs": None}
+        return (f'{{"count": {len(ids)}, "max_model_len": {self._served.max_model_len}, '
+                f'"tokens": {_ids_json(ids)}, "token_strs": null}}').encode()
 
     def _chat_ids(self, body: dict) -> list[int]:
         """The messages rendered with the chat template as a chat request is (openai_chat.py) and encoded
         without special tokens unless add_special_tokens (the template writes them)."""
         text = render_chat_prompt(body, self._served.tokenizer)
-        return tokenize_text(text, self._served.tokenizer, bool_field(body, "add_special_tokens"), "messages")
+        return self._served.encoder.tokenize(text, bool_field(body, "add_special_tokens"), "messages")
 
-    def _detokenize(self, raw: bytes) -> dict:
+    def _detokenize(self, raw: bytes) -> bytes:
         body = _body(raw, DETOKENIZE_FIELDS, self._served)
         tokens = body.get("tokens")
         if not isinstance(tokens, list):
@@ -111,7 +115,7 @@ class UtilityRoutes:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
                 raise bad_request(f"tokens[{index}] = {str(token)[:32]} is not a token id of the vocabulary "
                                   f"[0, {vocab})", param=f"tokens[{index}]")
-        return {"prompt": self._served.tokenizer.decode(tokens, skip_special_tokens=False)}
+        return json.dumps({"prompt": self._served.encoder.decode(tokens, skip_special_tokens=False)}).encode()
 
 
 def _body(raw: bytes, known: frozenset, served: ServedModel) -> dict:
@@ -125,7 +129,16 @@ def _body(raw: bytes, known: frozenset, served: ServedModel) -> dict:
     return body
 
 
-async def _off_loop_if_large(raw: bytes, handle) -> dict:
-    if len(raw) > OFF_LOOP_INPUT_CHARS:
-        return await asyncio.to_thread(handle, raw)
-    return handle(raw)
+def _ids_json(ids: list[int]) -> str:
+    """The JSON list of `ids`, written JSON_SLICE ids per call with the GIL offered to the event loop between
+    calls: json.dumps of 2.6 million ids holds it for a third of a second in one call, and without the offer
+    the loop waits a switch interval (5 ms) each time it wants it back."""
+    parts = []
+    for start in range(0, len(ids), JSON_SLICE):
+        parts.append(json.dumps(ids[start:start + JSON_SLICE], separators=(",", ":"))[1:-1])
+        time.sleep(0)  # releases the GIL: a waiting thread takes it now
+    return "[" + ",".join(parts) + "]"
+
+
+def _json_answer(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="application/json")

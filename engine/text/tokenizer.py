@@ -117,6 +117,11 @@ class HFTokenizer(Tokenizer):
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
         self.eos_token_ids = tuple(dict.fromkeys(int(token_id) for token_id in eos_token_ids))
 
+    @property
+    def native(self) -> _BackendTokenizer:
+        """The `tokenizers.Tokenizer` behind this one (its batch calls release the GIL); read-only use."""
+        return self._backend
+
     @classmethod
     def from_dir(cls, path: str | Path) -> "HFTokenizer":
         """Load `path/tokenizer.json` plus, when present, tokenizer_config.json (special tokens, chat template),

@@ -1,8 +1,8 @@
 """Hostile and malformed input gets 400 / INVALID_ARGUMENT naming the field, never a 500, and the server
 keeps serving: every bad request here is followed by one that succeeds. Lone surrogates, text the tokenizer
-cannot take, JSON nested 100k levels deep, unknown chat roles, sampling values past the server's bounds
-(infinities, int64, stop strings and ids, logit_bias keys), the /tokenize and /detokenize fields, and over
-gRPC strings that are not UTF-8 and token ids outside the vocabulary."""
+cannot take, JSON nested 100k levels deep, unknown chat roles, too many chat messages, sampling values past the
+server's bounds (infinities, int64, stop strings and ids, logit_bias keys), the /tokenize and /detokenize fields,
+and over gRPC strings that are not UTF-8 and token ids outside the vocabulary."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +13,7 @@ import pytest
 
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.json_body import MAX_JSON_DEPTH
+from cluster.api.openai_chat import MAX_CHAT_MESSAGES
 from cluster.api.request_validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from cluster.api.request_validation import check_chat_roles
 from engine import LLM
@@ -52,6 +53,8 @@ BAD_HTTP = [
      "messages[0].role"),
     ("/v1/chat/completions", json.dumps({"messages": [*CHAT, {"role": "", "content": "hi"}]}).encode(), 400,
      "messages[2].role"),
+    ("/v1/chat/completions", json.dumps({"messages": CHAT[1:] * (MAX_CHAT_MESSAGES + 1)}).encode(), 400, "messages"),
+    ("/tokenize", json.dumps({"messages": CHAT[1:] * (MAX_CHAT_MESSAGES + 1)}).encode(), 400, "messages"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens"),  # past the context
     ("/v1/completions", b'{"prompt": ["x", "y"], "max_tokens": 100000}', 400, "max_tokens"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100000}',

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.api.http_server import HttpServerConfig, start_http_server
+from cluster.api.prompt_encoder import PromptEncoder
 from engine import LLM
 from tests.support.frontend_rig import fail_next_step, local_backend, wait_until_busy, wait_until_idle
 from tests.support.http_rig import API_KEY, CHAT, KV_BYTES, MAX_BODY_BYTES, MODEL, completion_body, http_client, post
@@ -182,17 +183,16 @@ def test_a_failed_engine_step_is_a_500_without_the_exception_text(served, monkey
     asyncio.run(scenario())
 
 
-def test_a_large_prompt_is_tokenized_off_the_event_loop(served, monkeypatch):
-    """One big input must not stall the other streams: above OFF_LOOP_INPUT_CHARS the body is parsed and
-    tokenized on a worker thread (small ones stay on the loop: a thread hop costs more than they do)."""
-    tokenizer, threads = served.tokenizer, []
-    real_encode = tokenizer.encode
+def test_a_large_body_is_prepared_off_the_event_loop(served, monkeypatch):
+    """One big input must not stall the other streams: a body above OFF_LOOP_INPUT_CHARS is parsed and its prompt
+    encoded on a thread of the InputPool (small ones stay on the loop: a thread hop costs more than they do)."""
+    threads, real_encode_prompt = [], PromptEncoder.encode_prompt
 
-    def recording_encode(text, **kwargs):
+    def recording_encode_prompt(self, *args, **kwargs):
         threads.append(threading.current_thread())
-        return real_encode(text, **kwargs)
+        return real_encode_prompt(self, *args, **kwargs)
 
-    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+    monkeypatch.setattr(PromptEncoder, "encode_prompt", recording_encode_prompt)
 
     async def scenario():
         async with http_client(served) as session:
@@ -201,5 +201,5 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(served, monkeypatch):
             return threading.current_thread(), small, big
 
     loop_thread, small, big = asyncio.run(scenario())
-    assert small == 200 and big in (200, 400)  # 400: longer than the context, found after tokenizing
-    assert threads[0] is loop_thread and threads[1] is not loop_thread
+    assert small == 200 and big == 400  # longer than the context
+    assert threads[0] is loop_thread and threads[1].name.startswith("tandem-input")

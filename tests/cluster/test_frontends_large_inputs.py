@@ -1,0 +1,211 @@
+"""Large bodies stall no one (issue 32, item 1): while 8 requests of 3.9 MB arrive at once, over HTTP and gRPC on
+one loop, the probes (/health, /ping, /version, /metrics, gRPC Health and grpc.health.v1) keep answering, every
+large request gets its proper answer (400 / INVALID_ARGUMENT past the context, 413 past the body limit, 200 for
+/tokenize), and afterwards the server serves and no KV block is left taken. Past the InputPool's waiting bound a
+large request is refused at once (429 / RESOURCE_EXHAUSTED) while small ones are served.
+
+PROBE_BOUND_S is generous (CI's 2-core machines, client and server sharing one loop); the issue's target of
+100 ms is measured outside the tests, against a server in its own process."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
+from cluster.api.http_server import HttpServerConfig, start_http_server
+from cluster.api.input_pool import InputLimits, InputPool
+from cluster.api.metrics import ServingMetrics
+from engine import LLM
+from proto import tandem_pb2, tandem_pb2_grpc
+from tests.support.frontend_rig import local_backend, wait_until_idle
+from tests.support.http_rig import KV_BYTES, MODEL, completion_body
+
+PROBE_BOUND_S = 1.0
+PROBES = ("/health", "/ping", "/version", "/metrics")
+JSON = {"Content-Type": "application/json"}
+ISSUE_PROMPT = "ab " * 1_300_000  # 3.9 MB, as in the issue
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    """A byte-level BPE tokenizer: a prompt's characters alone can prove it past the context."""
+    return LLM(model=str(tiny_checkpoint("llama")), kv_cache_memory=KV_BYTES).engine
+
+
+@pytest.fixture(scope="module")
+def qwen(tiny_checkpoint):
+    """NFC normalizes: no characters-per-token bound, every large prompt is tokenized (on the pool's thread)."""
+    return LLM(model=str(tiny_checkpoint("qwen2")), kv_cache_memory=KV_BYTES).engine
+
+
+@contextlib.asynccontextmanager
+async def front_ends(engine, pool: InputPool):
+    """HTTP and gRPC front ends over one LocalEngineBackend of `engine` on free loopback ports, sharing `pool`;
+    yields an aiohttp session and the two gRPC stubs. At the end every KV block must be free and no large input
+    pending."""
+    async with local_backend(engine, model_name=MODEL) as backend:
+        metrics = ServingMetrics()
+        server, grpc_port = await start_grpc_server(backend, GrpcServerConfig(health_poll_s=0.1), metrics, pool)
+        runner, http_port = await start_http_server(backend, HttpServerConfig(), metrics, input_pool=pool)
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{http_port}") as session, \
+                    grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                yield session, tandem_pb2_grpc.TandemStub(channel), health_pb2_grpc.HealthStub(channel)
+            await wait_until_idle(engine)
+            assert pool.pending == 0
+        finally:
+            await runner.cleanup()
+            await server.stop(None)
+            pool.close()
+
+
+async def timed(worst: dict, name: str, call) -> None:
+    start = time.perf_counter()
+    await call()
+    worst[name] = max(worst.get(name, 0.0), time.perf_counter() - start)
+
+
+async def probe_until(done: asyncio.Event, session, stub, health) -> dict[str, float]:
+    """Each probe's slowest answer while `done` is not set (each must say the server serves)."""
+    async def http_probe(path):
+        async with session.get(path) as response:
+            await response.read()
+            assert response.status == 200, path
+
+    async def tandem_health():
+        assert (await stub.Health(tandem_pb2.HealthRequest())).status == "SERVING"
+
+    async def standard_health():
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+
+    worst: dict[str, float] = {}
+    while not done.is_set():
+        for path in PROBES:
+            await timed(worst, path, lambda: http_probe(path))
+        await timed(worst, "tandem.v1 Health", tandem_health)
+        await timed(worst, "grpc.health.v1", standard_health)
+        await asyncio.sleep(0.01)
+    return worst
+
+
+async def post(session, path: str, body: bytes, **options) -> tuple[int, bytes]:
+    async with session.post(path, data=body, headers=JSON, **options) as response:
+        return response.status, await response.read()
+
+
+async def generate(stub, **fields) -> grpc.StatusCode:
+    try:
+        async for _ in stub.Generate(tandem_pb2.GenerateRequest(**fields)):
+            pass
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+async def under_probes(session, stub, health, requests) -> tuple[list, dict[str, float]]:
+    """Runs the `requests` (coroutines) at once with the probes polling until all are answered."""
+    done = asyncio.Event()
+    probing = asyncio.ensure_future(probe_until(done, session, stub, health))
+    await asyncio.sleep(0.05)
+    try:
+        answers = await asyncio.gather(*requests)
+    finally:
+        done.set()
+    return answers, await probing
+
+
+def error_of(answer: tuple[int, bytes]) -> tuple[int, str, str | None]:
+    status, body = answer
+    error = json.loads(body)["error"]
+    return status, error["message"], error["param"]
+
+
+async def assert_still_serves(session, stub) -> None:
+    async with session.post("/v1/completions", json=completion_body("Hello", 2)) as response:
+        assert response.status == 200 and len((await response.json())["choices"][0]["token_ids"]) == 2
+    assert await generate(stub, prompt="Hello", max_tokens=2, ignore_eos=True) == grpc.StatusCode.OK
+
+
+def test_the_probes_answer_while_8_large_requests_arrive_at_once(llama):
+    completion = json.dumps(completion_body(ISSUE_PROMPT, 2)).encode()
+    chat = json.dumps({"messages": [{"role": "user", "content": ISSUE_PROMPT}], "max_tokens": 2}).encode()
+    tokenize = json.dumps({"prompt": ISSUE_PROMPT}).encode()
+    over_limit = completion + b" " * (HttpServerConfig().max_body_bytes - len(completion) + 1)
+
+    async def scenario():
+        async with front_ends(llama, InputPool()) as (session, stub, health):
+            requests = [post(session, "/v1/completions", completion), post(session, "/v1/completions", completion),
+                        post(session, "/v1/chat/completions", chat), post(session, "/v1/chat/completions", chat),
+                        post(session, "/tokenize", tokenize), generate(stub, prompt=ISSUE_PROMPT, max_tokens=2),
+                        generate(stub, prompt=ISSUE_PROMPT, max_tokens=2),
+                        post(session, "/v1/completions", over_limit, expect100=True)]
+            answers, worst = await under_probes(session, stub, health, requests)
+            await assert_still_serves(session, stub)
+            return answers, worst
+
+    answers, worst = asyncio.run(scenario())
+    assert max(worst.values()) < PROBE_BOUND_S, worst
+    for answer, param in zip(answers[:4], ("prompt", "prompt", "messages", "messages")):
+        status, message, field = error_of(answer)
+        assert (status, field) == (400, param) and "more than the model's context of 1024 tokens" in message
+    status, body = answers[4]
+    counted = json.loads(body)
+    assert status == 200 and counted["count"] == len(counted["tokens"]) > 2_000_000
+    assert answers[5] == answers[6] == grpc.StatusCode.INVALID_ARGUMENT
+    assert answers[7][0] == 413 and json.loads(answers[7][1])["error"]["code"] == "request_too_large"
+
+
+def test_large_prompts_tokenized_on_the_pool_leave_the_probes_answering(qwen):
+    prompt = "many words, " * 70_000  # 840 KB: tokenized (no bound), then found past the context
+    tokens = len(qwen.tokenizer.encode(prompt))
+    completion = json.dumps(completion_body(prompt, 2)).encode()
+    chat = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
+
+    async def scenario():
+        async with front_ends(qwen, InputPool(InputLimits(workers=1))) as (session, stub, health):
+            requests = [*(post(session, "/v1/completions", completion) for _ in range(3)),
+                        *(post(session, "/v1/chat/completions", chat) for _ in range(2)),
+                        post(session, "/tokenize", json.dumps({"prompt": prompt}).encode()),
+                        *(generate(stub, prompt=prompt, max_tokens=2) for _ in range(2))]
+            answers, worst = await under_probes(session, stub, health, requests)
+            await assert_still_serves(session, stub)
+            return answers, worst
+
+    answers, worst = asyncio.run(scenario())
+    assert max(worst.values()) < PROBE_BOUND_S, worst
+    for answer in answers[:3]:
+        assert error_of(answer)[0] == 400 and f"has {tokens} tokens" in error_of(answer)[1]
+    assert all(error_of(answer)[:1] == (400,) and error_of(answer)[2] == "messages" for answer in answers[3:5])
+    assert answers[5][0] == 200 and json.loads(answers[5][1])["count"] == tokens
+    assert answers[6] == answers[7] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_past_the_waiting_bound_a_large_request_is_refused_at_once_and_small_ones_served(llama):
+    completion = json.dumps(completion_body(ISSUE_PROMPT, 2)).encode()
+
+    async def scenario():
+        pool, release = InputPool(InputLimits(workers=1, max_waiting=0)), threading.Event()
+        async with front_ends(llama, pool) as (session, stub, _):
+            holder = asyncio.ensure_future(pool.prepare(pool.limits.off_loop_bytes + 1, release.wait))
+            try:
+                refused = error_of(await post(session, "/v1/completions", completion))
+                refused_grpc = await generate(stub, prompt=ISSUE_PROMPT, max_tokens=2)
+                await assert_still_serves(session, stub)
+            finally:
+                release.set()
+            await holder
+            after = error_of(await post(session, "/v1/completions", completion))
+        return refused, refused_grpc, after
+
+    refused, refused_grpc, after = asyncio.run(scenario())
+    assert refused[0] == 429 and "retry later" in refused[1]
+    assert refused_grpc == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert after[0] == 400 and after[2] == "prompt"
