@@ -29,6 +29,7 @@ from cluster.api.admission import AdmissionBound
 from cluster.api.draining_backend import DrainingBackend
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.http_server import HttpServerConfig, start_http_server
+from cluster.api.input_pool import InputPool
 from cluster.api.metrics import ServingMetrics
 from cluster.backend import Backend
 from cluster.coordinator.autoscaler import AutoscalePolicy
@@ -268,14 +269,15 @@ async def serve(config: ServeConfig) -> None:
 
 
 async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig, scaling) -> None:
-    metrics = ServingMetrics()
+    metrics, inputs = ServingMetrics(), InputPool()  # one pool bounds both front ends' large requests together
     grpc_server, grpc_port = await start_grpc_server(
-        backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics)
+        backend, GrpcServerConfig(host=config.host, port=config.grpc_port, api_key=config.api_key), metrics,
+        input_pool=inputs)
     http_runner, http_port = await start_http_server(
         backend, HttpServerConfig(host=config.host, port=config.http_port, api_key=config.api_key,
                                   served_model_names=config.served_model_names,
                                   request_read_timeout_s=config.request_read_timeout_s,
-                                  max_connections=config.max_connections), metrics, scaling)
+                                  max_connections=config.max_connections), metrics, scaling, input_pool=inputs)
     workers = f", {config.replicas} replicas on Ray" if config.replicas else "" if config.mode == "colocated" \
         else f", {config.prefill_workers} prefill + {config.decode_workers} decode workers"
     freeze_startup_heap()  # full collections would walk the start-up heap: ~150 ms with every stream stalled
@@ -298,3 +300,4 @@ async def _serve_until_signalled(backend: DrainingBackend, config: ServeConfig, 
             await backend.end_in_flight()
         await grpc_server.stop(grace=1.0)  # what is left: the status of requests just ended
         await http_runner.cleanup()
+        inputs.close()
