@@ -101,3 +101,4 @@ class DecodeStats:
     free_blocks: int
     total_blocks: int
     promised_blocks: int    # prompt blocks promised to expected requests
+    dropped_connections: int = 0  # peers its listeners (KV receiver, decode channel) dropped: no secret, ...

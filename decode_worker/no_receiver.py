@@ -16,6 +16,11 @@ class NoReceiver:
 
     address = None
 
+    @property
+    def dropped_connections(self) -> dict[str, int]:
+        """Nothing listens, so nothing is dropped."""
+        return {}
+
     def __init__(self) -> None:
         self._closed = threading.Event()
 

@@ -290,7 +290,8 @@ class DecodeWorker:
     def _snapshot(self) -> DecodeStats:
         engine = self._engine
         return DecodeStats(self.name, len(self._running), len(self._waiting), engine.num_live_requests,
-                           engine.num_free_blocks, engine.num_total_blocks, self._admission.promised_blocks)
+                           engine.num_free_blocks, engine.num_total_blocks, self._admission.promised_blocks,
+                           sum(self._receiver.dropped_connections.values()))
 
 
 def _safe_emit(emit: EmitEvent, event: DecodeEvent) -> None:

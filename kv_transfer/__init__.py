@@ -6,11 +6,9 @@ Public API (see docs/kv_transfer.md for the protocol):
     create_sender / create_receiver, resolve_transport    build a transport by name
     KVSender.send(peer, SendRequest) -> TransferHandle    ship blocks (the transfer frees them)
     KVReceiver.poll() / wait() / cancel() / close()       ReceivedKV (blocks now yours) | ReceiveFailed
-    start_store                                           the TCPStore rendezvous server for gloo/nccl/ipc
 """
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVReceiver, KVSender, resolve_transport
-from kv_transfer.dist.channel import start_store
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.manifest import Manifest, ManifestError, ModelFingerprint, RunInfo, encode_manifest
 from kv_transfer.manifest_decode import decode_manifest
@@ -20,7 +18,7 @@ from kv_transfer.status import KVTransferError, TransferStatus
 
 __all__ = [
     "DistRendezvous", "ReceiverAddress", "TransferConfig", "KVReceiver", "KVSender", "resolve_transport",
-    "start_store", "create_receiver", "create_sender", "Manifest", "ManifestError", "ModelFingerprint",
+    "create_receiver", "create_sender", "Manifest", "ManifestError", "ModelFingerprint",
     "RunInfo", "decode_manifest", "encode_manifest", "KVPoolView", "fingerprint_of", "ReceivedKV",
     "ReceiveFailed", "ReceiveOutcome", "SendRequest", "SendResult", "TransferHandle", "KVTransferError",
     "TransferStatus",

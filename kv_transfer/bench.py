@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
-from kv_transfer.dist.channel import start_store
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.manifest import ModelFingerprint
 from kv_transfer.results import ReceivedKV, SendRequest
@@ -46,7 +45,7 @@ class SenderSpec:
     config: TransferConfig
     num_blocks: int
     device: str
-    store_port: int
+    ranked: bool
     variants: tuple[str, ...] = ("",)
     num_layers: int = 8
 
@@ -115,8 +114,8 @@ def variant_config(config: TransferConfig, variant: str) -> TransferConfig:
     return replace(config, direct_min_plane_bytes=None) if variant == GATHERED else config
 
 
-def variant_rendezvous(store_port: int, rank: int, variant: str) -> DistRendezvous | None:
-    return DistRendezvous("127.0.0.1", store_port, rank, 2, VARIANT_NAMESPACES[variant]) if store_port else None
+def variant_rendezvous(ranked: bool, rank: int, variant: str) -> DistRendezvous | None:
+    return DistRendezvous(rank, 2, VARIANT_NAMESPACES[variant]) if ranked else None
 
 
 def _sender_main(spec: SenderSpec, conn) -> None:
@@ -126,7 +125,7 @@ def _sender_main(spec: SenderSpec, conn) -> None:
     if transport == "ipc" and not pool.kv.is_cuda:
         pool.kv.share_memory_()  # the receiver maps this pool
     senders = {v: create_sender(variant_config(spec.config, v), pool.view(), transport,
-                                variant_rendezvous(spec.store_port, 1, v)) for v in spec.variants}
+                                variant_rendezvous(spec.ranked, 1, v)) for v in spec.variants}
     payload = memoryview(torch.randint(0, 256, (spec.num_blocks * fp.block_nbytes,), dtype=torch.uint8).numpy())
     while (cmd := conn.recv()) is not None:
         is_send = isinstance(cmd, SendCmd)
@@ -229,23 +228,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench transfer: '{args.transport}' is unavailable here (nccl needs 2 GPUs)")
         return 2
     sender_device, receiver_device = devices
-    sizes = [int(s) for s in args.sizes_mib.split(",") if s]
+    sizes = [float(s) for s in args.sizes_mib.split(",") if s]
     fp = bench_fingerprint(args.num_layers)
-    blocks = [max(1, (mib << 20) // fp.block_nbytes) for mib in sizes]
-    store = start_store("127.0.0.1", 0) if args.transport != "grpc" else None
+    blocks = [max(1, int(mib * 2**20) // fp.block_nbytes) for mib in sizes]
     pool = _resident_pool(fp, max(blocks), receiver_device)
     direct_min = None if args.direct_min_plane_kib < 0 else int(args.direct_min_plane_kib * 2**10)
     config = TransferConfig(transport=args.transport, kv_transfer_timeout_s=args.timeout_s,
                             max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20),
                             direct_min_plane_bytes=direct_min)
-    store_port = store.port if store else 0
+    ranked = args.transport != "grpc"
     variants = ("", GATHERED) if args.compare_gathered else ("",)
     receivers = {v: create_receiver(variant_config(config, v), pool.view(), args.transport,
-                                    rendezvous=variant_rendezvous(store_port, 0, v), peers=[1]) for v in variants}
+                                    rendezvous=variant_rendezvous(ranked, 0, v), peers=[1]) for v in variants}
     sink = _TcpSink(max(blocks) * fp.block_nbytes)
     ctx = mp.get_context("spawn")
     peer, child = ctx.Pipe()
-    spec = SenderSpec(config, max(blocks), sender_device, store_port, variants, args.num_layers)
+    spec = SenderSpec(config, max(blocks), sender_device, ranked, variants, args.num_layers)
     process = ctx.Process(target=_sender_main, args=(spec, child), daemon=True)
     process.start()
     rows = []
@@ -273,7 +271,7 @@ def _print_row(row: dict) -> None:
     if "gathered_gbps" in row:
         gathered = (f"  gathered: ratio {row['gathered_gbps'] / row['baseline_gbps']:5.2f} "
                     f"cpu {row['gathered_cpu_seconds'] * 1e3:6.1f} ms")
-    print(f"{row['transport']:5s} {row['num_layers']:2d}L {row['size_bytes'] / 2**20:6.0f} MiB  {row['seconds'] * 1e3:9.2f} ms  "
+    print(f"{row['transport']:5s} {row['num_layers']:2d}L {row['size_bytes'] / 2**20:7.4g} MiB  {row['seconds'] * 1e3:9.2f} ms  "
           f"{row['gbps']:6.2f} GB/s  raw socket {row['baseline_gbps']:6.2f} GB/s  ratio {ratio:5.2f}  "
           f"cpu {row['cpu_seconds'] * 1e3:6.1f} ms{gathered}  bit_exact={row['bit_exact']}", flush=True)
 

@@ -42,8 +42,9 @@ class TransferConfig:
     # direct run (gloo/nccl) or any run (gRPC) straight into its blocks when their ids are consecutive.
     direct_min_plane_bytes: int | None = 256 << 10
     # The cluster's KV secret (gRPC): a sender sends it with every Push stream; a receiver that has one
-    # refuses, before reading anything, a stream without it (UNAUTHENTICATED). None: a sender sends none and
-    # a receiver accepts any stream (tests, benchmarks). Never in repr or logs. gloo/nccl do not use it.
+    # refuses, before reading anything, a stream without it (UNAUTHENTICATED); gloo/nccl/ipc: both ends of a
+    # control connection prove it in the handshake (kv_transfer/control/handshake.py). None: a sender proves
+    # none and a receiver accepts any peer (tests, benchmarks). Never in repr or logs.
     cluster_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,14 +73,14 @@ def _valid_secret(secret: object) -> bool:
 
 @dataclass(frozen=True)
 class DistRendezvous:
-    """Where torch.distributed peers meet: a TCPStore at host:port, and this process's rank.
+    """Who this process is on a rank transport's KV plane (gloo, nccl, ipc): its rank, the size of the rank
+    space, and the cluster's namespace.
 
-    Ranks identify processes on the KV plane; every (sender, receiver) pair gets its own 2-rank
-    process group under `namespace`, so one broken pair never takes the others down.
+    Ranks identify processes on the KV plane; every (sender, receiver, lane) gets its own control
+    connection and 2-rank process group, so one broken pair never takes the others down. A receiver only
+    admits senders that name its namespace (and prove the cluster secret, when there is one).
     """
 
-    host: str
-    port: int
     rank: int
     world_size: int
     namespace: str = "tandem-kv"
@@ -87,13 +88,12 @@ class DistRendezvous:
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"store port {self.port} is not a valid TCP port")
 
 
 @dataclass(frozen=True)
 class ReceiverAddress:
-    """How a sender reaches a receiver: a rank (gloo/nccl/ipc) or a host:port target (grpc)."""
+    """How a sender reaches a receiver: a host:port target (the gRPC server, or a rank transport's control
+    listener) and, for gloo/nccl/ipc, the receiver's rank."""
 
     transport: str
     rank: int = -1

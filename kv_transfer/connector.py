@@ -64,6 +64,13 @@ class KVReceiver(ABC):
     def close(self) -> None:
         """Stops accepting transfers and waits for the ones in flight (bounded by the transfer timeout)."""
 
+    @property
+    def dropped_connections(self) -> dict[str, int]:
+        """Peers refused before anything was read from them, by reason (gRPC: streams without the cluster
+        secret; gloo/nccl/ipc: connections that failed the handshake, garbage, too slow, not a peer). Counts
+        since the receiver started; each drop is logged too."""
+        return {}
+
     def add_peer(self, rank: int) -> None:
         """Rank transports (gloo/nccl/ipc) listen to sender `rank` from now on too (a prefill worker added
         while serving). No-op by default: a transport that accepts any sender (grpc) has nothing to do."""

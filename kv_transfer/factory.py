@@ -31,20 +31,21 @@ def create_sender(config: TransferConfig, pool: KVPoolView, transport: str,
     if transport == "ipc":
         from kv_transfer.ipc.transport import IpcSender
         return IpcSender(config, pool, _need_rendezvous(transport, rendezvous))
-    from kv_transfer.dist.transport import TorchDistSender
+    from kv_transfer.dist.sender import TorchDistSender
     return TorchDistSender(config, pool, _need_rendezvous(transport, rendezvous), backend=transport)
 
 
 def create_receiver(config: TransferConfig, pool: KVPoolView, transport: str,
                     rendezvous: DistRendezvous | None = None, peers: Sequence[int] = (),
                     host: str = "127.0.0.1", port: int = 0) -> KVReceiver:
-    """A KVReceiver: gloo / nccl / ipc listen to the sender ranks in peers; grpc binds host:port (0 = free port)."""
+    """A KVReceiver: gloo / nccl / ipc serve the sender ranks in peers on a control listener bound to host (a
+    free port); grpc binds host:port (0 = free port). Its `address` is what senders need."""
     transport = _concrete(transport)
     if transport == "grpc":
         from kv_transfer.grpc.receiver import GrpcReceiver
         return GrpcReceiver(config, pool, host=host, port=port)
     if transport == "ipc":
         from kv_transfer.ipc.transport import IpcReceiver
-        return IpcReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers)
-    from kv_transfer.dist.transport import TorchDistReceiver
-    return TorchDistReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers, backend=transport)
+        return IpcReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers, host=host)
+    from kv_transfer.dist.receiver import TorchDistReceiver
+    return TorchDistReceiver(config, pool, _need_rendezvous(transport, rendezvous), peers, backend=transport, host=host)

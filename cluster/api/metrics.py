@@ -73,7 +73,11 @@ class ServingMetrics:
             "total_kv_blocks": Gauge("tandem_worker_kv_total_blocks", "KV blocks in one worker's pool", labels,
                                      registry=r),
             "running_requests": Gauge("tandem_worker_running_requests", "Requests one worker holds", labels,
-                                      registry=r)}
+                                      registry=r),
+            "dropped_connections": Gauge(
+                "tandem_worker_dropped_connections", "Connections a decode worker's listeners (its KV receiver, "
+                "its decode channel) dropped before reading anything from them (no or wrong secret, garbage, "
+                "too slow, not a peer), since it started", labels, registry=r)}
         self._worker_series: set[tuple[str, str]] = set()
         self._worker_node = Gauge("tandem_worker_info", "1 per serving worker: its role and the Ray node it runs on",
                                   ["worker", "role", "node_id", "node_ip"], registry=r)

@@ -99,7 +99,10 @@ def health_details(infos: dict[str, WorkerInfo], stats: dict, dead: list[str], f
 
 def _worker_load(info: WorkerInfo, stats) -> dict:
     """One worker's entry of details["workers"] (the per-worker /metrics gauges; its pid and Ray node)."""
-    running = stats.running if info.role in DECODE_ROLES else stats.live_requests
-    return {"role": info.role, "pid": info.pid, "node_id": info.node_id, "node_ip": info.node_ip,
-            "free_kv_blocks": stats.free_blocks,
-            "total_kv_blocks": stats.total_blocks, "running_requests": running}
+    decode = info.role in DECODE_ROLES
+    load = {"role": info.role, "pid": info.pid, "node_id": info.node_id, "node_ip": info.node_ip,
+            "free_kv_blocks": stats.free_blocks, "total_kv_blocks": stats.total_blocks,
+            "running_requests": stats.running if decode else stats.live_requests}
+    if decode:
+        load["dropped_connections"] = stats.dropped_connections
+    return load

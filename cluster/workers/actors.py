@@ -213,6 +213,13 @@ class DecodeActor(_WorkerActor):
         freeze_startup_heap()
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    async def stats(self):
+        """The worker's stats, its channel's dropped connections counted in."""
+        stats = self._worker.stats()
+        return dataclasses.replace(stats, dropped_connections=stats.dropped_connections
+                                   + sum(self._channel.drops.values()))
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def add_kv_peer(self, rank: int) -> None:
         """A prefill worker of sender rank `rank` joined: receive its KV too (returns once listening)."""
         await asyncio.to_thread(self._worker.add_kv_peer, rank)

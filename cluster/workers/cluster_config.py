@@ -28,9 +28,9 @@ class ClusterConfig:
     per worker when the Ray cluster has enough GPUs, else CPU. transport: auto = kv_transfer.resolve_transport's
     choice (gloo on one CPU host, nccl between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement
     group spreads the workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each
-    worker's bundle reserves and its torch thread count. kv_host: the address the gloo/nccl rendezvous store listens
-    on, in the coordinator's process (127.0.0.1 on one machine; the head's routable address across nodes). gRPC KV
-    receivers bind their own node's address (cluster/workers/actors.py DecodeActor). local_prefill_tokens:
+    worker's bundle reserves and its torch thread count. kv_host: the address a decode worker's KV listener
+    binds when it is not a Ray actor; a DecodeActor binds its own node's address (cluster/workers/actors.py), for
+    every transport (the gRPC receiver, or the gloo/nccl/ipc control listener). local_prefill_tokens:
     conditional disaggregation's threshold T; disagg_policy says what it bounds
     (cluster/coordinator/disagg_policy.py): `length`: prompts shorter than T, `uncached` (default): prompts of which
     fewer than T tokens are left after the decode worker's prefix-cache match, `uncached_or_load`: those too, and

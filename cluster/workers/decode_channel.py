@@ -23,6 +23,7 @@ event batches end) or the coordinator closes it; a coordinator that connects aga
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import pickle
@@ -70,9 +71,13 @@ class ChannelServer:
     """Serves a decode worker's channel on the event loop start() runs on (the actor's default group's,
     where `expect` runs), and holds the EventBatcher the worker's events go into."""
 
-    def __init__(self, expect: Callable[[ExpectedRequest, Callable], Admission]) -> None:
-        """expect(request, emit): the worker's (DecodeWorker.expect); emit is this channel's batcher's put."""
-        self._expect = expect
+    def __init__(self, expect: Callable[[ExpectedRequest, Callable], Admission],
+                 secret_timeout_s: float = SECRET_TIMEOUT_S) -> None:
+        """expect(request, emit): the worker's (DecodeWorker.expect); emit is this channel's batcher's put.
+        A connection that has not shown the secret within secret_timeout_s is dropped. `drops` counts the
+        connections dropped before anything past the secret was read, by reason."""
+        self._expect, self._secret_timeout_s = expect, secret_timeout_s
+        self.drops: collections.Counter[str] = collections.Counter()
         self._secret = secrets.token_bytes(SECRET_BYTES)
         self._lock = threading.Lock()  # close() may run on another thread than start()
         self._closed = False
@@ -108,11 +113,25 @@ class ChannelServer:
         if self._server is not None:
             self._server.close()
 
+    async def _authenticated(self, reader: asyncio.StreamReader) -> bool:
+        """Reads the secret (nothing else); False, counted and logged, when it is not this channel's."""
+        try:
+            secret = await asyncio.wait_for(reader.readexactly(SECRET_BYTES), self._secret_timeout_s)
+        except asyncio.TimeoutError:
+            reason = "timeout"
+        except (asyncio.IncompleteReadError, ConnectionError):
+            reason = "closed"
+        else:
+            if hmac.compare_digest(secret, self._secret):
+                return True
+            reason = "unauthenticated"
+        self.drops[reason] += 1
+        logger.warning("a channel connection was dropped before its secret matched (%s)", reason)
+        return False
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            secret = await asyncio.wait_for(reader.readexactly(SECRET_BYTES), SECRET_TIMEOUT_S)
-            if not hmac.compare_digest(secret, self._secret):
-                logger.warning("a channel connection with the wrong secret was closed")
+            if not await self._authenticated(reader):
                 return
             events = asyncio.create_task(self._send_events(writer))
             try:
@@ -121,8 +140,6 @@ class ChannelServer:
                 events.cancel()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the coordinator closed it
-        except asyncio.TimeoutError:
-            logger.warning("a channel connection that sent no secret within %ss was closed", SECRET_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a broken peer ends its connection, not the worker
             logger.exception("a channel connection failed and was closed")
         finally:

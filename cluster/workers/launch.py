@@ -29,7 +29,7 @@ from cluster.workers.ray_host import RayHost, RayHostConfig, start_local_ray
 from cluster.workers.worker_template import WorkerTemplate, worker_template
 from decode_worker.no_receiver import NO_TRANSPORT
 from engine.builder import resolve_model
-from kv_transfer import resolve_transport, start_store
+from kv_transfer import resolve_transport
 
 logger = logging.getLogger("tandem.cluster.start")
 
@@ -130,7 +130,7 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
     logger.info("workers: %d x %d CPU threads (this host: %d cores)", config.num_workers,
                 config.cpu_threads_per_worker, host_cores)
     owns_ray, host = connect_ray(address, config, node_ip_address)
-    group = store = None
+    group = None
     actors: list = []
     try:
         device = resolve_device(config)
@@ -142,17 +142,16 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
                                   (config.decode_role, config.num_decode_workers, config.decode_resources)],
                                  config.cpu_threads_per_worker, gpus)
         group = place_bundles(bundles, config.placement_strategy, config.worker_start_timeout_s)
-        store = start_store(config.kv_host, 0) if transport not in ("grpc", NO_TRANSPORT) else None
         model = resolve_model(config.model)
         spec = engine_spec(config, model, device)
-        template = worker_template(config, spec, transport, store.port if store else None)
+        template = worker_template(config, spec, transport)
         for index, (role, name, rank, peers) in enumerate(initial_workers(config)):
             actor_class, args = template.actor_args(role, name, rank, peers)
             actors.append(start_actor(actor_class, group, index, gpus, template.cpu_threads, spec, *args))
         infos: list[WorkerInfo] = ray.get([a.info.remote() for a in actors], timeout=config.worker_start_timeout_s)
     except BaseException:
         if group is not None:
-            release_cluster(actors, ClusterResources(group, store, owns_ray, host))
+            release_cluster(actors, ClusterResources(group, owns_ray, host))
         else:
             release_ray(owns_ray, host)
         raise
@@ -160,4 +159,4 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
         logger.info("%s: %s on node %s (%s; pid %d, GPUs %s, %d torch threads), %d KV blocks, transport %s",
                     info.name, info.device, info.node_id[:12], info.node_ip, info.pid,
                     ",".join(info.accelerator_ids) or "none", info.torch_threads, info.total_blocks, transport)
-    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, store, owns_ray, host), model, template)
+    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, owns_ray, host), model, template)

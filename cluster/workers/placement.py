@@ -22,13 +22,12 @@ RELEASE_TIMEOUT_S = 3.0  # per step of release_cluster that talks to Ray
 
 @dataclass(frozen=True)
 class ClusterResources:
-    """What start_cluster set up and shutdown() releases: the placement group, the gloo/nccl store
-    (None for grpc), whether start_cluster called ray.init (then shutdown() calls ray.shutdown(), which
+    """What start_cluster set up and shutdown() releases: the placement group, whether start_cluster called
+    ray.init (then shutdown() calls ray.shutdown(), which
     disconnects this process), and the RayHost of the local Ray it started (None when it joined a
     cluster or used this process's Ray session; shutdown() stops it, which ends that Ray)."""
 
     placement_group: object
-    store: object | None
     owns_ray: bool
     ray_host: RayHost | None = None
 

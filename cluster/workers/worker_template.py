@@ -1,14 +1,15 @@
 """WorkerTemplate: how to build any worker of a started cluster, at start or added while serving (frozen).
 
-    template = worker_template(config, spec, transport, store_address)
+    template = worker_template(config, spec, transport)
     actor_class, args = template.actor_args("decode", "decode-3", rank=7, peer_ranks=(0, 1))
     bundle = template.bundle("decode")                  # {CPU: threads[, GPU: share]} + the role's resources
 
 It keeps what every worker of one cluster shares: the engine spec, the concrete KV transport, the
-cluster's KV secret (gRPC) and rendezvous (gloo/nccl/ipc: the store's address and this cluster's
-namespace), the bundle shape per role. Ranks identify workers on a rank transport's KV plane: each worker
-gets its own, never reused (a pair's store keys name its ranks), from a rank space far larger than any
-worker count, since each pair is a two-rank process group of its own and the world size only bounds ranks.
+cluster's KV secret (every transport: gRPC streams carry it, gloo/nccl/ipc control connections prove it)
+and, for the rank transports, this cluster's namespace, the bundle shape per role. Ranks identify workers
+on a rank transport's KV plane: each worker gets its own, never reused, from a rank space far larger than
+any worker count, since each pair is a connection and two-rank process group of its own and the world size
+only bounds ranks.
 """
 from __future__ import annotations
 
@@ -29,20 +30,12 @@ RANK_SPACE = 1 << 20  # KV-plane ranks one cluster may hand out over its life (t
 
 
 @dataclass(frozen=True)
-class StoreAddress:
-    """Where a rank transport's pairs meet: the coordinator's TCPStore and this cluster's key namespace."""
-
-    host: str
-    port: int
-    namespace: str
-
-
-@dataclass(frozen=True)
 class WorkerTemplate:
     """spec: the engine each worker builds. transport: the concrete KV transport (NO_TRANSPORT for
     replicas). gpus / cpu_threads: each worker's bundle and threads. transfer: the senders' config (with the
     cluster secret); receiver_transfer: the decode workers' (their gRPC receiver takes as many streams as
-    the most prefill workers may send at once). store: None unless the transport is gloo/nccl/ipc."""
+    the most prefill workers may send at once). namespace: the rank transports' (gloo/nccl/ipc) namespace of
+    this cluster, None for the others."""
 
     spec: EngineSpec
     transport: str
@@ -52,7 +45,7 @@ class WorkerTemplate:
     kv_host: str
     transfer: TransferConfig
     receiver_transfer: TransferConfig
-    store: StoreAddress | None
+    namespace: str | None
     max_live_per_decode_worker: int
     expect_timeout_s: float
     prefill_resources: dict[str, float] = field(default_factory=dict)
@@ -63,7 +56,7 @@ class WorkerTemplate:
     @property
     def ranked(self) -> bool:
         """Whether KV senders and receivers find each other by rank (gloo, nccl, ipc)."""
-        return self.store is not None
+        return self.namespace is not None
 
     def bundle(self, role: str) -> dict[str, float]:
         """The placement-group bundle of one worker of `role` (as at start: placement_check.worker_bundles)."""
@@ -87,16 +80,15 @@ class WorkerTemplate:
         return DecodeActor, (config, role)
 
     def _rendezvous(self, rank: int) -> DistRendezvous | None:
-        if self.store is None:
+        if self.namespace is None:
             return None
-        return DistRendezvous(self.store.host, self.store.port, rank, RANK_SPACE, self.store.namespace)
+        return DistRendezvous(rank, RANK_SPACE, self.namespace)
 
 
-def worker_template(config: ClusterConfig, spec: EngineSpec, transport: str, store_port: int | None) -> WorkerTemplate:
+def worker_template(config: ClusterConfig, spec: EngineSpec, transport: str) -> WorkerTemplate:
     """The template of a cluster about to start, with a new cluster secret (TransferConfig.cluster_secret,
-    in every worker's config, not in any repr: the gRPC KV receivers accept streams only from senders
-    holding it) and a new rendezvous namespace (gloo/nccl/ipc pairs meet only through this cluster's own
-    store, at config.kv_host:store_port, under it).
+    in every worker's config, not in any repr: the KV receivers of every transport accept only senders
+    holding it) and a new namespace for the rank transports' connections (gloo/nccl/ipc).
 
     gRPC: a prefill worker keeps at most grpc_max_concurrent_transfers transfers in flight to one decode
     worker, and a decode worker's receiver streams as many as all prefill workers may send at once (the
@@ -110,9 +102,9 @@ def worker_template(config: ClusterConfig, spec: EngineSpec, transport: str, sto
     senders = max(config.num_prefill_workers, config.bounds.max_prefill or 0)
     receiver_transfer = dataclasses.replace(
         transfer, grpc_max_concurrent_transfers=senders * transfer.grpc_max_concurrent_transfers)
-    store = None if store_port is None else StoreAddress(config.kv_host, store_port, f"tandem-{uuid.uuid4().hex[:8]}")
+    namespace = f"tandem-{uuid.uuid4().hex[:8]}" if transport in ("gloo", "nccl", "ipc") else None
     return WorkerTemplate(spec, transport, config.decode_role, _worker_gpus(config, spec),
-                          config.cpu_threads_per_worker, config.kv_host, transfer, receiver_transfer, store,
+                          config.cpu_threads_per_worker, config.kv_host, transfer, receiver_transfer, namespace,
                           config.max_live_per_decode_worker, config.expect_timeout_s,
                           dict(config.prefill_resources), dict(config.decode_resources), config.kv_streaming,
                           config.decode_prefix_reuse)

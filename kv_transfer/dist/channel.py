@@ -1,13 +1,13 @@
-"""A point-to-point link between one sender rank and one receiver rank over torch.distributed.
+"""A point-to-point data link between one sender rank and one receiver rank over torch.distributed.
 
-Each (sender, receiver) pair gets a private 2-rank process group (gloo on CPU tensors, nccl on CUDA
-tensors) built lazily from a TCPStore rendezvous, plus doorbell keys in the same store: the receiver
-sleeps on the store (interruptibly) instead of on a gloo recv, so an idle link never times out.
-Every wait has a deadline; after any failed or timed-out operation the channel is broken for good
-(gloo closes the pair on a timeout) and every later call raises KVTransferError(PEER_FAILED) at once.
-A pair survives that: each channel belongs to an *epoch* of the pair (its keys live under
-pair_prefix(...)/e<epoch>), and after a break both ends open the next epoch's channel, a new process
-group, so one failed or slow transfer fails only itself (kv_transfer/dist/transport.py).
+Each (sender, receiver, lane) pair has one authenticated control connection (kv_transfer/control/) and,
+over it, a private 2-rank process group (gloo on CPU tensors, nccl on CUDA tensors): the group meets
+through a PairStore on that connection (no open TCPStore), and its gloo device binds the address the
+connection uses. Every wait has a deadline; after any failed or timed-out operation the channel is broken
+for good (gloo closes the pair on a timeout) and every later call raises KVTransferError(PEER_FAILED) at
+once. A pair survives that: each channel is one *epoch* of the connection, and after a break the sender
+asks for the next epoch's group (a CONNECT frame), so one failed or slow transfer fails only itself
+(kv_transfer/dist/transport.py).
 The planes of a run go out as one grouped operation where the process group coalesces point-to-point
 calls (NCCL: one group, one launch, like batch_isend_irecv); gloo does not, and posts them one by one.
 """
@@ -22,93 +22,60 @@ from typing import Callable, NoReturn
 import torch
 import torch.distributed as dist
 
+from kv_transfer.control.connection import ControlConnection
+from kv_transfer.control.pair_store import PairStore
 from kv_transfer.status import KVTransferError, TransferStatus
 
 logger = logging.getLogger("tandem.kv_transfer.dist")
 SENDER, RECEIVER = 0, 1
-_IDLE_WAIT = timedelta(hours=1)
-_STOP = b"stop"
-
-
-def start_store(host: str, port: int = 0, timeout_s: float = 60.0) -> dist.TCPStore:
-    """Starts the rendezvous TCPStore server (port 0 picks a free port; read it from .port)."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-
-
-def connect_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    """A new client connection to the rendezvous store (one per thread: a client serializes its calls)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-
-
-def pair_prefix(namespace: str, sender_rank: int, receiver_rank: int, epoch: int = 0, lane: int = 0) -> str:
-    """The store keys of one epoch of one lane (of TransferConfig.dist_lanes) of one pair's channels."""
-    return f"{namespace}/{sender_rank}->{receiver_rank}/l{lane}/e{epoch}"
 
 
 class PairChannel:
-    """Ordered two-way messages between the two ends of one pair. Not thread-safe: one thread per end."""
+    """One epoch's process group between the two ends of one pair. Not thread-safe: one thread per end."""
 
-    def __init__(self, backend: str, store: dist.TCPStore, prefix: str, role: int, device: torch.device,
-                 connect_timeout_s: float, transfer_timeout_s: float = 0.0):
+    def __init__(self, backend: str, role: int, device: torch.device, connect_timeout_s: float,
+                 transfer_timeout_s: float = 0.0, epoch: int = 0, name: str = "kv link"):
         """transfer_timeout_s: the transfer deadline the caller enforces itself; an NCCL group's own timeout
         is longer (connect + transfer), so that only our deadlines ever end an operation."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"PairChannel backend must be gloo or nccl, got {backend!r}")
-        self.backend, self.store, self.prefix, self.role = backend, store, prefix, role
+        self.backend, self.role, self.epoch = backend, role, epoch
+        self.prefix = f"{name} epoch {epoch}"
         self.device = torch.device(device)
         self.connect_timeout_s = connect_timeout_s
         self.group_timeout_s = connect_timeout_s + transfer_timeout_s
-        self.waiting_key = ""
         self._group: dist.ProcessGroup | None = None
         self._coalesces: bool | None = None  # whether the group groups point-to-point calls (found on first use)
         self._broken: str | None = None
 
-    # --- doorbells (store) ---
-    def bell_key(self, seq: int) -> str:
-        return f"{self.prefix}/bell/{seq}"
-
-    def ring(self, seq: int) -> None:
-        """Sender: announces transfer number seq (the first one also opens the process group)."""
-        self.store.set(self.bell_key(seq), b"go")
-
-    def wait_bell(self, seq: int, should_stop: Callable[[], bool]) -> bool:
-        """Receiver: blocks until transfer seq is announced (True), or until should_stop() holds and
-        stop_waiting() rang the key this call waits on (False)."""
-        key = self.waiting_key = self.bell_key(seq)
-        if should_stop():  # checked after publishing waiting_key, so a concurrent stop cannot be missed
-            return False
-        while True:
-            try:
-                self.store.wait([key], _IDLE_WAIT)
-                break
-            except dist.DistStoreError as exc:
-                if "timeout" not in str(exc).lower():
-                    raise
-        rung = self.store.get(key)
-        self.store.delete_key(key)
-        return rung != _STOP and not should_stop()
-
-    @staticmethod
-    def stop_waiting(control_store: dist.TCPStore, key: str) -> None:
-        """Wakes a receiver blocked in wait_bell(key), from another thread with its own store client."""
-        if key:
-            control_store.set(key, _STOP)
-
     # --- process group ---
-    def connect(self) -> None:
-        """Builds the pair's process group; blocks until the other end does the same."""
+    def connect(self, conn: ControlConnection) -> None:
+        """Builds the pair's process group through a PairStore on conn; blocks until the other end does the
+        same (the sender sends CONNECT first, the receiver calls this when it reads it). Nothing else may
+        travel on conn meanwhile. Raises KVTransferError (the channel is then broken)."""
         if self._group is not None:
             return
-        store = dist.PrefixStore(f"{self.prefix}/pg", self.store)
+        store = PairStore(conn, self.connect_timeout_s)
         try:
             if self.backend == "gloo":  # connects here, within connect_timeout_s; ops get our own deadlines
-                self._group = dist.ProcessGroupGloo(store, self.role, 2, timedelta(seconds=self.connect_timeout_s))
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = timedelta(seconds=self.connect_timeout_s)
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=conn.local_host)]
+                self._group = dist.ProcessGroupGloo(store, self.role, 2, options)
             else:  # NCCL's watchdog aborts what outlives the group timeout: longer than any transfer deadline
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timedelta(seconds=self.group_timeout_s)
                 self._group = dist.ProcessGroupNCCL(store, self.role, 2, options)
+                self._warm_nccl()  # NCCL connects lazily, through the store: now, while nothing else travels
+        except KVTransferError as exc:
+            self._break(f"could not connect: {exc.message}", exc.status)
         except Exception as exc:
             self._break(f"could not connect: {exc}")
+
+    def _warm_nccl(self) -> None:
+        box = self.code_tensor(0)
+        deadline = time.monotonic() + self.connect_timeout_s
+        self.wait(self.post_send(box) if self.role == SENDER else self.post_recv(box), deadline, "connect")
 
     @property
     def peer(self) -> int:
@@ -192,7 +159,13 @@ class PairChannel:
 
     @property
     def broken(self) -> str | None:
+        """Why this epoch's group is unusable (None while it works)."""
         return self._broken
+
+    def mark_broken(self, reason: str) -> None:
+        """Marks the channel unusable (after close(): the other end closed or will close its group)."""
+        if self._broken is None:
+            self._broken = reason
 
     def _live_group(self) -> dist.ProcessGroup:
         if self._broken is not None:

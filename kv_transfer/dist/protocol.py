@@ -1,17 +1,20 @@
-"""The message order of one transfer over a PairChannel; both ends post the same sequence.
+"""The message order of one transfer: one TRANSFER frame out and one STATUS frame back on the pair's control
+connection (kv_transfer/control/), the bytes on the pair's process group (PairChannel) in between.
 
-  sender                                     receiver
-  ring doorbell seq  ----------------------> wakes (the first one also connects the pair)
-  int64 manifest length, uint8 manifest ---> decode, check fingerprint, allocate blocks
-                     <---------------------- int64 accept code (OK or why not; nothing more follows)
-  per run: int64 NEXT_RUN, run bytes ------> recv into staging
-      or: int64 NEXT_PLANES, 2L planes ----> recv into own blocks (contiguous) or staging
-  (layer-streamed: per layer, as the step writes it: int64 NEXT_RUN, the layer's bytes of every block,
-   int64 checksum)
-  int64 COMMIT (or ABORT at any piece) ----> verify length + checksum per piece, scatter into own blocks
-  (layer-streamed, after COMMIT: int64 tail length, tail bytes: the first token)
-                     <---------------------- int64 final status (OK / CHECKSUM_MISMATCH / CANCELLED / ...)
+  sender                                      receiver
+  TRANSFER {seq, manifest, direct flags} ---> decode, check fingerprint, cancel list, allocate blocks
+                                              (declined: STATUS now, and the epoch's group is closed:
+                                               the sender's data, already on its way, is not read)
+  whole request: per run, its 2L planes (direct) or its gathered piece, back to back, no control words
+  layer-streamed: per layer, as the step writes it: int64 NEXT_RUN, the layer's bytes of every block,
+                  int64 checksum; then int64 COMMIT (or ABORT at any layer), int64 tail length, tail bytes
+                                              each piece landed as it completes (checksum, scatter)
+                     <----------------------- STATUS {seq, final status, whether the epoch's group lives}
   frees its blocks                            delivers (manifest, own block ids) or frees its blocks
+
+The go-ahead is the TRANSFER frame itself: the sender does not wait for an accept before the bytes go.
+A receiver that gives up on a transfer before all of its bytes were read closes the group (STATUS says
+so: alive False) and the sender opens the next epoch's group before its next transfer.
 """
 from __future__ import annotations
 
@@ -23,29 +26,20 @@ from typing import Callable
 import numpy as np
 import torch
 
+from kv_transfer.control.connection import ControlConnection, Kind
+from kv_transfer.control.exchange import Declined, TransferFrame, answer_manifest, await_status, land_and_settle
 from kv_transfer.dist.channel import PairChannel
 from kv_transfer.incoming import IncomingTransfer
-from kv_transfer.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
-from kv_transfer.manifest_decode import decode_manifest
+from kv_transfer.manifest import Manifest
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
-from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox, ReceiveOutcome
+from kv_transfer.results import ReceiveInbox
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 from kv_transfer.stream_tail import MAX_TAIL_BYTES
 
 COMMIT, NEXT_RUN, ABORT, NEXT_PLANES = 0, 1, 2, 3
 _U64_MASK = (1 << 64) - 1
-
-
-def send_manifest(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float) -> None:
-    """Sends the length prefix and the manifest, then raises KVTransferError if the receiver declines."""
-    payload = torch.from_numpy(np.frombuffer(outgoing.manifest_bytes, dtype=np.uint8).copy()).to(channel.device)
-    channel.send_code(payload.numel(), deadline)
-    channel.send(payload, deadline)
-    accepted = channel.recv_code(deadline)
-    if accepted != TransferStatus.OK:
-        raise KVTransferError(TransferStatus(accepted), "receiver declined the transfer", outgoing.manifest.request_id)
 
 
 def _post_run(channel: PairChannel, outgoing: OutgoingTransfer, index: int) -> list:
@@ -105,51 +99,44 @@ def to_int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def send_transfer(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float, cancel: threading.Event) -> None:
-    """The whole sender side; returns when the receiver has acked OK, raises KVTransferError otherwise."""
+def send_pieces(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float) -> None:
+    """A whole-request transfer's bytes: every run's planes or gathered piece, back to back, gathering piece
+    i+1 (unless direct) while piece i is on the wire. Raises KVTransferError when the link fails."""
+    outgoing.gather(0)
+    for index in range(outgoing.num_pieces):
+        works = channel.post_sends(outgoing.pieces(index))
+        if index + 1 < outgoing.num_pieces:
+            outgoing.gather(index + 1)
+        for work in works:
+            channel.wait(work, deadline, "send")
+
+
+def send_transfer(conn: ControlConnection, channel: PairChannel, outgoing: OutgoingTransfer, seq: int,
+                  deadline: float, cancel: threading.Event) -> None:
+    """The whole sender side: the TRANSFER frame, the bytes, the STATUS reply. Returns when the receiver
+    has landed everything (OK); raises KVTransferError otherwise. A group the receiver closed leaves this
+    channel broken, so the caller opens the next epoch. A cancel stops a layer-streamed transfer at its
+    next layer (ABORT); a whole-request transfer, whose bytes go at once, runs to its end."""
     rid = outgoing.manifest.request_id
-    send_manifest(channel, outgoing, deadline)
-    stopped = send_runs(channel, outgoing, deadline, cancel)
-    final = TransferStatus(channel.recv_code(deadline))
-    if stopped is not None:
-        raise KVTransferError(stopped.status, stopped.message, rid)
-    if final != TransferStatus.OK:
-        raise KVTransferError(final, "receiver reported failure", rid)
-
-
-def _receive_manifest(channel: PairChannel, pool: KVPoolView, staging: StagingPool, inbox: ReceiveInbox,
-                      deadline: float, lander: Executor) -> IncomingTransfer | None:
-    """Reads the manifest and answers accept/decline; None when declined (nothing is held then)."""
-    length = channel.recv_code(deadline)
-    if not 0 < length <= MAX_MANIFEST_BYTES:  # the stream cannot be trusted past this point
-        raise KVTransferError(TransferStatus.MALFORMED, f"manifest length {length} out of range")
-    raw = torch.empty(length, dtype=torch.uint8, device=channel.device)
-    channel.recv(raw, deadline)
-    return answer_manifest(channel, raw.cpu().numpy().tobytes(), pool, inbox, deadline,
-                           lambda manifest: IncomingTransfer.accept(manifest, pool, staging, lander))
-
-
-def answer_manifest(channel: PairChannel, raw: bytes, pool: KVPoolView, inbox: ReceiveInbox, deadline: float,
-                    accept: Callable[[Manifest], IncomingTransfer]) -> IncomingTransfer | None:
-    """Checks a received manifest against this pool's limits and the cancel list, lets accept() allocate,
-    and answers the sender (OK, or why not). None when declined: nothing is held and the failure is in the
-    inbox. A link that fails after accept() frees what it allocated before the error is raised."""
-    try:  # checked against this pool's limits before anything is allocated
-        manifest = decode_manifest(raw, pool.manifest_limits)
-        if inbox.is_cancelled(manifest.request_id):
-            raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
-        incoming = accept(manifest)
-    except (ManifestError, KVTransferError) as exc:
-        status = exc.status  # ManifestError: MALFORMED or REJECTED_FINGERPRINT
-        channel.send_code(status, deadline)
-        inbox.put(ReceiveFailed(getattr(exc, "request_id", ""), status, str(exc)))
-        return None
+    frame = TransferFrame(seq, outgoing.manifest_bytes, bytes(outgoing.direct) if outgoing.stream is None else b"")
+    conn.send(Kind.TRANSFER, frame.encode(), deadline)
+    stopped: KVTransferError | None = None
     try:
-        channel.send_code(TransferStatus.OK, deadline)
-    except KVTransferError as exc:  # the link failed between allocating and accepting: free, then report
-        incoming.fail(exc.status, exc.message)
-        raise KVTransferError(exc.status, exc.message, manifest.request_id) from None
-    return incoming
+        if outgoing.stream is None:
+            send_pieces(channel, outgoing, deadline)
+        else:
+            stopped = send_runs(channel, outgoing, deadline, cancel)
+    except KVTransferError as exc:  # the data plane failed: the receiver's reply says why, when it can
+        final, _ = await_status(conn, seq, deadline)
+        raise Declined(final if final != TransferStatus.OK else exc.status, exc.message, rid) from None
+    final, alive = await_status(conn, seq, deadline)
+    if not alive:
+        channel.close()
+        channel.mark_broken("the receiver closed this epoch's group")
+    if stopped is not None:
+        raise Declined(stopped.status, stopped.message, rid)
+    if final != TransferStatus.OK:
+        raise Declined(final, "receiver reported failure", rid)
 
 
 def _receive_run(channel: PairChannel, incoming: IncomingTransfer, index: int, control: int, deadline: float) -> None:
@@ -194,56 +181,53 @@ def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: fl
     return control == COMMIT
 
 
-def finish_receive(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, committed: bool,
-                   deadline: float) -> ReceiveOutcome:
-    """Verifies and writes the blocks (or not), then acks the sender with the outcome; frees on any failure."""
-    if not committed:
-        outcome = incoming.fail(TransferStatus.ABORTED_BY_SENDER, "the sender cancelled the transfer")
-    elif inbox.is_cancelled(incoming.manifest.request_id):
-        outcome = incoming.fail(TransferStatus.CANCELLED, "cancelled by the receiver")
-    else:
-        try:
-            outcome = incoming.commit()
-        except KVTransferError as exc:
-            outcome = incoming.fail(exc.status, exc.message)
-    status = outcome.status if isinstance(outcome, ReceiveFailed) else TransferStatus.OK
-    try:
-        channel.send_code(status, deadline)
-    except KVTransferError as exc:
-        if isinstance(outcome, ReceivedKV):  # the sender will count it as failed: do not keep the blocks
-            incoming.pool.free(outcome.block_ids)
-            outcome = ReceiveFailed(outcome.request_id, exc.status, f"could not ack the sender: {exc.message}")
-        inbox.put(outcome)
-        raise
-    return outcome
+def _receive_pieces(channel: PairChannel, incoming: IncomingTransfer, direct: bytes, deadline: float) -> bool:
+    """A whole-request transfer's pieces: every receive posted up front (gloo takes them back to back),
+    each piece landed as soon as it is in. True: all in (the sender commits by sending them all)."""
+    rid = incoming.manifest.request_id
+    if len(direct) != incoming.num_pieces or any(flag > 1 for flag in direct):
+        raise KVTransferError(TransferStatus.MALFORMED, "direct flags do not match the manifest's runs", rid)
+    posted = []
+    for index in range(incoming.num_pieces):
+        if direct[index]:
+            targets, in_place = incoming.plane_targets(index, channel.device)
+        else:
+            targets, in_place = [incoming.payloads[index]], False
+        posted.append((channel.post_recvs(targets), in_place))
+    for index, (works, in_place) in enumerate(posted):
+        for work in works:
+            channel.wait(work, deadline, "recv")
+        incoming.landed(index, in_place=in_place)
+    return True
 
 
-def receive_transfer(channel: PairChannel, pool: KVPoolView, staging: StagingPool, inbox: ReceiveInbox,
-                     timeout_s: float, lander: Executor) -> None:
-    """The whole receiver side of one announced transfer; the outcome goes to the inbox.
-    Raises KVTransferError only when the link itself failed (after freeing whatever it held)."""
+def receive_transfer(conn: ControlConnection, channel: PairChannel | None, frame: TransferFrame, pool: KVPoolView,
+                     staging: StagingPool, inbox: ReceiveInbox, timeout_s: float, lander: Executor) -> None:
+    """The whole receiver side of one TRANSFER frame; the outcome goes to the inbox and the STATUS reply
+    to the sender. A transfer given up before all its bytes were read closes the channel (the sender
+    sees alive False). Raises ControlClosed / KVTransferError only when the reply cannot go."""
     deadline = time.monotonic() + timeout_s
-    try:
-        incoming = _receive_manifest(channel, pool, staging, inbox, deadline, lander)
-    except KVTransferError as exc:  # the link failed before we learnt which request this was
-        inbox.put(ReceiveFailed(exc.request_id, exc.status, exc.message))
-        raise
+
+    def decline() -> bool:
+        if channel is not None:
+            channel.close()
+            channel.mark_broken("a declined transfer's bytes were not read")
+        return False
+
+    def live() -> bool:
+        return channel is not None and channel.broken is None
+
+    def accept(manifest: Manifest) -> IncomingTransfer:
+        if not live():
+            raise KVTransferError(TransferStatus.PEER_FAILED, "no data-plane group on this connection",
+                                  manifest.request_id)
+        return IncomingTransfer.accept(manifest, pool, staging, lander)
+
+    incoming = answer_manifest(conn, frame, pool, inbox, deadline, accept, decline)
     if incoming is None:
         return
-    land_and_settle(channel, incoming, inbox, deadline, lambda: _receive_runs(channel, incoming, deadline))
-
-
-def land_and_settle(channel: PairChannel, incoming: IncomingTransfer, inbox: ReceiveInbox, deadline: float,
-                    land_runs: Callable[[], bool]) -> None:
-    """Lands an accepted transfer's runs with land_runs() (True: the sender committed), then verifies and
-    acks it (finish_receive); the outcome goes to the inbox. Any failure frees what the transfer holds
-    first; a failure of the link itself is raised after that."""
-    try:
-        committed = land_runs()
-    except KVTransferError as exc:
-        inbox.put(incoming.fail(exc.status, exc.message))
-        raise
-    except BaseException as exc:
-        inbox.put(incoming.fail(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}"))
-        raise
-    inbox.put(finish_receive(channel, incoming, inbox, committed, deadline))
+    if incoming.manifest.streamed:
+        land = lambda: _receive_runs(channel, incoming, deadline)  # noqa: E731
+    else:
+        land = lambda: _receive_pieces(channel, incoming, frame.direct, deadline)  # noqa: E731
+    land_and_settle(conn, frame.seq, incoming, inbox, deadline, land, decline)

@@ -67,6 +67,10 @@ class GrpcReceiver(KVReceiver):
     def address(self) -> ReceiverAddress:
         return ReceiverAddress("grpc", target=f"{self.host}:{self.port}")
 
+    @property
+    def dropped_connections(self) -> dict[str, int]:
+        return {"unauthenticated": self.unauthenticated} if self.unauthenticated else {}
+
     async def _push(self, request_iterator, context) -> None:
         """One transfer: manifest, admission (maybe a wait in the queue), allocate, stream into the blocks or
         staging, verify (+ scatter), final ack. Whatever ends it (bad data, full queue, timeout, client gone,
@@ -80,7 +84,7 @@ class GrpcReceiver(KVReceiver):
         await context.send_initial_metadata(())  # at once: a sender may wait for it before its first write
         final, received, drain = await self._run_transfer(context)
         try:
-            await context.write(final)
+            await self._write_final(context, final)
         except BaseException as exc:  # CancelledError too (the handler cancelled after commit): free, then end
             if received is not None:
                 self.pool.free(received.block_ids)
@@ -96,6 +100,10 @@ class GrpcReceiver(KVReceiver):
                 await asyncio.wait_for(self._drain(context), self.config.kv_transfer_timeout_s)
             except (asyncio.TimeoutError, grpc.aio.AioRpcError):
                 pass
+
+    async def _write_final(self, context, final: tandem_pb2.KVAck) -> None:
+        """Writes the final ack (a seam: tests cancel the call right after it)."""
+        await context.write(final)
 
     async def _run_transfer(self, context) -> tuple[tandem_pb2.KVAck, ReceivedKV | None, bool]:
         """(final ack, the delivery if it succeeded, whether to drain the client's remaining writes).

@@ -147,6 +147,7 @@ class GrpcSender(KVSender):
                 await asyncio.wait([first_checksum])
         if ack.status != tandem_pb2.KV_OK:
             raise KVTransferError(TransferStatus(ack.status), ack.error or "receiver reported failure", rid)
+        await _settled_with(call, rid)
 
     async def _opened(self, call, target: str, rid: str) -> None:
         """On the first stream to a target (and after one that failed), waits for the receiver's first
@@ -271,3 +272,14 @@ class _PipelinedWriter:
         await asyncio.wait([self.writing])
         if not self.writing.cancelled():
             self.writing.exception()  # retrieved: the error that ended the call is reported elsewhere
+
+
+async def _settled_with(call, rid: str) -> None:
+    """After an OK final ack: waits for the receiver's handler to end the call. The receiver delivers only
+    once its ack went out and its handler returns, so a call that ends otherwise (the ack's write was
+    cancelled under it: the receiver has freed the blocks and reported the transfer failed) fails here too,
+    and both sides agree. Leaving the call before its status would cancel it and could cause just that."""
+    code = await call.code()
+    if code != grpc.StatusCode.OK:
+        raise KVTransferError(TransferStatus.PEER_FAILED, f"the receiver ended the call with {code.name} after "
+                                                          "its final ack", rid)

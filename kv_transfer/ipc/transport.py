@@ -1,55 +1,56 @@
-"""IpcSender / IpcReceiver: the dist transport's pairs, threads and epochs, with the ipc message order.
+"""IpcSender / IpcReceiver: the rank transports' links and threads, with the ipc message order.
 
-Each (sender rank, receiver rank) pair is a gloo PairChannel of the cluster's TCPStore rendezvous, exactly
-as for gloo/nccl but with one lane (a pair's transfers in order, one thread per peer on each side: ipc sends
-whole requests, and each channel maps the sender's pool once; a new epoch's process group after a break).
-Only control words, the pool handle and manifests cross it; the KV is copied by the receiver straight out of
-the sender's pool, mapped once per channel.
+Each (sender rank, receiver rank) pair is one authenticated control connection, as for gloo/nccl, with
+one lane (a pair's transfers in order; each connection maps the sender's pool once) and no process group:
+only manifests, the pool handle and statuses cross it; the KV is copied by the receiver straight out of
+the sender's pool.
 """
 from __future__ import annotations
 
 import logging
 import queue
-import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
-from kv_transfer.dist.channel import PairChannel
-from kv_transfer.dist.transport import ReceiverLink, SenderLink, TorchDistReceiver, TorchDistSender
+from kv_transfer.control.connection import ControlConnection, Kind
+from kv_transfer.control.exchange import MAX_TRANSFER_FRAME_BYTES, Declined, TransferFrame, cancel_transfer
+from kv_transfer.control.handshake import PeerHello
+from kv_transfer.dist.receiver import ReceiverLink, TorchDistReceiver
+from kv_transfer.dist.sender import SenderLink, TorchDistSender, open_control
 from kv_transfer.ipc.landing import NO_STAGING
 from kv_transfer.ipc.pool_handle import check_exportable, export_pool
-from kv_transfer.ipc.protocol import PeerPool, receive_transfer, send_copy, send_manifest, send_pool_handle
+from kv_transfer.ipc.protocol import PeerPool, receive_ipc, send_ipc
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import SendRequest, TransferHandle
-from kv_transfer.status import KVTransferError
+from kv_transfer.status import TransferStatus
 
 log = logging.getLogger(__name__)
-CONTROL_BACKEND = "gloo"  # the pair channels carry CPU control tensors only
+CONTROL_BACKEND = "gloo"  # the name the dist classes are built with; no process group is ever made
 
 
 class _IpcSenderLink(SenderLink):
-    """The sending end of one pair; publishes the pool on each channel until a manifest is accepted."""
+    """The sending end of one pair; sends the pool handle with each TRANSFER until one was accepted on
+    the connection."""
 
-    def __init__(self, owner: "IpcSender", peer_rank: int, lane: int, jobs: queue.SimpleQueue):
-        self.published_on: PairChannel | None = None  # the channel whose receiver has mapped our pool
-        super().__init__(owner, peer_rank, lane, jobs)
+    def __init__(self, owner: "IpcSender", peer: ReceiverAddress, lane: int, jobs: queue.SimpleQueue):
+        self.published_on: ControlConnection | None = None  # the connection whose receiver mapped our pool
+        super().__init__(owner, peer, lane, jobs)
 
-    def _ship(self, outgoing: OutgoingTransfer, handle: TransferHandle) -> None:
-        if self.channel is None or self.channel.broken is not None:
-            self._next_epoch()
-        channel = self.channel
-        pool_handle = export_pool(self.owner.pool.kv) if self.published_on is not channel else None
-        seq, self.seq = self.seq, self.seq + 1
-        channel.ring(seq)
-        if seq == 0:
-            channel.connect()  # waits (connect_timeout_s) for the receiver to join this epoch
-        deadline = time.monotonic() + self.owner.config.kv_transfer_timeout_s
-        if pool_handle is not None:
-            send_pool_handle(channel, pool_handle, deadline)
-        send_manifest(channel, outgoing, deadline)  # raises KVTransferError when declined
-        self.published_on = channel
-        send_copy(channel, outgoing.manifest.request_id, deadline, handle.cancel_requested)
+    def _connect(self) -> None:
+        if self.conn is None:
+            hello = PeerHello(self.owner.rendezvous.namespace, self.owner.rendezvous.rank, self.lane)
+            self.conn, self.seq = open_control(self.peer, self.owner.config, hello), 0
+
+    def _exchange(self, outgoing: OutgoingTransfer, handle: TransferHandle, seq: int, deadline: float) -> None:
+        if handle.cancel_requested.is_set():  # the TRANSFER frame is the go-ahead: not once cancelled
+            raise Declined(TransferStatus.CANCELLED, "cancelled by the sender", outgoing.manifest.request_id)
+        pool_handle = export_pool(self.owner.pool.kv) if self.published_on is not self.conn else None
+        conn = self.conn
+        handle.on_cancel(lambda: cancel_transfer(conn, seq))  # the receiver drops it unless delivered
+        send_ipc(conn, outgoing, seq, pool_handle, deadline)
+        self.published_on = self.conn
 
 
 class IpcSender(TorchDistSender):
@@ -60,7 +61,7 @@ class IpcSender(TorchDistSender):
     receiver's final ack (so its copies have finished reading them) or on any failure, then resolves the
     handle. On CUDA the blocks must have been written on the caller's current stream: the manifest's
     checksums wait for an event recorded there, so the KV is complete before the receiver learns of it.
-    The receiver keeps a mapping of the whole pool while the pair's channel lives; it only reads the
+    The receiver keeps a mapping of the whole pool while the pair's connection lives; it only reads the
     blocks of transfers under way."""
 
     def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous):
@@ -75,40 +76,35 @@ class IpcSender(TorchDistSender):
 
     @property
     def lanes(self) -> int:
-        return 1  # one channel (and one mapping of this pool) per receiver
+        return 1  # one connection (and one mapping of this pool) per receiver
 
-    def _new_link(self, peer_rank: int, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
-        return _IpcSenderLink(self, peer_rank, lane, jobs)
+    def _new_link(self, peer: ReceiverAddress, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
+        return _IpcSenderLink(self, peer, lane, jobs)
 
 
 class _IpcReceiverLink(ReceiverLink):
-    """The receiving end of one pair: the sender's pool is mapped afresh on each epoch's channel."""
+    """The receiving end of one pair: the sender's pool is mapped once per connection."""
 
-    def _serve_epoch(self) -> bool:
-        """Transfers on this epoch's channel until it breaks (True: open the next) or the receiver stops.
-        The mapping of the sender's pool lives as long as the channel."""
-        owner, seq, peer = self.owner, 0, PeerPool(self.owner.pool.device)
+    def serve(self, lander: ThreadPoolExecutor) -> None:
+        owner, peer = self.owner, PeerPool(self.owner.pool.device)
         try:
-            while self.channel.wait_bell(seq, self.stopped):
-                if seq == 0:
-                    self.channel.connect()
-                receive_transfer(self.channel, peer, owner.pool, owner.inbox, owner.config.kv_transfer_timeout_s,
-                                 self.lander)
-                seq += 1
-            return False
-        except KVTransferError as exc:
-            log.warning("kv ipc link from rank %d broke: %s; waiting on its next epoch", self.peer_rank, exc)
-            return not self.stopped()
+            while True:
+                kind, payload = self.conn.receive(MAX_TRANSFER_FRAME_BYTES, None, (Kind.TRANSFER, Kind.CANCEL),
+                                                  owner.config.kv_transfer_timeout_s)
+                if kind == Kind.CANCEL:  # for a transfer already answered: too late
+                    continue
+                receive_ipc(self.conn, TransferFrame.decode(payload), peer, owner.pool, owner.inbox,
+                            owner.config.kv_transfer_timeout_s, lander)
         finally:
             peer.kv = None  # unmapped here, not whenever the frame is collected: the sender may exit next
 
 
 class IpcReceiver(TorchDistReceiver):
-    """KVReceiver for transport 'ipc', listening to the given sender ranks.
+    """KVReceiver for transport 'ipc', serving the given sender ranks.
 
     Per transfer it allocates its blocks when it accepts the manifest, copies each run out of the sender's
     mapped pool into them (one copy per run, on a side stream on CUDA), verifies the run's checksum and
-    waits for the copies to complete before its final ack. The blocks belong to the transfer until a
+    waits for the copies to complete before its reply. The blocks belong to the transfer until a
     ReceivedKV hands them to the caller, and are freed by the transfer on any failure, cancel or timeout
     (after any copy under way has finished). The pool may be any CUDA or CPU pool; a sender's pool must be
     on the same device."""
@@ -119,11 +115,11 @@ class IpcReceiver(TorchDistReceiver):
     def lanes(self) -> int:
         return 1  # as IpcSender
 
-    def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous, peers: Sequence[int]):
-        super().__init__(config, pool, rendezvous, (), backend=CONTROL_BACKEND)
+    def __init__(self, config: TransferConfig, pool: KVPoolView, rendezvous: DistRendezvous, peers: Sequence[int],
+                 host: str = "127.0.0.1"):
+        super().__init__(config, pool, rendezvous, peers, backend=CONTROL_BACKEND, host=host)
         self.staging = NO_STAGING
-        self._links = [_IpcReceiverLink(self, peer, 0) for peer in peers]
 
     @property
     def address(self) -> ReceiverAddress:
-        return ReceiverAddress("ipc", rank=self.rendezvous.rank)
+        return ReceiverAddress("ipc", rank=self.rendezvous.rank, target=self.listener.target)

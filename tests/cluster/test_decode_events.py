@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -179,6 +180,37 @@ def test_a_wrong_secret_is_closed_before_anything_is_read():
 
     asked, lost = asyncio.run(scenario())
     assert asked == [] and lost == ["d"]
+
+
+def test_no_secret_garbage_and_silence_are_dropped_counted_and_the_channel_keeps_serving():
+    """Each listener of the cluster closes a connection that has not shown its secret before reading
+    anything else: here the decode channel, against a peer that closes at once, one that sends garbage in
+    the secret's place, and one that says nothing past the deadline; then the coordinator is served."""
+    async def scenario():
+        worker = FakeDecodeWorker()
+        worker.server = ChannelServer(worker.expect, secret_timeout_s=0.2)
+        address = await worker.server.start("127.0.0.1")
+        for payload in (b"", os.urandom(4096), None):
+            reader, writer = await asyncio.open_connection(address.host, address.port)
+            if payload is None:
+                await asyncio.sleep(0.4)          # silence past the deadline
+            else:
+                writer.write(payload)
+                await writer.drain()
+                if not payload:
+                    writer.close()
+            assert await asyncio.wait_for(reader.read(), 5) == b"", "the channel answered a stranger"
+            writer.close()
+        await asyncio.sleep(0.05)
+        pump = DecodeEventPump("d", opened(address), lambda *args: None)
+        admission = await pump.expect(expected("after"))
+        pump.stop()
+        worker.server.close()
+        return dict(worker.server.drops), admission, worker.expected
+
+    drops, admission, asked = asyncio.run(scenario())
+    assert drops == {"closed": 1, "unauthenticated": 1, "timeout": 1}, drops
+    assert admission.accepted and asked == ["after"]
 
 
 def test_a_worker_that_died_before_its_channel_opened_is_lost():

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import socket
+import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.api.metrics import ServingMetrics
 from engine import LLM
+from kv_transfer.control.connection import ControlConnection
+from kv_transfer.control.handshake import HandshakeRefused, PeerHello, client_handshake
 from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, running_cluster,
                                        wait_until_idle)
 from tests.support.engine_checks import random_prompts
@@ -73,3 +80,35 @@ def test_chat_turns_ship_only_what_their_decode_worker_lacks_and_equal_colocated
         assert t2.kv_bytes * 2 < -(-len(prompt2) // BLOCK) * block_nbytes   # less than half the whole prompt
         assert len(prompt3) - (len(prompt2) + OUTPUT - 1) // BLOCK * BLOCK < LOCAL_BELOW
         assert (t3.prefill_location, t3.prefill_worker, t3.kv_bytes) == ("local", "", 0)
+
+
+def test_strangers_on_the_kv_plane_are_dropped_counted_and_serving_goes_on(chat_cluster):
+    """The cluster's KV plane is closed (issue 32): a decode worker's control listener drops garbage and a
+    sender without the cluster secret before reading anything else, counts both (its stats, so /health and
+    /metrics), and the cluster serves the next request as before."""
+    decode = next(info for info in chat_cluster.workers.values() if info.role == "decode")
+    host, _, port = decode.kv_address.target.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as stranger:
+        stranger.sendall(os.urandom(4096))
+        try:
+            assert stranger.recv(1) == b"", "the KV listener answered garbage"
+        except ConnectionResetError:
+            pass  # closed with the garbage unread
+    conn = ControlConnection(socket.create_connection((host, int(port)), timeout=10))
+    with pytest.raises(HandshakeRefused):
+        client_handshake(conn, None, PeerHello("another-cluster", 0, 0), time.monotonic() + 10)
+    conn.close()
+    tokens, _ = asyncio.run(collect(chat_cluster, request("after-strangers", list(range(1, 60)), greedy(4))))
+    assert len(tokens) == 4
+    deadline = time.monotonic() + 10
+    while True:
+        health = asyncio.run(chat_cluster.health())
+        if health.details["workers"][decode.name].get("dropped_connections") == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert health.details["workers"][decode.name]["dropped_connections"] == 2, health.details["workers"]
+    gauges = {s.labels["worker"]: s.value for family in text_string_to_metric_families(
+        ServingMetrics().render(health).decode()) for s in family.samples
+        if s.name == "tandem_worker_dropped_connections"}
+    assert gauges[decode.name] == 2, gauges
+    asyncio.run(wait_until_idle(chat_cluster))

@@ -9,7 +9,7 @@ import pytest
 
 from decode_worker import DecodeEnded, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
 from engine import LLM, SamplingParams
-from kv_transfer import DistRendezvous, TransferConfig, start_store
+from kv_transfer import DistRendezvous, TransferConfig
 from prefill_worker import PrefillStatus, PrefillTask, PrefillWorker, PrefillWorkerConfig
 from tests.cluster.test_workers import idle, wait_for
 from tests.support.engine_checks import random_prompts
@@ -20,12 +20,12 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [7, 40, 90, 23]  # 90 > the 64-token budget: chunked over two steps
 
 
-def _workers(path: str, transport: str, streaming: str, store_port: int | None):
+def _workers(path: str, transport: str, streaming: str):
     engine_options = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=64, enable_chunked_prefill=True)
     prefill_rdzv = decode_rdzv = None
     if transport == "gloo":
-        prefill_rdzv = DistRendezvous("127.0.0.1", store_port, 0, 2, f"stream-{streaming}")
-        decode_rdzv = DistRendezvous("127.0.0.1", store_port, 1, 2, f"stream-{streaming}")
+        prefill_rdzv = DistRendezvous(0, 2, f"stream-{streaming}")
+        decode_rdzv = DistRendezvous(1, 2, f"stream-{streaming}")
     decode = DecodeWorker(LLM(path, **engine_options).engine, DecodeWorkerConfig(
         f"decode-{streaming}", transport=transport, transfer=TRANSFER, rendezvous=decode_rdzv, peer_ranks=(0,)))
     prefill = PrefillWorker(LLM(path, **engine_options).engine, PrefillWorkerConfig(
@@ -38,9 +38,8 @@ def _workers(path: str, transport: str, streaming: str, store_port: int | None):
                 ids=lambda p: "-".join(p))
 def workers(request, tiny_checkpoint):
     transport, streaming = request.param
-    store = start_store("127.0.0.1", 0) if transport == "gloo" else None
     path = str(tiny_checkpoint("llama"))
-    prefill, decode = _workers(path, transport, streaming, None if store is None else store.port)
+    prefill, decode = _workers(path, transport, streaming)
     yield path, streaming, prefill, decode
     prefill.stop()
     decode.stop()

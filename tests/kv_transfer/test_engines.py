@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 from engine import LLM, SamplingParams
-from kv_transfer import DistRendezvous, KVReceiver, ReceivedKV, TransferConfig, create_receiver, start_store
+from kv_transfer import DistRendezvous, KVReceiver, ReceivedKV, TransferConfig, create_receiver
 from kv_transfer.engine_pool import admit_received, engine_pool_view, take_prefilled
 from tests.support.engine_checks import random_prompts
 from tests.support.engines import make_llm
@@ -84,13 +84,8 @@ def ckpt(tiny_checkpoint) -> str:
 
 
 @pytest.fixture(scope="module")
-def store():
-    return start_store("127.0.0.1", 0)
-
-
-@pytest.fixture(scope="module")
-def prefill_peer(ckpt, store):
-    peer = PrefillPeerProcess(PrefillPeerSpec(ckpt, BLOCK_SIZE, PREFILL_BLOCKS, store.port))
+def prefill_peer(ckpt):
+    peer = PrefillPeerProcess(PrefillPeerSpec(ckpt, BLOCK_SIZE, PREFILL_BLOCKS))
     yield peer
     peer.stop()
 
@@ -111,9 +106,9 @@ def decode_engine(ckpt):
     assert engine.num_free_blocks == engine.num_total_blocks, "decode side leaks KV blocks"
 
 
-def make_receiver(transport: str, store, engine) -> KVReceiver:
+def make_receiver(transport: str, engine) -> KVReceiver:
     config = TransferConfig(transport=transport, kv_transfer_timeout_s=20, connect_timeout_s=30)
-    rdzv = DistRendezvous("127.0.0.1", store.port, rank=0, world_size=2, namespace=f"engines-{transport}")
+    rdzv = DistRendezvous(rank=0, world_size=2, namespace=f"engines-{transport}")
     return create_receiver(config, engine_pool_view(engine), transport, rendezvous=rdzv, peers=[1])
 
 
@@ -127,12 +122,12 @@ def assert_prefill_side_free(peer: PrefillPeerProcess) -> None:
 
 
 @pytest.mark.parametrize("transport, seed", [("gloo", 11), ("grpc", 12)])
-def test_decode_engine_continues_prefill_engine(transport, seed, store, prefill_peer, colocated, decode_engine):
+def test_decode_engine_continues_prefill_engine(transport, seed, prefill_peer, colocated, decode_engine):
     wave1, wave2 = prompt_waves(seed)
     prompts = {**wave1, **wave2}
     outs = colocated.generate(prompt_token_ids=list(prompts.values()), sampling_params=GREEDY, use_tqdm=False)
     expected = {rid: out.outputs[0].token_ids for rid, out in zip(prompts, outs)}
-    receiver = make_receiver(transport, store, decode_engine)
+    receiver = make_receiver(transport, decode_engine)
     loop = DecodeLoop(decode_engine, receiver, prompts)
     namespace = f"engines-{transport}"
     try:
@@ -159,10 +154,10 @@ def test_decode_engine_continues_prefill_engine(transport, seed, store, prefill_
     assert_prefill_side_free(prefill_peer)
 
 
-def test_failed_admission_frees_the_received_blocks(store, prefill_peer, decode_engine, colocated):
+def test_failed_admission_frees_the_received_blocks(prefill_peer, decode_engine, colocated):
     with pytest.raises(ValueError, match="no prefilled KV|not a prefilled"):
         take_prefilled(colocated.engine, "never-added")
-    receiver = make_receiver("grpc", store, decode_engine)
+    receiver = make_receiver("grpc", decode_engine)
     try:
         prompt = random_prompts([21], VOCAB, seed=13)[0]
         prefill_peer.call(Prefill((("mismatch", tuple(prompt)),), MAX_TOKENS))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer import DistRendezvous, TransferConfig, create_receiver, start_store
+from kv_transfer import DistRendezvous, TransferConfig, create_receiver
 from tests.support import kv_scenarios as sc
 from tests.support.kv_peer import BF16, FP32, PeerProcess, PeerSpec
 
@@ -11,25 +11,24 @@ TIMEOUT_S = 20.0
 SHORT_TIMEOUT_S = 1.0
 
 
-def _side(store_port: int, namespace: str, dtype: str, peers: list[int], timeout_s: float) -> sc.Side:
+def _side(namespace: str, dtype: str, peers: list[int], timeout_s: float) -> sc.Side:
     pool = sc.receiver_pool(FP32 if dtype == "float32" else BF16)
     gate = sc.Gate(pool)
     config = TransferConfig(transport="gloo", kv_transfer_timeout_s=timeout_s, connect_timeout_s=30)
-    rdzv = DistRendezvous("127.0.0.1", store_port, rank=0, world_size=4, namespace=namespace)
+    rdzv = DistRendezvous(rank=0, world_size=4, namespace=namespace)
     receiver = create_receiver(config, gate.view(), "gloo", rendezvous=rdzv, peers=peers)
     return sc.Side(dtype, pool, gate, receiver, namespace)
 
 
 @pytest.fixture(scope="module")
 def rig():
-    store = start_store("127.0.0.1", 0)
-    peer = PeerProcess(PeerSpec("gloo", store.port, rank=1, timeout_s=TIMEOUT_S))
-    doomed = PeerProcess(PeerSpec("gloo", store.port, rank=3, timeout_s=TIMEOUT_S))
+    peer = PeerProcess(PeerSpec("gloo", rank=1, timeout_s=TIMEOUT_S))
+    doomed = PeerProcess(PeerSpec("gloo", rank=3, timeout_s=TIMEOUT_S))
     sides = {
-        "float32": _side(store.port, "f32", "float32", [1, 2], TIMEOUT_S),
-        "bfloat16": _side(store.port, "bf16", "bfloat16", [1], TIMEOUT_S),
-        "short": _side(store.port, "short", "float32", [2], SHORT_TIMEOUT_S),
-        "doomed": _side(store.port, "doomed", "float32", [3], TIMEOUT_S),
+        "float32": _side("f32", "float32", [1, 2], TIMEOUT_S),
+        "bfloat16": _side("bf16", "bfloat16", [1], TIMEOUT_S),
+        "short": _side("short", "float32", [2], SHORT_TIMEOUT_S),
+        "doomed": _side("doomed", "float32", [3], TIMEOUT_S),
     }
     yield sc.Rig(peer, doomed, sides)
     peer.stop()

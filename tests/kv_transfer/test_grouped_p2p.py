@@ -4,12 +4,14 @@ same backend methods plays it), one call per tensor where it does not (gloo, for
 one call per tensor, with a warning, where starting a group fails (a torch whose binding differs)."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 import torch
 
-from kv_transfer.dist.channel import RECEIVER, SENDER, PairChannel, connect_store, start_store
+from kv_transfer.control.connection import ControlConnection
+from kv_transfer.dist.channel import RECEIVER, SENDER, PairChannel
 
 
 class _Work:
@@ -45,8 +47,7 @@ class RecordingGroup:
 
 
 def _channel(group, role: int = SENDER) -> PairChannel:
-    channel = PairChannel("gloo", store=None, prefix="test/0->1/l0/e0", role=role, device=torch.device("cpu"),
-                          connect_timeout_s=1.0)
+    channel = PairChannel("gloo", role=role, device=torch.device("cpu"), connect_timeout_s=1.0)
     channel._group = group  # as connect() leaves it
     return channel
 
@@ -77,14 +78,16 @@ def test_a_group_that_cannot_start_falls_back_to_one_call_per_tensor(caplog):
 
 
 def test_gloo_posts_one_call_per_tensor_and_the_tensors_arrive_in_order():
-    server = start_store("127.0.0.1")
-    ends = [PairChannel("gloo", connect_store("127.0.0.1", server.port), "test/grouped/e0", role,
-                        torch.device("cpu"), connect_timeout_s=30.0) for role in (SENDER, RECEIVER)]
+    with socket.create_server(("127.0.0.1", 0)) as server:  # the pair's control connection, both ends here
+        left = socket.create_connection(server.getsockname())
+        right, _ = server.accept()
+    conns = [ControlConnection(left, "sender"), ControlConnection(right, "receiver")]
+    ends = [PairChannel("gloo", role, torch.device("cpu"), connect_timeout_s=30.0) for role in (SENDER, RECEIVER)]
     sent = [torch.arange(n, dtype=torch.float32) for n in (5, 7, 11)]
     received = [torch.zeros(n) for n in (5, 7, 11)]
-    connected = threading.Thread(target=ends[RECEIVER].connect)
+    connected = threading.Thread(target=ends[RECEIVER].connect, args=(conns[RECEIVER],))
     connected.start()
-    ends[SENDER].connect()
+    ends[SENDER].connect(conns[SENDER])
     connected.join()
     try:
         sends, recvs = ends[SENDER].post_sends(sent), ends[RECEIVER].post_recvs(received)
@@ -96,5 +99,6 @@ def test_gloo_posts_one_call_per_tensor_and_the_tensors_arrive_in_order():
             ends[SENDER].wait(work, deadline, "send")
         assert all(torch.equal(a, b) for a, b in zip(sent, received))
     finally:
-        for end in ends:
+        for end, conn in zip(ends, conns):
             end.close()
+            conn.close()

@@ -9,9 +9,8 @@ import threading
 import pytest
 import torch
 
-from kv_transfer import (DistRendezvous, KVPoolView, KVTransferError, ReceivedKV, ReceiveFailed, ReceiverAddress,
-                         SendRequest, TransferConfig, TransferStatus, create_receiver, create_sender, resolve_transport,
-                         start_store)
+from kv_transfer import (DistRendezvous, KVPoolView, KVTransferError, ReceivedKV, ReceiveFailed, SendRequest,
+                         TransferConfig, TransferStatus, create_receiver, create_sender, resolve_transport)
 from kv_transfer.ipc.pool_handle import PoolHandleError, export_pool, import_pool
 from kv_transfer.testing import FreeListPool, blocks_bytes, fill_blocks
 from tests.support.kv_peer import FP32
@@ -35,7 +34,7 @@ def test_auto_picks_ipc_on_one_gpu_and_explicit_ipc_is_checked():
 
 def test_a_cpu_pool_outside_shared_memory_is_refused():
     config = TransferConfig(transport="ipc")
-    rdzv = DistRendezvous("127.0.0.1", 1, 0, 2, "never-used")
+    rdzv = DistRendezvous(0, 2, "never-used")
     with pytest.raises(ValueError, match="shared memory"):
         create_sender(config, FreeListPool(FP32, 4).view(), "ipc", rdzv)
     with pytest.raises(ValueError, match="needs a DistRendezvous"):
@@ -78,16 +77,15 @@ def test_a_timed_out_transfer_fails_only_itself():
     """Sender and receiver in this process, on threads: the slow transfer times out (both ends free its
     blocks), both ends open the pair's next channel, the pool is published and mapped again, and the next
     transfers arrive bit for bit."""
-    store = start_store("127.0.0.1", 0)
     config = TransferConfig(transport="ipc", kv_transfer_timeout_s=1.0, connect_timeout_s=10)
     sender_pool, receiver_pool = FreeListPool(FP32, BLOCKS), StallingPool(FreeListPool(FP32, BLOCKS))
     sender_pool.kv.share_memory_()
-    receiver = create_receiver(config, receiver_pool.view(), "ipc", DistRendezvous("127.0.0.1", store.port, 1, 2, "pr"),
+    receiver = create_receiver(config, receiver_pool.view(), "ipc", DistRendezvous(1, 2, "pr"),
                                peers=[0])
-    sender = create_sender(config, sender_pool.view(), "ipc", DistRendezvous("127.0.0.1", store.port, 0, 2, "pr"))
+    sender = create_sender(config, sender_pool.view(), "ipc", DistRendezvous(0, 2, "pr"))
     try:
         receiver_pool.open.clear()  # the receiver takes longer than the timeout
-        slow = sender.send(ReceiverAddress("ipc", rank=1), SendRequest("slow", tuple(sender_pool.allocate(3)), 10, 7))
+        slow = sender.send(receiver.address, SendRequest("slow", tuple(sender_pool.allocate(3)), 10, 7))
         with pytest.raises(KVTransferError):
             slow.result(10)
         receiver_pool.open.set()
@@ -97,7 +95,7 @@ def test_a_timed_out_transfer_fails_only_itself():
             blocks = sender_pool.allocate(5)
             fill_blocks(sender_pool.kv, blocks, seed=10 + i)
             expected = blocks_bytes(sender_pool.kv, blocks)
-            sender.send(ReceiverAddress("ipc", rank=1), SendRequest(f"after-{i}", tuple(blocks), 17, 7)).result(20)
+            sender.send(receiver.address, SendRequest(f"after-{i}", tuple(blocks), 17, 7)).result(20)
             got = receiver.wait(20)
             assert isinstance(got, ReceivedKV) and got.request_id == f"after-{i}", got
             assert blocks_bytes(receiver_pool.pool.kv, got.block_ids) == expected
@@ -111,8 +109,7 @@ def test_a_timed_out_transfer_fails_only_itself():
 def test_receiver_killed_mid_transfer():
     """The receiving process is killed inside allocate (it has mapped the pool and read the manifest): the
     sender fails PEER_FAILED long before its 120 s timeout and frees every block."""
-    store = start_store("127.0.0.1", 0)
-    spec = ReceiverSpec("ipc", store.port, namespace="ipc-receiver-death")
+    spec = ReceiverSpec("ipc", namespace="ipc-receiver-death")
     receiver = ReceiverProcess(spec)
     pool = FreeListPool(FP32, BLOCKS)
     pool.kv.share_memory_()

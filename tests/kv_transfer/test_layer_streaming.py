@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kv_transfer import (DistRendezvous, ReceivedKV, ReceiveFailed, SendRequest, TransferConfig, create_receiver,
-                         create_sender, start_store)
+                         create_sender)
 from kv_transfer.layer_stream import LayerClock, LayerStream, StreamTail
 from kv_transfer.manifest import ManifestError, ModelFingerprint
 from kv_transfer.status import KVTransferError, TransferStatus
@@ -27,18 +27,18 @@ SENDER_BLOCKS = (3, 4, 5, 9, 20)  # two runs; 5 blocks hold 17..20 tokens
 class Rig:
     """A sender pool and sender, a receiver pool (shuffled free list: non-contiguous ids) and receiver."""
 
-    def __init__(self, transport: str, store_port: int | None):
+    def __init__(self, transport: str):
         config = TransferConfig(transport=transport, kv_transfer_timeout_s=20, connect_timeout_s=30, dist_lanes=2)
         self.src = FreeListPool(FP, NUM_BLOCKS)
         self.dst = FreeListPool(FP, NUM_BLOCKS, free_order=list(reversed(range(NUM_BLOCKS))))
-        rdzv = lambda rank: DistRendezvous("127.0.0.1", store_port, rank, 2, f"ls-{uuid.uuid4().hex[:8]}")  # noqa: E731
+        rdzv = lambda rank: DistRendezvous(rank, 2, f"ls-{uuid.uuid4().hex[:8]}")  # noqa: E731
         if transport == "grpc":
             self.receiver = create_receiver(config, self.dst.view(), "grpc")
             self.sender = create_sender(config, self.src.view(), "grpc")
         else:
             shared = rdzv(0)
             self.receiver = create_receiver(config, self.dst.view(), transport,
-                                            rendezvous=DistRendezvous("127.0.0.1", store_port, 1, 2, shared.namespace),
+                                            rendezvous=DistRendezvous(1, 2, shared.namespace),
                                             peers=[0])
             self.sender = create_sender(config, self.src.view(), transport, rendezvous=shared)
 
@@ -63,8 +63,7 @@ class Rig:
 
 @pytest.fixture(scope="module", params=["gloo", "grpc"])
 def rig(request):
-    store = start_store("127.0.0.1", 0) if request.param == "gloo" else None
-    rig = Rig(request.param, None if store is None else store.port)
+    rig = Rig(request.param)
     yield rig
     rig.sender.close()
     rig.receiver.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kv_transfer import DistRendezvous, ReceivedKV, ReceiveFailed, TransferConfig, create_receiver, start_store
+from kv_transfer import DistRendezvous, ReceivedKV, ReceiveFailed, TransferConfig, create_receiver
 from kv_transfer.testing import FreeListPool, blocks_bytes
 from tests.support.kv_plane_sender import (CORRUPT_RANK, NAMESPACE, PLANE_FP, SENDER_BLOCKS, SENDER_RANK, PlaneJob,
                                            run_plane_sender)
@@ -27,13 +27,12 @@ def test_planes_land_in_place_or_staged_and_corruption_is_caught():
         PlaneJob("in-place", tuple(range(2, 14)), 12 * bs - 1, seed=2),           # ids 4..15: in place
         PlaneJob("staged", (20, 21, 22, 30, 31, 50), 6 * bs, seed=3),             # shuffled ids: via staging
     )
-    store = start_store("127.0.0.1", 0)
     pool = receiver_pool()
     config = TransferConfig(transport="gloo", kv_transfer_timeout_s=20, connect_timeout_s=30)
-    rdzv = DistRendezvous("127.0.0.1", store.port, rank=0, world_size=3, namespace=NAMESPACE)
+    rdzv = DistRendezvous(rank=0, world_size=3, namespace=NAMESPACE)
     receiver = create_receiver(config, pool.view(), "gloo", rendezvous=rdzv, peers=[SENDER_RANK, CORRUPT_RANK])
     try:
-        statuses, sender_free = run_plane_sender(store.port, receiver.address, jobs)
+        statuses, sender_free = run_plane_sender(receiver.address, jobs)
         outcomes = {o.request_id: o for o in (receiver.wait(30) for _ in jobs)}
     finally:
         receiver.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer import KVTransferError, SendRequest, TransferConfig, TransferStatus, create_sender, start_store
+from kv_transfer import KVTransferError, SendRequest, TransferConfig, TransferStatus, create_sender
 from kv_transfer.testing import FreeListPool, fill_blocks
 from tests.support.kv_peer import FP32
 from tests.support.kv_receiver_peer import SENDER_RANK, ReceiverProcess, ReceiverSpec, rendezvous
@@ -15,8 +15,7 @@ TIMEOUT_S = 120.0  # far beyond the wait below: a failure in time is the peer's 
 
 @pytest.mark.parametrize("transport", ["gloo", "grpc"])
 def test_receiver_killed_mid_transfer(transport):
-    store = start_store("127.0.0.1", 0) if transport == "gloo" else None
-    spec = ReceiverSpec(transport, store.port if store else 0)
+    spec = ReceiverSpec(transport)
     receiver = ReceiverProcess(spec)
     pool = FreeListPool(FP32, SENDER_BLOCKS)
     config = TransferConfig(transport=transport, kv_transfer_timeout_s=TIMEOUT_S, connect_timeout_s=30)

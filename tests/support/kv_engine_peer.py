@@ -27,7 +27,6 @@ class PrefillPeerSpec:
     model: str
     block_size: int
     num_kv_blocks: int
-    store_port: int
     rank: int = 1
     world_size: int = 2
     max_run_bytes: int = 16 << 10  # small runs: a long prompt travels as several pipelined runs
@@ -108,7 +107,7 @@ class _PrefillPeer:
         if (transport, namespace) not in self.senders:
             spec, rdzv = self.spec, None
             if transport != "grpc":
-                rdzv = DistRendezvous("127.0.0.1", spec.store_port, spec.rank, spec.world_size, namespace)
+                rdzv = DistRendezvous(spec.rank, spec.world_size, namespace)
             view = engine_pool_view(self.engine)
             self.senders[(transport, namespace)] = create_sender(self.config, view, transport, rdzv)
         return self.senders[(transport, namespace)]

@@ -1,24 +1,28 @@
 """A KV sender over transport 'ipc' in a spawned process: kv_peer's peer, with its pools where a receiver can
 map them (CPU pools in shared memory, or CUDA pools) and its hand-driven faults speaking the ipc message
 order: 'corrupt' (a pool value changed after the manifest's checksums were taken), 'stall' / 'hang' (stop
-after the accepted manifest, before COPY), 'bad-handle' (a pool handle naming a callable the receiver must
+half-way through the TRANSFER frame), 'bad-handle' (a pool handle naming a callable the receiver must
 refuse to unpickle)."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import pickle
-import threading
+import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import msgpack
 
 import torch
 
-from kv_transfer.dist.channel import SENDER, PairChannel, connect_store, pair_prefix
+from kv_transfer.control.connection import Kind
+from kv_transfer.control.exchange import TransferFrame, await_status
 from kv_transfer.ipc.pool_handle import export_pool
-from kv_transfer.ipc.protocol import send_copy, send_manifest, send_pool_handle
+from kv_transfer.status import TransferStatus
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.testing import FreeListPool
+from tests.support.kv_hand_link import hand_link
 from tests.support.kv_peer import BF16, FP32, SENDER_BLOCKS, Fault, Outcome, PeerProcess, PeerSpec, _Peer
 
 
@@ -43,30 +47,27 @@ class _IpcPeer(_Peer):
         self.pools = {name: _mappable(pool, spec.device) for name, pool in self.pools.items()}
 
     def gloo_fault(self, cmd: Fault, outgoing: OutgoingTransfer) -> Outcome:
-        """The ipc message order by hand on epoch 0 of the pair (cmd.rank -> receiver); fault() has
-        prepared the blocks and frees them."""
-        store = connect_store("127.0.0.1", self.spec.store_port)
-        channel = PairChannel("gloo", store, pair_prefix(cmd.start.namespace, cmd.rank, cmd.start.to.rank),
-                              SENDER, "cpu", 30)
-        channel.ring(0)
-        channel.connect()
+        """The ipc message order by hand on a connection of its own (rank cmd.rank); fault() has prepared
+        the blocks and frees them. 'stall' / 'hang' send half of the TRANSFER frame, then stop."""
+        config = replace(self.config, cluster_secret=cmd.start.secret)
         deadline = time.monotonic() + 60
         pool = self.pools[cmd.start.dtype]
-        try:
+        with hand_link(cmd.start.to, config, cmd.start.namespace, cmd.rank, with_group=False) as (conn, _):
             handle = pickle.dumps((os.getpid, ())) if cmd.mode == "bad-handle" else export_pool(pool.kv)
-            send_pool_handle(channel, handle, deadline)
             if cmd.mode == "corrupt":
                 pool.kv[-1, 1, cmd.start.block_ids[-1], -1, -1, -1] += 1  # after the manifest's checksums
                 if pool.kv.is_cuda:
                     torch.cuda.synchronize()
-            send_manifest(channel, outgoing, deadline)
+            frame = TransferFrame(0, outgoing.manifest_bytes, b"", handle)
             if cmd.mode in ("stall", "hang"):
+                body = msgpack.packb(frame.encode(), use_bin_type=True)
+                conn.sock.sendall(struct.pack("!IB", len(body), Kind.TRANSFER) + body[: len(body) // 2])
                 self.conn.send(Outcome(True, "STALLED"))
                 time.sleep(cmd.stall_s if cmd.mode == "stall" else 3600)
-            send_copy(channel, cmd.start.key, deadline, threading.Event())
-            return Outcome(True, "OK")
-        finally:
-            channel.close()
+                return Outcome(False, "STALLED")
+            conn.send(Kind.TRANSFER, frame.encode(), deadline)
+            status, _ = await_status(conn, 0, deadline)
+            return Outcome(status == TransferStatus.OK, status.name)
 
 
 def _ipc_peer_main(spec: IpcPeerSpec, conn) -> None:

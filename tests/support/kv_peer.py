@@ -1,6 +1,6 @@
 """A KV sender in a separate process, driven by typed commands over a multiprocessing pipe.
 
-The pytest process hosts the receivers (and the TCPStore); a spawned peer hosts the senders. Besides
+The pytest process hosts the receivers; a spawned peer hosts the senders. Besides
 the public KVSender path, the peer can speak the wire protocol by hand to inject faults the real
 sender never produces: a corrupted byte after checksumming, a stall mid-transfer, a truncated stream.
 """
@@ -17,14 +17,16 @@ import grpc
 
 from kv_transfer import (DistRendezvous, KVTransferError, ModelFingerprint, ReceiverAddress, SendRequest,
                          TransferConfig, create_sender)
-from kv_transfer.dist.channel import SENDER, PairChannel, connect_store, pair_prefix
-from kv_transfer.dist.protocol import send_manifest, send_runs, send_transfer
+from kv_transfer.control.connection import Kind
+from kv_transfer.control.exchange import TransferFrame, await_status
+from kv_transfer.dist.protocol import send_pieces, send_transfer
 from kv_transfer.grpc.codec import PUSH_PATH, encode_checksum_chunk, encode_data_chunk, encode_manifest_chunk
 from kv_transfer.manifest import encode_manifest
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import TransferStatus
 from kv_transfer.testing import FreeListPool, fill_blocks
+from tests.support.kv_hand_link import hand_link
 from proto import tandem_pb2
 
 FP32 = ModelFingerprint(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=4)
@@ -34,10 +36,9 @@ SENDER_BLOCKS = 160
 
 @dataclass(frozen=True)
 class PeerSpec:
-    """transport 'gloo' or 'grpc'; for gloo the store port and this peer's rank."""
+    """transport 'gloo' or 'grpc'; for gloo this peer's rank."""
 
     transport: str
-    store_port: int = 0
     rank: int = 1
     world_size: int = 4
     timeout_s: float = 20.0
@@ -117,7 +118,7 @@ class _Peer:
         if (dtype, namespace, secret) not in self.senders:
             rdzv = None
             if self.spec.transport != "grpc":
-                rdzv = DistRendezvous("127.0.0.1", self.spec.store_port, self.spec.rank, self.spec.world_size, namespace)
+                rdzv = DistRendezvous(self.spec.rank, self.spec.world_size, namespace)
             config = replace(self.config, cluster_secret=secret)
             self.senders[(dtype, namespace, secret)] = create_sender(config, self.pools[dtype].view(),
                                                                      self.spec.transport, rdzv)
@@ -159,24 +160,24 @@ class _Peer:
             self.staging.release(outgoing.staging)
 
     def gloo_fault(self, cmd: Fault, outgoing: OutgoingTransfer) -> Outcome:
-        store = connect_store("127.0.0.1", self.spec.store_port)
-        prefix = pair_prefix(cmd.start.namespace, cmd.rank, cmd.start.to.rank)
-        channel = PairChannel("gloo", store, prefix, SENDER, "cpu", 30)
-        channel.ring(0)
-        channel.connect()
+        """A hand-driven transfer on a control connection of its own (rank cmd.rank, lane 0)."""
+        config = replace(self.config, cluster_secret=cmd.start.secret)
         deadline = time.monotonic() + 60
-        try:
+        with hand_link(cmd.start.to, config, cmd.start.namespace, cmd.rank) as (conn, channel):
             if cmd.mode == "corrupt":
                 outgoing.run_payloads[-1][-3] ^= 0x5A
-                send_transfer(channel, outgoing, deadline, threading.Event())
+                send_transfer(conn, channel, outgoing, 0, deadline, threading.Event())
                 return Outcome(True, "OK")
-            send_manifest(channel, outgoing, deadline)
+            conn.send(Kind.TRANSFER, TransferFrame(0, outgoing.manifest_bytes, bytes(outgoing.direct)).encode(),
+                      deadline)
             self.conn.send(Outcome(True, "STALLED"))
             time.sleep(cmd.stall_s if cmd.mode == "stall" else 3600)
-            send_runs(channel, outgoing, deadline, threading.Event())
-            return Outcome(True, TransferStatus(channel.recv_code(deadline)).name)
-        finally:
-            channel.close()
+            try:
+                send_pieces(channel, outgoing, deadline)
+            except KVTransferError:
+                pass  # the receiver gave up and closed the group: its reply says why
+            status, _ = await_status(conn, 0, deadline)
+            return Outcome(status == TransferStatus.OK, status.name)
 
     def serve(self) -> None:
         while True:

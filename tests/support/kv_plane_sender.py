@@ -15,11 +15,11 @@ import torch
 
 from kv_transfer import (DistRendezvous, KVTransferError, ModelFingerprint, ReceiverAddress, SendRequest,
                          TransferConfig, create_sender)
-from kv_transfer.dist.channel import SENDER, PairChannel, connect_store, pair_prefix
 from kv_transfer.dist.protocol import send_transfer
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.testing import FreeListPool, fill_blocks
+from tests.support.kv_hand_link import hand_link
 
 PLANE_FP = ModelFingerprint(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_size=4)
 SENDER_BLOCKS = 64
@@ -36,36 +36,31 @@ class PlaneJob:
     corrupt: bool = False
 
 
-def _corrupt_transfer(pool: FreeListPool, job: PlaneJob, store_port: int, to: ReceiverAddress) -> str:
+def _corrupt_transfer(pool: FreeListPool, job: PlaneJob, config: TransferConfig, to: ReceiverAddress) -> str:
     outgoing = prepare_outgoing(pool.view(), SendRequest(job.key, job.block_ids, job.num_tokens, job.seed),
                                 StagingPool("cpu"), direct_min_plane_bytes=0)
     if not all(outgoing.direct):
         return "NOT_DIRECT"
     pool.kv.view(torch.uint8)[1, 1, job.block_ids[-1], 2, 1, 3] ^= 0x5A  # after the checksum, before sending
-    store = connect_store("127.0.0.1", store_port)
-    channel = PairChannel("gloo", store, pair_prefix(NAMESPACE, CORRUPT_RANK, to.rank), SENDER, "cpu", 30)
-    channel.ring(0)
-    channel.connect()
-    try:
-        send_transfer(channel, outgoing, time.monotonic() + 30, threading.Event())
-        return "OK"
-    except KVTransferError as exc:
-        return exc.status.name
-    finally:
-        channel.close()
+    with hand_link(to, config, NAMESPACE, CORRUPT_RANK) as (conn, channel):
+        try:
+            send_transfer(conn, channel, outgoing, 0, time.monotonic() + 30, threading.Event())
+            return "OK"
+        except KVTransferError as exc:
+            return exc.status.name
 
 
-def _sender_main(store_port: int, to: ReceiverAddress, jobs: tuple[PlaneJob, ...], conn) -> None:
+def _sender_main(to: ReceiverAddress, jobs: tuple[PlaneJob, ...], conn) -> None:
     pool = FreeListPool(PLANE_FP, SENDER_BLOCKS)
     config = TransferConfig(transport="gloo", kv_transfer_timeout_s=20, connect_timeout_s=30, direct_min_plane_bytes=0)
-    rdzv = DistRendezvous("127.0.0.1", store_port, SENDER_RANK, 3, NAMESPACE)
+    rdzv = DistRendezvous(SENDER_RANK, 3, NAMESPACE)
     sender = create_sender(config, pool.view(), "gloo", rdzv)
     statuses = {}
     for job in jobs:
         pool.take(job.block_ids)
         fill_blocks(pool.kv, job.block_ids, job.seed)
         if job.corrupt:
-            statuses[job.key] = _corrupt_transfer(pool, job, store_port, to)
+            statuses[job.key] = _corrupt_transfer(pool, job, config, to)
             pool.free(job.block_ids)
             continue
         try:  # the sender frees the blocks itself
@@ -77,12 +72,12 @@ def _sender_main(store_port: int, to: ReceiverAddress, jobs: tuple[PlaneJob, ...
     conn.send((statuses, pool.num_free))
 
 
-def run_plane_sender(store_port: int, to: ReceiverAddress, jobs: tuple[PlaneJob, ...],
+def run_plane_sender(to: ReceiverAddress, jobs: tuple[PlaneJob, ...],
                      timeout_s: float = 60) -> tuple[dict[str, str], int]:
     """Runs the jobs in a spawned process; returns ({key: status}, the sender pool's free blocks after)."""
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
-    process = ctx.Process(target=_sender_main, args=(store_port, to, jobs, child), daemon=True)
+    process = ctx.Process(target=_sender_main, args=(to, jobs, child), daemon=True)
     process.start()
     try:
         if not conn.poll(timeout_s):

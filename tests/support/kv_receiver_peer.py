@@ -18,14 +18,13 @@ ALLOCATING = "allocating"
 @dataclass(frozen=True)
 class ReceiverSpec:
     transport: str  # 'gloo' or 'grpc'
-    store_port: int = 0  # gloo: the TCPStore of the rendezvous
     namespace: str = "receiver-death"
 
 
 def rendezvous(spec: ReceiverSpec, rank: int) -> DistRendezvous | None:
     if spec.transport == "grpc":
         return None
-    return DistRendezvous("127.0.0.1", spec.store_port, rank, 2, spec.namespace)
+    return DistRendezvous(rank, 2, spec.namespace)
 
 
 def _main(spec: ReceiverSpec, conn) -> None:
