@@ -31,6 +31,9 @@ class NoReceiver:
     def poll(self) -> list:
         return []
 
+    def deliver_to(self, sink) -> None:
+        pass  # nothing will ever be delivered
+
     def cancel(self, request_id: str) -> None:
         pass
 

@@ -3,9 +3,9 @@
 Threads:
 - the step thread owns the engine: it registers expected requests, admits delivered KV
   (kv_transfer.engine_pool.admit_received), steps the engine and emits each request's events;
-- the inbox pump forwards the KV receiver's outcomes into the step thread's command queue, so the step
-  thread sleeps on one queue while idle;
-- the receiver's own threads (kv_transfer) allocate blocks for incoming KV and land it.
+- the receiver's own threads (kv_transfer) allocate blocks for incoming KV, land it, and put each outcome
+  straight into the step thread's command queue (KVReceiver.deliver_to: no thread between), so the step
+  thread sleeps on one queue while idle.
 A request expected with prefill_locally (conditional disaggregation: a short prompt) skips the KV
 transfer: the step thread adds it to the engine, which prefills it between decode steps.
 The engine's prefix cache holds the blocks of every request decoded here (prompt, and the blocks its
@@ -41,9 +41,6 @@ from kv_transfer.engine_pool import admit_received, engine_pool_view
 
 logger = logging.getLogger("tandem.decode_worker")
 
-INBOX_POLL_S = 0.2  # how often the pump notices stop(); deliveries wake it at once
-
-
 class DecodeWorker:
     """Owns `engine` from construction until stop(); starts its KV receiver and threads at once."""
 
@@ -57,16 +54,14 @@ class DecodeWorker:
             config.transfer, engine_pool_view(engine, allocate_for=self._blocks_for_transfer), config.transport,
             rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
         self._commands: queue.Queue = queue.Queue()
+        self._receiver.deliver_to(lambda outcome: self._commands.put(Delivered(outcome)))
         self._waiting = WaitingRequests(config.expect_timeout_s)  # accepted, KV not admitted yet
         self._running: dict[str, EmitEvent] = {}
         self._stats = self._snapshot()
-        self._pump_stop = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
-        self._pump = threading.Thread(target=self._pump_inbox, name=f"{self.name}-inbox", daemon=True)
         self._watch = StepWatch(self._thread)
         start_stepping_thread(self._thread)  # this thread built the engine; that one steps it
-        self._pump.start()
 
     # ---- any thread ----------------------------------------------------------------------------
     @property
@@ -124,20 +119,10 @@ class DecodeWorker:
         self._admission.close()
         self._commands.put(Stop())
         self._thread.join()
-        self._receiver.close()
-        self._pump_stop.set()
-        self._pump.join()
-        leftovers = take_commands(self._commands, block=False)
-        self._settle_leftovers(leftovers + [Delivered(o) for o in self._receiver.poll()])
+        self._receiver.close()  # waits for the transfers in flight: their outcomes are in the queue then
+        self._settle_leftovers(take_commands(self._commands, block=False))
         self._stats = self._snapshot()
         self._engine.close()
-
-    # ---- the inbox pump --------------------------------------------------------------------------
-    def _pump_inbox(self) -> None:
-        while not self._pump_stop.is_set():
-            outcome = self._receiver.wait(INBOX_POLL_S)
-            if outcome is not None:
-                self._commands.put(Delivered(outcome))
 
     # ---- the step thread -----------------------------------------------------------------------
     def _run(self) -> None:

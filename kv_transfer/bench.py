@@ -1,7 +1,8 @@
 """Benchmark: KV-shaped payloads between two processes over a transport, next to a raw loopback socket.
 
 `tandem bench transfer --transport gloo --sizes-mib 1,16,64,256 --json FILE` (or `python -m
-kv_transfer.bench ...`). This process receives; a spawned process sends. Per size and repeat it times
+kv_transfer.bench ...`; `--num-layers 1 --sizes-mib 0.0625,1,64` gives 64 KiB blocks, so a 64 KiB transfer
+shows the fixed cost, and the line fitted over the sizes splits it from the per-byte rate). This process receives; a spawned process sends. Per size and repeat it times
 one transfer (sender: send() -> ack, so gather, checksums, wire, verify, scatter and ack are all in)
 and, interleaved, the same number of bytes over a plain TCP socket on 127.0.0.1 (sendall ->
 recv_into a preallocated buffer -> 1-byte ack). Every transfer is checked byte for byte. With
@@ -259,10 +260,36 @@ def run(args: argparse.Namespace) -> int:
         for receiver in receivers.values():
             receiver.close()
         sink.listener.close()
+    cost = fixed_and_per_byte(rows)
+    if cost is not None:
+        print(f"{args.transport:5s} {args.num_layers:2d}L  fixed cost {cost['fixed_ms']:.3f} ms per transfer, "
+              f"then {cost['per_byte_gbps']:.2f} GB/s (raw socket: {cost['raw_fixed_ms']:.3f} ms, "
+              f"{cost['raw_per_byte_gbps']:.2f} GB/s); least squares over the sizes' medians", flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump(rows, out, indent=1)
+            json.dump({"rows": rows, "cost": cost} if cost else rows, out, indent=1)
     return 0 if all(row["bit_exact"] for row in rows) else 1
+
+
+def _line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line seconds = a + b * size."""
+    n, mean_x, mean_y = len(sizes), sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    var = sum((x - mean_x) ** 2 for x in sizes)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / var
+    return mean_y - slope * mean_x, slope
+
+
+def fixed_and_per_byte(rows: list[dict]) -> dict | None:
+    """A transfer's fixed cost and its per-byte rate, fitted over rows of at least two sizes (the smallest
+    size, e.g. 64 KiB, pins the fixed cost), for the transport and for the raw socket beside it."""
+    if len({row["size_bytes"] for row in rows}) < 2:
+        return None
+    sizes = [float(row["size_bytes"]) for row in rows]
+    fixed, per_byte = _line(sizes, [row["seconds"] for row in rows])
+    raw_fixed, raw_per_byte = _line(sizes, [row["size_bytes"] / row["baseline_gbps"] / 1e9 for row in rows])
+    return {"fixed_ms": fixed * 1e3, "per_byte_gbps": 1 / per_byte / 1e9 if per_byte > 0 else float("inf"),
+            "raw_fixed_ms": raw_fixed * 1e3,
+            "raw_per_byte_gbps": 1 / raw_per_byte / 1e9 if raw_per_byte > 0 else float("inf")}
 
 
 def _print_row(row: dict) -> None:

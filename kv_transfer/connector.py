@@ -7,6 +7,7 @@ receiver's address; a receiver allocates in its own pool and hands finished tran
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 
@@ -50,6 +51,12 @@ class KVReceiver(ABC):
         """Outcomes finished since the last call, without blocking. A ReceivedKV's block ids belong to the
         caller from now on; a ReceiveFailed has nothing left allocated."""
         return self.inbox.poll()
+
+    def deliver_to(self, sink: Callable[[ReceiveOutcome], None]) -> None:
+        """Every outcome from now on (and any not yet polled) goes to sink(outcome) on the transport's own
+        thread, the moment it is settled, instead of to poll()/wait(): a decode worker hands landed KV to its
+        step thread's queue with no thread between. sink must not block."""
+        self.inbox.forward_to(sink)
 
     def wait(self, timeout: float | None = None) -> ReceiveOutcome | None:
         """The next outcome, blocking up to timeout seconds (None: no outcome in time)."""

@@ -135,12 +135,27 @@ class ReceiveInbox:
         self._cancelled: dict[str, float] = {}  # request id -> expiry on clock, oldest first
         self._ttl, self._max_cancels, self._clock = cancel_ttl_s, max_cancels, clock
         self._lock = threading.Lock()
+        self._sink: Callable[[ReceiveOutcome], None] | None = None
 
     def put(self, outcome: ReceiveOutcome) -> None:
-        """Queues outcome for poll()/wait() and forgets any cancel of its request id."""
+        """Hands outcome to the sink (forward_to), else queues it for poll()/wait(); forgets any cancel of
+        its request id."""
         with self._lock:
             self._cancelled.pop(outcome.request_id, None)
-        self._outcomes.put(outcome)
+            sink = self._sink
+            if sink is None:
+                self._outcomes.put(outcome)
+        if sink is not None:
+            sink(outcome)
+
+    def forward_to(self, sink: Callable[[ReceiveOutcome], None]) -> None:
+        """From now on every outcome goes straight to sink(outcome), called on the transfer's own thread (it
+        must not block), instead of waiting for poll()/wait(); outcomes already queued go to it at once."""
+        with self._lock:
+            self._sink = sink
+            waiting = self.poll()
+        for outcome in waiting:
+            sink(outcome)
 
     def poll(self) -> list[ReceiveOutcome]:
         """All outcomes that finished since the last poll, without blocking."""

@@ -223,3 +223,16 @@ def test_admission_queue_is_fifo_bounded_and_times_out():
         assert queue_.active == 0
 
     asyncio.run(scenario())
+
+
+def test_outcomes_forwarded_to_a_sink_skip_the_queue():
+    """deliver_to / forward_to: what was queued goes to the sink at once, later outcomes on the putting
+    thread; a cancel is still consumed by its outcome, and nothing is left for poll()."""
+    inbox, got = ReceiveInbox(), []
+    inbox.put(ReceiveFailed("early", TransferStatus.TIMEOUT, "queued before"))
+    inbox.cancel("late")
+    inbox.forward_to(got.append)
+    assert [o.request_id for o in got] == ["early"]
+    inbox.put(ReceiveFailed("late", TransferStatus.CANCELLED, "after"))
+    assert [o.request_id for o in got] == ["early", "late"]
+    assert not inbox.is_cancelled("late") and inbox.poll() == []
