@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     """(intercept, slope) of the least-squares line seconds = a + b * size."""
-    n, mean_x, mean_y = len(sizes), sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
     var = sum((x - mean_x) ** 2 for x in sizes)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds)) / var
     return mean_y - slope * mean_x, slope

@@ -108,12 +108,13 @@ class IncomingTransfer:
             ids = torch.tensor(self.block_ids, dtype=torch.long, device=self.pool.device)
             self.pool.kv[layer].index_copy_(1, ids, piece.to(self.pool.device, non_blocking=True))  # [2, N, ...]
 
-    def landed(self, index: int, in_place: bool = False, checksum: int | None = None) -> None:
-        """Piece `index` is complete (in staging, or in place in this side's blocks): land it now, or on the
-        lander thread. checksum: the piece's trailing checksum, when the manifest left it out."""
+    def landed(self, index: int, in_place: bool = False, checksum: int | None = None, inline: bool = False) -> None:
+        """Piece `index` is complete (in staging, or in place in this side's blocks): land it on the lander
+        thread, or now (no lander, or inline: the last piece, which nothing would overlap with). checksum:
+        the piece's trailing checksum, when the manifest left it out."""
         if checksum is not None:
             self._checksums[index] = checksum
-        if self._lander is None:
+        if self._lander is None or inline:
             self.land(index, in_place)
             self._landings.append(None)
         else:

@@ -123,6 +123,11 @@ class PairChannel:
             return group._end_coalescing()
         return [self._post(grouped, what)]
 
+    @property
+    def coalesces(self) -> bool:
+        """Whether this channel's group takes many point-to-point calls as one grouped operation (NCCL)."""
+        return self._coalescing(self._live_group())
+
     def _coalescing(self, group) -> bool:
         """Whether `group` groups point-to-point calls: it says so and starting a group works (a torch whose
         backend binding differs falls back to one call per tensor, once, with a warning)."""

@@ -101,7 +101,13 @@ def to_int64(value: int) -> int:
 
 def send_pieces(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float) -> None:
     """A whole-request transfer's bytes: every run's planes or gathered piece, back to back, gathering piece
-    i+1 (unless direct) while piece i is on the wire. Raises KVTransferError when the link fails."""
+    i+1 (unless direct) while piece i is on the wire; on a group that coalesces (NCCL), every piece gathered
+    first and all of them sent as one grouped operation. Raises KVTransferError when the link fails."""
+    if channel.coalesces:
+        outgoing.gather_all()
+        for work in channel.post_sends([t for index in range(outgoing.num_pieces) for t in outgoing.pieces(index)]):
+            channel.wait(work, deadline, "send")
+        return
     outgoing.gather(0)
     for index in range(outgoing.num_pieces):
         works = channel.post_sends(outgoing.pieces(index))
@@ -181,23 +187,24 @@ def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: fl
     return control == COMMIT
 
 
-def _receive_pieces(channel: PairChannel, incoming: IncomingTransfer, direct: bytes, deadline: float) -> bool:
-    """A whole-request transfer's pieces: every receive posted up front (gloo takes them back to back),
-    each piece landed as soon as it is in. True: all in (the sender commits by sending them all)."""
+def receive_pieces(channel: PairChannel, incoming: IncomingTransfer, direct: bytes, deadline: float) -> bool:
+    """A whole-request transfer's pieces: every receive posted up front (gloo takes them back to back; a
+    group that coalesces, NCCL's, as one grouped operation), each piece landed as soon as it is in. True:
+    all in (the sender commits by sending them all)."""
     rid = incoming.manifest.request_id
     if len(direct) != incoming.num_pieces or any(flag > 1 for flag in direct):
         raise KVTransferError(TransferStatus.MALFORMED, "direct flags do not match the manifest's runs", rid)
-    posted = []
-    for index in range(incoming.num_pieces):
-        if direct[index]:
-            targets, in_place = incoming.plane_targets(index, channel.device)
-        else:
-            targets, in_place = [incoming.payloads[index]], False
-        posted.append((channel.post_recvs(targets), in_place))
+    pieces = [incoming.plane_targets(index, channel.device) if direct[index] else ([incoming.payloads[index]], False)
+              for index in range(incoming.num_pieces)]
+    if channel.coalesces:  # NCCL: every piece in one grouped operation, landed once all are in
+        works = channel.post_recvs([t for targets, _ in pieces for t in targets])
+        posted = [(works, pieces[0][1])] + [([], in_place) for _, in_place in pieces[1:]]
+    else:
+        posted = [(channel.post_recvs(targets), in_place) for targets, in_place in pieces]
     for index, (works, in_place) in enumerate(posted):
         for work in works:
             channel.wait(work, deadline, "recv")
-        incoming.landed(index, in_place=in_place)
+        incoming.landed(index, in_place=in_place, inline=index == len(posted) - 1)  # the last: nothing to overlap
     return True
 
 
@@ -229,5 +236,5 @@ def receive_transfer(conn: ControlConnection, channel: PairChannel | None, frame
     if incoming.manifest.streamed:
         land = lambda: _receive_runs(channel, incoming, deadline)  # noqa: E731
     else:
-        land = lambda: _receive_pieces(channel, incoming, frame.direct, deadline)  # noqa: E731
+        land = lambda: receive_pieces(channel, incoming, frame.direct, deadline)  # noqa: E731
     land_and_settle(conn, frame.seq, incoming, inbox, deadline, land, decline)

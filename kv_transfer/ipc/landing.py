@@ -42,16 +42,62 @@ def copy_blocks(src: torch.Tensor, kv: torch.Tensor, dst_ids: Sequence[int]) -> 
     return kv.index_select(2, index)  # [L, 2, n, bs, H, D]
 
 
+def copy_block_lists(src_kv: torch.Tensor, src_ids: Sequence[int], kv: torch.Tensor, dst_ids: Sequence[int]) -> None:
+    """kv[:, :, dst_ids] = src_kv[:, :, src_ids] (pools [L, 2, N, bs, H, D]): a slice copy when both id lists
+    are consecutive, else one index_select and one index_copy_ (two launches on CUDA, whatever the runs)."""
+    n = len(src_ids)
+    if tuple(src_ids) == tuple(range(src_ids[0], src_ids[0] + n)):
+        src = src_kv[:, :, src_ids[0] : src_ids[0] + n]  # [L, 2, n, bs, H, D], a view of the sender's blocks
+    else:
+        src = src_kv.index_select(2, torch.tensor(list(src_ids), dtype=torch.long, device=src_kv.device))
+    if tuple(dst_ids) == tuple(range(dst_ids[0], dst_ids[0] + n)):
+        kv[:, :, dst_ids[0] : dst_ids[0] + n].copy_(src)
+    else:
+        kv.index_copy_(2, torch.tensor(list(dst_ids), dtype=torch.long, device=kv.device), src)
+
+
 class MappedIncoming(IncomingTransfer):
-    """An IncomingTransfer whose bytes never travel: landing run i copies it from `source` (the sender's
-    pool, mapped into this process) into this side's blocks, then checks the run's checksum against the
-    manifest. Set `source` after accept(), before the first landed(i).
+    """An IncomingTransfer whose bytes never travel: landing copies the runs from `source` (the sender's
+    pool, mapped into this process) into this side's blocks. A manifest without checksums (the real
+    IpcSender's: a copy within one device crosses no wire) lands every run with one gather and one scatter
+    (land_all); one with checksums lands run by run and checks each. Set `source` after accept(), before
+    landing.
 
     Ownership is IncomingTransfer's: the blocks allocated in accept() belong to the transfer until
     commit() hands them to the caller or fail() frees them; fail() first waits for any copy still under
     way. The sender's blocks are only read, and only while the sender waits for the final ack."""
 
     source: torch.Tensor | None = None
+
+    @classmethod
+    def accept_mapped(cls, manifest, pool, lander) -> "MappedIncoming":
+        """accept() for a copy out of a mapped pool: the manifest carries a checksum for every run (each is
+        verified) or for none (nothing is verified: the copy stays on one device). Raises KVTransferError
+        as accept(), MALFORMED for a manifest with some checksums only."""
+        if len({run.checksum is None for run in manifest.runs}) > 1:
+            raise KVTransferError(TransferStatus.MALFORMED, "checksums for some runs only", manifest.request_id)
+        return cls.accept(manifest, pool, NO_STAGING, lander, trailing_checksums=True)
+
+    def landed_all(self) -> None:
+        """Every run is to be copied: with checksums, run by run (landed(i), each verified); without, all at
+        once (land_all), on the lander if there is one, else here. commit() waits for it."""
+        if all(run.checksum is not None for run in self.manifest.runs):
+            for index in range(len(self.manifest.runs)):
+                self.landed(index)
+            return
+        landing = self._lander.submit(self.land_all) if self._lander is not None else None
+        if landing is None:
+            self.land_all()
+        self._landings.extend([landing] + [None] * (self.num_pieces - 1))
+
+    def land_all(self) -> None:
+        """Copies every run from the sender's blocks into this side's blocks: one copy when both sides' ids
+        are consecutive, else one gather and one scatter over the block lists. On CUDA on a side stream,
+        complete on return."""
+        src_ids = [block for run in self.manifest.runs for block in range(run.start_block,
+                                                                              run.start_block + run.num_blocks)]
+        with copy_stream(self.pool.device):
+            copy_block_lists(self.source, src_ids, self.pool.kv, self.block_ids)
 
     def land(self, index: int, in_place: bool = False) -> None:
         """Copies run `index` from the sender's blocks into this side's blocks and verifies them; raises

@@ -22,7 +22,7 @@ import torch
 
 from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.control.exchange import Declined, TransferFrame, answer_manifest, await_status, land_and_settle
-from kv_transfer.ipc.landing import NO_STAGING, MappedIncoming
+from kv_transfer.ipc.landing import MappedIncoming
 from kv_transfer.ipc.pool_handle import MAX_HANDLE_BYTES, PoolHandleError, import_pool
 from kv_transfer.manifest import Manifest
 from kv_transfer.outgoing import OutgoingTransfer
@@ -79,10 +79,9 @@ class PeerPool:
 
 
 def _copy_runs(incoming: MappedIncoming) -> bool:
-    """Copies every run out of the sender's pool and verifies it (on the lander). True: the sender's TRANSFER
-    frame was its go-ahead."""
-    for index in range(len(incoming.manifest.runs)):
-        incoming.landed(index)
+    """Copies every run out of the sender's pool (on the lander; verified where the manifest has checksums).
+    True: the sender's TRANSFER frame was its go-ahead."""
+    incoming.landed_all()
     return True
 
 
@@ -99,7 +98,8 @@ def receive_ipc(conn: ControlConnection, frame: TransferFrame, peer: PeerPool, p
 
     def accept(manifest: Manifest) -> MappedIncoming:
         peer.check(manifest)
-        return MappedIncoming.accept(manifest, pool, NO_STAGING, lander)
+        verified = manifest.runs[0].checksum is not None  # run by run on the lander; else one copy, right here
+        return MappedIncoming.accept_mapped(manifest, pool, lander if verified else None)
 
     incoming = answer_manifest(conn, frame, pool, inbox, deadline, accept, decline=lambda: True)
     if incoming is None:

@@ -21,6 +21,7 @@ from kv_transfer.dist.sender import SenderLink, TorchDistSender, open_control
 from kv_transfer.ipc.landing import NO_STAGING
 from kv_transfer.ipc.pool_handle import check_exportable, export_pool
 from kv_transfer.ipc.protocol import PeerPool, receive_ipc, send_ipc
+from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import SendRequest, TransferHandle
@@ -77,6 +78,14 @@ class IpcSender(TorchDistSender):
     @property
     def lanes(self) -> int:
         return 1  # one connection (and one mapping of this pool) per receiver
+
+    def prepare(self, request: SendRequest, ready) -> OutgoingTransfer:
+        """The manifest alone: one run per stretch of consecutive blocks, however long (nothing is pipelined:
+        the receiver copies all runs at once), and no checksums (the copy stays on one device). On CUDA the
+        link thread waits for the ready event here, so the KV is complete before the TRANSFER frame leaves."""
+        if ready is not None:
+            ready.synchronize()
+        return prepare_outgoing(self.pool, request, self.staging, ready, max_run_bytes=0, trailing_checksums=True)
 
     def _new_link(self, peer: ReceiverAddress, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
         return _IpcSenderLink(self, peer, lane, jobs)

@@ -10,8 +10,15 @@ import time
 
 import torch
 
+from kv_transfer import ModelFingerprint, SendRequest
 from kv_transfer.control.connection import ControlConnection
 from kv_transfer.dist.channel import RECEIVER, SENDER, PairChannel
+from kv_transfer.dist.protocol import receive_pieces, send_pieces
+from kv_transfer.incoming import IncomingTransfer
+from kv_transfer.manifest_decode import decode_manifest
+from kv_transfer.outgoing import prepare_outgoing
+from kv_transfer.staging import StagingPool
+from kv_transfer.testing import FreeListPool
 
 
 class _Work:
@@ -102,3 +109,27 @@ def test_gloo_posts_one_call_per_tensor_and_the_tensors_arrive_in_order():
         for end, conn in zip(ends, conns):
             end.close()
             conn.close()
+
+
+def test_a_whole_transfer_is_one_grouped_operation_on_each_side_of_a_coalescing_group():
+    """NCCL's path, on the recording stand-in: all runs of a whole-request transfer (here 3 runs of direct
+    planes) leave as one grouped send and arrive as one grouped receive; the receiver lands every run."""
+    fp = ModelFingerprint(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+    sender_pool, receiver_pool = FreeListPool(fp, 16), FreeListPool(fp, 16)
+    blocks = (1, 2, 5, 6, 9)  # runs (1, 2), (5, 6), (9)
+    request = SendRequest("grouped", blocks, len(blocks) * fp.block_size, 3)
+    outgoing = prepare_outgoing(sender_pool.view(), request, StagingPool("cpu"), direct_min_plane_bytes=0)
+    assert all(outgoing.direct) and outgoing.num_pieces == 3
+    planes = 2 * fp.num_layers * outgoing.num_pieces
+    sent = RecordingGroup()
+    send_pieces(_channel(sent), outgoing, time.monotonic() + 10)
+    assert sent.calls[:2] == ["start", "end"] and sent.calls[2] == "start" and sent.calls[-1] == "end"
+    assert len(sent.calls) == 4 + planes and all(c.startswith("send ") for c in sent.calls[3:-1])
+    received = RecordingGroup()
+    incoming = IncomingTransfer.accept(decode_manifest(outgoing.manifest_bytes, receiver_pool.view().manifest_limits),
+                                       receiver_pool.view(), StagingPool("cpu"))
+    assert receive_pieces(_channel(received, RECEIVER), incoming, bytes(outgoing.direct), time.monotonic() + 10)
+    assert len(received.calls) == 4 + planes and received.calls[2] == "start" and received.calls[-1] == "end"
+    got = incoming.commit()  # both pools are zeros: every run's checksum holds
+    assert len(got.block_ids) == len(blocks)
+    receiver_pool.free(got.block_ids)
