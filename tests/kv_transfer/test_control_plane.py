@@ -97,14 +97,16 @@ def test_one_frame_out_and_one_back_per_transfer(pair):
             if v != received.get(k, 0)} == {Kind.STATUS: 3}
 
 
-def test_no_secret_is_dropped_and_the_receiver_keeps_serving(pair):
+@pytest.mark.parametrize("secret, rank, reason", [(None, 1, "unauthenticated"), (SECRET, 9, "not_a_peer")],
+                         ids=["no-secret", "rank-not-served"])
+def test_a_refused_sender_is_dropped_counted_and_the_receiver_keeps_serving(pair, secret, rank, reason):
     sender, sender_pool, receiver, receiver_pool = pair
     conn = connect(receiver)
     with pytest.raises(HandshakeRefused):
-        client_handshake(conn, None, PeerHello(NAMESPACE, 1, 0), time.monotonic() + 10)
+        client_handshake(conn, secret, PeerHello(NAMESPACE, rank, 0), time.monotonic() + 10)
     conn.close()
-    wait_drops(receiver, "unauthenticated")
-    transfer(sender, sender_pool, receiver, receiver_pool, "after-no-secret", seed=5)
+    wait_drops(receiver, reason)
+    transfer(sender, sender_pool, receiver, receiver_pool, f"after-{reason}", seed=5)
 
 
 def test_a_wrong_secret_is_dropped_either_way(pair):
@@ -141,16 +143,6 @@ def test_a_silent_peer_is_dropped_after_the_handshake_deadline(pair):
     assert_dropped(conn)
     wait_drops(receiver, "timeout")
     transfer(sender, sender_pool, receiver, receiver_pool, "after-silence", seed=8)
-
-
-def test_a_rank_the_receiver_does_not_serve_is_dropped(pair):
-    sender, sender_pool, receiver, receiver_pool = pair
-    conn = connect(receiver)
-    with pytest.raises(HandshakeRefused):
-        client_handshake(conn, SECRET, PeerHello(NAMESPACE, 9, 0), time.monotonic() + 10)
-    conn.close()
-    wait_drops(receiver, "not_a_peer")
-    transfer(sender, sender_pool, receiver, receiver_pool, "after-stranger", seed=9)
 
 
 def test_a_sender_without_the_secret_fails_unauthenticated_and_frees(pair):
