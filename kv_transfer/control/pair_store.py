@@ -18,6 +18,7 @@ from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.status import KVTransferError, TransferStatus
 
 MAX_STORE_FRAME_BYTES = 64 << 10  # gloo's addresses and nccl's unique id are a few hundred bytes
+PEER_ADD_PREFIX = "\0peer-add\0"  # the other end's running total of a counter travels under this prefix
 
 
 class PairStore(dist.Store):
@@ -27,6 +28,7 @@ class PairStore(dist.Store):
         super().__init__()
         self.conn, self.timeout_s = conn, timeout_s
         self._values: dict[str, bytes] = {}
+        self._own_adds: dict[str, int] = {}  # add(): this end's running total per counter
 
     def set(self, key: str, value) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
@@ -34,6 +36,8 @@ class PairStore(dist.Store):
         self.conn.send(Kind.STORE_SET, [key, data], self._deadline())
 
     def get(self, key: str) -> bytes:
+        if key in self._own_adds:
+            return str(self._sum(key)).encode()
         self._await([key], self._deadline())
         return self._values[key]
 
@@ -45,9 +49,14 @@ class PairStore(dist.Store):
         return all(key in self._values for key in keys)
 
     def add(self, key: str, amount: int) -> int:
-        value = int(self._values.get(key, b"0")) + amount
-        self.set(key, str(value))
-        return value
+        """Adds to a counter both ends may add to: each end sends its own running total under a key of its
+        own, and the value is the sum of both (so two adds of 1 make 2, whoever's frame arrives first)."""
+        own = self._own_adds[key] = self._own_adds.get(key, 0) + amount
+        self.conn.send(Kind.STORE_SET, [PEER_ADD_PREFIX + key, str(own).encode()], self._deadline())
+        return self._sum(key)
+
+    def _sum(self, key: str) -> int:
+        return self._own_adds.get(key, 0) + int(self._values.get(PEER_ADD_PREFIX + key, b"0"))
 
     def delete_key(self, key: str) -> bool:
         return self._values.pop(key, None) is not None

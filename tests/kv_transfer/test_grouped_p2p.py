@@ -12,6 +12,7 @@ import torch
 
 from kv_transfer import ModelFingerprint, SendRequest
 from kv_transfer.control.connection import ControlConnection
+from kv_transfer.control.pair_store import PEER_ADD_PREFIX, PairStore
 from kv_transfer.dist.channel import RECEIVER, SENDER, PairChannel
 from kv_transfer.dist.protocol import receive_pieces, send_pieces
 from kv_transfer.incoming import IncomingTransfer
@@ -133,3 +134,20 @@ def test_a_whole_transfer_is_one_grouped_operation_on_each_side_of_a_coalescing_
     got = incoming.commit()  # both pools are zeros: every run's checksum holds
     assert len(got.block_ids) == len(blocks)
     receiver_pool.free(got.block_ids)
+
+
+def test_a_pair_store_counter_sums_both_ends():
+    """PairStore.add (what a process group may use for a two-party counter): both ends' adds count, set and
+    get travel on the control connection."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        left = socket.create_connection(server.getsockname())
+        right, _ = server.accept()
+    stores = [PairStore(ControlConnection(sock), 10.0) for sock in (left, right)]
+    assert stores[0].add("n", 1) == 1 and stores[1].add("n", 2) == 2  # each end's own adds count at once
+    for store in stores:                                              # and both, once the other's total is in
+        store.wait([PEER_ADD_PREFIX + "n"])
+        assert store.get("n") == b"3"
+    stores[1].set("ready", b"yes")
+    assert stores[0].get("ready") == b"yes"
+    for store in stores:
+        store.conn.close()
