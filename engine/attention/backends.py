@@ -38,7 +38,7 @@ class AttentionBackend(ABC):
         out = torch.empty_like(q)
         decodes = meta.num_decode_rows
         if decodes:
-            out[:decodes] = self.decode(q[:decodes], k_pool, v_pool, meta)
+            self.decode_into(out[:decodes], q[:decodes], k_pool, v_pool, meta)
         if decodes < meta.num_seqs:
             self.prefill(out, q, k, v, k_pool, v_pool, meta)
         return out
@@ -53,6 +53,11 @@ class AttentionBackend(ABC):
     def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [B, H, D], the decode rows. Returns [B, H, D]."""
+
+    def decode_into(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                    meta: AttentionMetadata) -> None:
+        """decode(), written into out [B, H, D] (a copy here; a backend that can write in place does)."""
+        out.copy_(self.decode(q, k_pool, v_pool, meta))
 
     def prefill(self, out, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> None:
         """Writes out's rows of the prefill chunks (sequences [num_decode_rows, num_seqs))."""
@@ -93,9 +98,15 @@ class TritonBackend(AttentionBackend):
         self._store.store_kv(k, v, k_pool, v_pool, slot_mapping)
 
     def decode(self, q, k_pool, v_pool, meta):
+        return self._decode_to(None, q, k_pool, v_pool, meta)
+
+    def decode_into(self, out, q, k_pool, v_pool, meta):
+        self._decode_to(out, q, k_pool, v_pool, meta)  # the merge kernel writes out's rows: no copy
+
+    def _decode_to(self, out, q, k_pool, v_pool, meta):
         batch = meta.num_decode_rows
         return self._decode.paged_decode(q, k_pool, v_pool, meta.block_tables[:batch], meta.seq_lens[:batch],
-                                         meta.block_size, meta.decode_len_bound)
+                                         meta.block_size, meta.decode_len_bound, out=out)
 
     def prefill(self, out, q, k, v, k_pool, v_pool, meta):
         self._prefill.paged_prefill(out, q, k_pool, v_pool, meta.block_tables, meta.query_start, meta.seq_lens,

@@ -4,7 +4,9 @@ One program serves one (sequence, KV head, context partition): the query heads o
 are the rows of one tile (grouped-query attention without repeating K/V), keys and values are gathered
 slot by slot from the pool (no copied context, no padding to the longest sequence), scores accumulate
 in fp32 with an online softmax. A long context at a small batch is split into partitions that run in
-parallel (flash-decoding); their partial results are merged by `_merge_partitions`.
+parallel (flash-decoding); one more launch (`_merge_kernel`, one program per (sequence, head)) merges their
+partial results and writes the output in its dtype: two launches per decode, whatever the partitions
+(`merge_partitions_reference` is the torch reference beside it).
 Imported only when the triton backend is chosen (importing triton reads TRITON_INTERPRET then).
 """
 from __future__ import annotations
@@ -63,12 +65,13 @@ def _decode_partition_kernel(
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, block_size: int, max_seq_len: int,
-                 partition_tokens: int | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context. Changes nothing.
+                 partition_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context. Changes nothing but `out`.
 
     q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32, the query's own token included (its K/V already in the pool); max_seq_len:
-    an upper bound of seq_lens (sizes the partition grid; no host sync). Returns [B, H, D] in q's dtype.
+    an upper bound of seq_lens (sizes the partition grid; no host sync). Returns [B, H, D] in q's dtype,
+    written into `out` (any [B, H, D] view whose heads are rows) when given.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
@@ -88,12 +91,35 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(MIN_TILE, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PARTITION=partition,
         PRECISION=_dot_precision(q.dtype))
-    return _merge_partitions(acc[..., :head_dim], maxes, sums).to(q.dtype)
+    if out is None:
+        out = torch.empty_like(q)
+    _merge_kernel[(batch, num_heads)](out, acc, maxes, sums, out.stride(0), out.stride(1), num_partitions,
+                                      HEAD_DIM=head_dim, BLOCK_D=block_d,
+                                      BLOCK_P=triton.next_power_of_2(num_partitions))
+    return out
 
 
-def _merge_partitions(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-    """acc: [B, H, P, D] unnormalised partial outputs; maxes, sums: [B, H, P]. Returns [B, H, D] fp32.
-    Partitions past a sequence's end hold max -inf and sum 0 and weigh nothing."""
+@triton.jit
+def _merge_kernel(out_ptr, acc_ptr, max_ptr, sum_ptr, stride_ob, stride_oh, num_partitions,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One (sequence, head): sum_p acc_p * exp(max_p - top) / sum_p sum_p * exp(max_p - top), in out's dtype.
+    acc: [B, H, P, BLOCK_D]; max, sum: [B, H, P] (a partition past the sequence's end: -inf and 0)."""
+    seq, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
+    p_mask = offs_p < num_partitions
+    row = (seq * num_heads + head) * num_partitions
+    maxes = tl.load(max_ptr + row + offs_p, mask=p_mask, other=float("-inf"))  # [P]
+    sums = tl.load(sum_ptr + row + offs_p, mask=p_mask, other=0.0)
+    weights = tl.where(p_mask, tl.exp(maxes - tl.max(maxes, 0)), 0.0)  # partition 0 is never empty
+    acc = tl.load(acc_ptr + (row + offs_p)[:, None] * BLOCK_D + offs_d[None, :], mask=p_mask[:, None], other=0.0)
+    merged = tl.sum(acc * weights[:, None], 0) / tl.sum(weights * sums, 0)  # [BLOCK_D]
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def merge_partitions_reference(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """_merge_kernel in torch. acc: [B, H, P, D] unnormalised partial outputs; maxes, sums: [B, H, P].
+    Returns [B, H, D] fp32. Partitions past a sequence's end hold max -inf and sum 0 and weigh nothing."""
     if acc.shape[2] == 1:
         return acc[:, :, 0] / sums
     top = maxes.max(dim=2, keepdim=True).values  # [B, H, 1]; partition 0 is never empty
