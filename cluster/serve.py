@@ -38,7 +38,7 @@ from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ra
                                  engine_config_from_args, http_limits_from_args, mode_and_workers_from_args,
                                  scaling_from_args, served_names_from_args)
 from cluster.workers.bounded import abandoned_calls
-from cluster.workers.cluster_config import DISAGG_POLICIES, PLACEMENT_STRATEGIES, ClusterConfig
+from cluster.workers.cluster_config import DISAGG_POLICIES, KV_HOST_GONE, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.host_memory import cpu_kv_share
 from cluster.workers.placement_check import role_resources
 from cluster.workers.startup_heap import freeze_startup_heap
@@ -67,7 +67,6 @@ class ServeConfig:
     placement_strategy: str = "PACK"
     engine: EngineConfig = field(default_factory=EngineConfig)
     cpu_threads: int | None = None
-    kv_host: str = "127.0.0.1"
     local_prefill_tokens: int = 0
     worker_stall_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 1 << 20
@@ -124,9 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="on SIGTERM/SIGINT, how long requests in flight may still run before they end "
                              "with 'the server is stopping' (0: end them at once)")
-    parser.add_argument("--kv-host", default="127.0.0.1",
-                        help="address the gloo/nccl rendezvous store listens on, in this process "
-                             "(disaggregated; this node's routable address when workers span nodes)")
+    parser.add_argument("--kv-host", default=None, help=KV_HOST_GONE)
     parser.add_argument("--kv-streaming", default="layer", choices=list(STREAMING_MODES),
                         help="disaggregated: send each prompt's KV layer by layer while its last prefill step "
                              "runs (layer, default), or whole once the step is done (request); ipc sends whole")
@@ -161,6 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """ValueError names the first inconsistent flag."""
+    if args.kv_host is not None:
+        logger.warning(KV_HOST_GONE)
     mode, prefill_workers, decode_workers, replicas = mode_and_workers_from_args(args)
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError("--cpu-threads must be >= 1")
@@ -184,7 +183,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     config = ServeConfig(args.model, args.dtype, args.device, mode, prefill_workers, decode_workers,
                          args.host, args.grpc_port, args.http_port, args.api_key, args.max_pending_requests,
                          args.transport, args.address, args.placement_strategy, engine_config_from_args(args),
-                         args.cpu_threads, args.kv_host, args.local_prefill_tokens, args.worker_stall_timeout_s,
+                         args.cpu_threads, args.local_prefill_tokens, args.worker_stall_timeout_s,
                          args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker, **placement,
                          replicas=replicas, served_model_names=served_names_from_args(args),
                          kv_streaming=args.kv_streaming, disagg_policy=args.disagg_policy,
@@ -243,7 +242,7 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                          transport=config.transport, placement_strategy=config.placement_strategy,
                          engine=config.engine, cpu_threads_per_worker=config.cpu_threads,
-                         kv_host=config.kv_host, local_prefill_tokens=config.local_prefill_tokens,
+                         local_prefill_tokens=config.local_prefill_tokens,
                          worker_stall_timeout_s=config.worker_stall_timeout_s,
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,
                          gpus_per_worker=config.gpus_per_worker, prefill_resources=config.prefill_resources,

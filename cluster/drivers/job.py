@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from cluster.drivers.grpc_workload import RequestResult, chat_renderer, mixed_workload, run_workload, summarize
+from cluster.workers.cluster_config import KV_HOST_GONE
 from engine.builder import describe_model
 
 
@@ -35,7 +36,6 @@ class JobPlan:
     prefill_workers: int
     decode_workers: int
     transport: str
-    kv_host: str
     kv_cache_memory: int | None
     device: str = "auto"
 
@@ -53,18 +53,18 @@ def parse_args(argv: list[str] | None = None) -> JobPlan:
     parser.add_argument("--prefill-workers", type=int, default=0, help="0: half the GPUs, or 1 on CPU")
     parser.add_argument("--decode-workers", type=int, default=0, help="0: the other half of the GPUs, or 1")
     parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc", "ipc"])
-    parser.add_argument("--kv-host", default="127.0.0.1",
-                        help="address the gloo/nccl rendezvous store listens on, in this driver "
-                             "(the head's routable address when workers span nodes)")
+    parser.add_argument("--kv-host", default=None, help=KV_HOST_GONE)
     parser.add_argument("--kv-cache-mib", type=int, default=None, help="KV pool per worker (default: engine's)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: GPUs as below when the cluster has them, else CPU")
     args = parser.parse_args(argv)
+    if args.kv_host is not None:
+        print(f"deploy/job.py: warning: {KV_HOST_GONE}", file=sys.stderr)
     if args.requests < 1:
         parser.error("--requests must be >= 1")
     memory = args.kv_cache_mib << 20 if args.kv_cache_mib else None
     return JobPlan(args.model, args.dtype, args.address or os.environ.get("RAY_ADDRESS"), args.requests,
-                   args.max_tokens, args.prefill_workers, args.decode_workers, args.transport, args.kv_host, memory,
+                   args.max_tokens, args.prefill_workers, args.decode_workers, args.transport, memory,
                    args.device)
 
 
@@ -104,7 +104,7 @@ async def serve_and_send(plan: JobPlan) -> tuple[list[RequestResult], float, boo
     from engine import EngineConfig
     prefill, decode, device, memory, share = worker_counts(plan)
     config = ClusterConfig(model=plan.model, dtype=plan.dtype, device=device, num_prefill_workers=prefill,
-                           num_decode_workers=decode, transport=plan.transport, kv_host=plan.kv_host,
+                           num_decode_workers=decode, transport=plan.transport,
                            engine=EngineConfig(kv_cache_memory=memory), worker_start_timeout_s=300.0,
                            gpus_per_worker=share)
     print(f"tandem job: {describe_model(plan.model)}, {prefill} prefill + {decode} "

@@ -15,6 +15,9 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DISAGG_POLICIES = ("length", "uncached", "uncached_or_load")  # cluster/coordinator/disagg_policy.py
 DEVICES = ("auto", "cpu", "cuda")
 
+KV_HOST_GONE = ("--kv-host is ignored and will go: no rendezvous store listens in this process any more; each decode "
+                "worker's KV listener binds its own node's address")
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -28,9 +31,9 @@ class ClusterConfig:
     per worker when the Ray cluster has enough GPUs, else CPU. transport: auto = kv_transfer.resolve_transport's
     choice (gloo on one CPU host, nccl between GPUs), or grpc / gloo / nccl. placement_strategy: how the placement
     group spreads the workers over nodes (PACK: as few nodes as possible). cpu_threads_per_worker: the CPUs each
-    worker's bundle reserves and its torch thread count. kv_host: the address a decode worker's KV listener
-    binds when it is not a Ray actor; a DecodeActor binds its own node's address (cluster/workers/actors.py), for
-    every transport (the gRPC receiver, or the gloo/nccl/ipc control listener). local_prefill_tokens:
+    worker's bundle reserves and its torch thread count. Every KV listener (the gRPC receiver, or the
+    gloo/nccl/ipc control listener) binds its decode worker's own node address (cluster/workers/actors.py
+    DecodeActor); nothing of the KV plane listens in this process. local_prefill_tokens:
     conditional disaggregation's threshold T; disagg_policy says what it bounds
     (cluster/coordinator/disagg_policy.py): `length`: prompts shorter than T, `uncached` (default): prompts of which
     fewer than T tokens are left after the decode worker's prefix-cache match, `uncached_or_load`: those too, and
@@ -65,7 +68,6 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     cpu_threads_per_worker: int | None = None  # None: the host's cores shared among the workers (thread_share)
-    kv_host: str = "127.0.0.1"
     max_live_per_decode_worker: int = 256
     local_prefill_tokens: int = 0
     disagg_policy: str = "uncached"

@@ -42,7 +42,6 @@ class WorkerTemplate:
     decode_role: str
     gpus: float
     cpu_threads: int
-    kv_host: str
     transfer: TransferConfig
     receiver_transfer: TransferConfig
     namespace: str | None
@@ -73,8 +72,8 @@ class WorkerTemplate:
                                                       kv_streaming=self.kv_streaming),)
         if role != self.decode_role:
             raise ValueError(f"this cluster has no {role!r} workers (its roles: prefill, {self.decode_role})")
-        config = DecodeWorkerConfig(name, self.transport, self.receiver_transfer, self.kv_host, self._rendezvous(rank),
-                                    tuple(peer_ranks) if self.ranked else (),
+        config = DecodeWorkerConfig(name, self.transport, self.receiver_transfer, rendezvous=self._rendezvous(rank),
+                                    peer_ranks=tuple(peer_ranks) if self.ranked else (),
                                     max_live_requests=self.max_live_per_decode_worker,
                                     expect_timeout_s=self.expect_timeout_s, prefix_reuse=self.decode_prefix_reuse)
         return DecodeActor, (config, role)
@@ -95,7 +94,7 @@ def worker_template(config: ClusterConfig, spec: EngineSpec, transport: str) -> 
     most the bounds allow; a call past that waits in the receiver's queue)."""
     if config.replicas:  # no KV moves: no receiver, no secret, no rendezvous
         return WorkerTemplate(spec, NO_TRANSPORT, config.decode_role, _worker_gpus(config, spec),
-                              config.cpu_threads_per_worker, config.kv_host, config.transfer, config.transfer, None,
+                              config.cpu_threads_per_worker, config.transfer, config.transfer, None,
                               config.max_live_per_decode_worker, config.expect_timeout_s,
                               decode_resources=dict(config.decode_resources))
     transfer = dataclasses.replace(config.transfer, cluster_secret=secrets.token_hex(32))
@@ -104,7 +103,7 @@ def worker_template(config: ClusterConfig, spec: EngineSpec, transport: str) -> 
         transfer, grpc_max_concurrent_transfers=senders * transfer.grpc_max_concurrent_transfers)
     namespace = f"tandem-{uuid.uuid4().hex[:8]}" if transport in ("gloo", "nccl", "ipc") else None
     return WorkerTemplate(spec, transport, config.decode_role, _worker_gpus(config, spec),
-                          config.cpu_threads_per_worker, config.kv_host, transfer, receiver_transfer, namespace,
+                          config.cpu_threads_per_worker, transfer, receiver_transfer, namespace,
                           config.max_live_per_decode_worker, config.expect_timeout_s,
                           dict(config.prefill_resources), dict(config.decode_resources), config.kv_streaming,
                           config.decode_prefix_reuse)

@@ -55,7 +55,7 @@ def local() -> LLM:
 
 def spread(num_prefill: int, num_decode: int, transport: str, **fields) -> ClusterConfig:
     fields.setdefault("placement_strategy", "STRICT_SPREAD")
-    return dataclasses.replace(cluster_config(num_prefill, num_decode, transport), kv_host=NODE_IP, **fields)
+    return dataclasses.replace(cluster_config(num_prefill, num_decode, transport), **fields)
 
 
 def expected_tokens(local: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -106,7 +106,7 @@ def test_strict_spread_puts_every_worker_on_a_node_of_its_own_and_grpc_kv_crosse
 def test_gloo_kv_crosses_nodes_and_each_role_runs_in_its_node_pool(fake, local):
     """prefill_resources / decode_resources pin the prefill worker to node a (the prefill pool) and the
     decode worker to b or c (PACK would otherwise put them wherever); KV over gloo between those nodes,
-    the rendezvous store on 127.0.0.2 in this process; greedy output equals the local engine's."""
+    the decode worker's control listener on its node's address; greedy output equals the local engine's."""
     config = spread(1, 1, "gloo", placement_strategy="PACK", prefill_resources={PREFILL_POOL: 1},
                     decode_resources={DECODE_POOL: 1})
     coordinator = start_cluster(config)
@@ -162,7 +162,7 @@ def test_serve_joins_the_cluster_with_node_ip_address_and_serves_over_http(fake)
     (the cluster stays up)."""
     with start_serve("--address", fake.address, "--node-ip-address", NODE_IP, "--prefill-workers", "1",
                      "--decode-workers", "1", "--placement-strategy", "STRICT_SPREAD", "--transport", "grpc",
-                     "--device", "cpu", "--kv-cache-memory-mib", "16", "--kv-host", NODE_IP,
+                     "--device", "cpu", "--kv-cache-memory-mib", "16",
                      "--prefill-resources", json.dumps({PREFILL_POOL: 1})) as (proc, _, http_port):
         reply = http_json(http_port, "/v1/completions", {"prompt": [104, 105], "max_tokens": 6, "temperature": 0,
                                                          "ignore_eos": True, "return_token_ids": True})

@@ -50,10 +50,10 @@ def vocab(checkpoint) -> int:
 
 @pytest.fixture(scope="module")
 def coordinator(fake, checkpoint):
-    """1 prefill + 1 decode worker, STRICT_SPREAD, each role in its node pool, KV over gloo (the rendezvous
-    store on 127.0.0.2 in this process). At the end: pools whole, then nothing of the workers left."""
+    """1 prefill + 1 decode worker, STRICT_SPREAD, each role in its node pool, KV over gloo (the decode
+    worker's control listener on its node's address). At the end: pools whole, then nothing of the workers left."""
     config = dataclasses.replace(cluster_config(1, 1, "gloo"), model=str(checkpoint), dtype="float32",
-                                 kv_host=NODE_IP, placement_strategy="STRICT_SPREAD",
+                                 placement_strategy="STRICT_SPREAD",
                                  prefill_resources={PREFILL_POOL: 1}, decode_resources={DECODE_POOL: 1})
     coordinator = start_cluster(config)
     pids = {info.pid for info in coordinator.workers.values()}
