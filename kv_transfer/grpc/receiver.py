@@ -26,8 +26,9 @@ from proto import tandem_pb2
 log = logging.getLogger(__name__)
 
 
-def _ack(status: TransferStatus, request_id: str = "", error: str = "", nbytes: int = 0, final: bool = True) -> tandem_pb2.KVAck:
-    return tandem_pb2.KVAck(status=int(status), request_id=request_id, error=error, bytes_received=nbytes, final=final)
+def _ack(status: TransferStatus, request_id: str = "", error: str = "", nbytes: int = 0) -> tandem_pb2.KVAck:
+    """A transfer's one ack (final: the stream carries no other)."""
+    return tandem_pb2.KVAck(status=int(status), request_id=request_id, error=error, bytes_received=nbytes, final=True)
 
 
 class GrpcReceiver(KVReceiver):
@@ -133,9 +134,9 @@ class GrpcReceiver(KVReceiver):
             return self._failed(held, TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", rid), None, True
 
     async def _receive(self, context, manifest: Manifest, held: list[IncomingTransfer]) -> None:
-        """Allocates the manifest's blocks (recorded in held), accepts it, and lands every data chunk."""
+        """Allocates the manifest's blocks (recorded in held) and lands every data chunk (the sender sends
+        them without waiting for a verdict: the only ack is the final one)."""
         held.append(self._accept(manifest))
-        await context.write(_ack(TransferStatus.OK, manifest.request_id, final=False))
         await self._stream(context, held[0])
 
     async def _drain(self, context) -> None:
