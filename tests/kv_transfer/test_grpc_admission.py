@@ -98,6 +98,7 @@ class HeldPush:
             self.writes.put(encode_data_chunk(memoryview(payload.numpy())))
         self.writes.put(None)
         final = next(self.acks)
+        assert next(self.acks, None) is None, "one ack per transfer: the final one"
         self.channel.close()
         self.local.pool.free(self.block_ids)
         return final
