@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "a model's load time to its first token, stage by stage, in fresh processes")
     _add_command(bench, "sampler", "cluster.bench.sampler",
                  "engine.sampling.sampler.Sampler alone: ms per call per sampling mode")
+    _add_command(bench, "structured", "cluster.bench.structured",
+                 "structured outputs: a decode step with every row constrained vs none, new vs cached schema TTFT")
+    _add_command(bench, "tp", "cluster.bench.tensor_parallel",
+                 "a tensor-parallel engine's step time against TP=1 on the same cores, side by side")
     _add_command(bench, "memory", "cluster.bench.memory_stress",
                  "many decodes with a long prompt arriving, on a random model of a real shape: memory and steps")
     _add_command(commands, "plan", "cluster.plan.command",

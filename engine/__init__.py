@@ -8,6 +8,7 @@ from engine.llm import LLM
 from engine.outputs import CompletionOutput, Logprob, RequestOutput, StepDelta
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "LLMEngine", "EngineClosed", "RequestOutput",
-           "CompletionOutput", "StepDelta", "Logprob", "TokenLogprobs"]
+           "CompletionOutput", "StepDelta", "Logprob", "TokenLogprobs", "StructuredOutputsParams"]

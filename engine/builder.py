@@ -7,6 +7,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig, ModelConfig
 from engine.core.llm_engine import LLMEngine
+from engine.core.tp_engine import build_tp_engine
 from engine.model.default_model import (TINY_MODEL, TRAINED_MISSING_NOTICE, UNTRAINED_NOTICE, build_default_model,
                                         default_model_config, trained_default_path)
 from engine.model.gguf_checkpoint import GGUFCheckpoint, is_gguf_file
@@ -61,6 +62,8 @@ def build_engine(model: str | Path | None, config: EngineConfig, dtype: str = "a
     ValueError names any bad argument, missing file or unsupported architecture."""
     torch_device = resolve_device(device)
     asked, model = model, resolve_model(model)
+    if config.tensor_parallel_size > 1:
+        return _tp_engine(model, config, dtype, torch_device, tokenizer)
     if model == TINY_MODEL:
         if asked is None:
             logger.warning(TRAINED_MISSING_NOTICE)
@@ -98,6 +101,18 @@ def _embedded_engine(config: EngineConfig, dtype: str, device, tokenizer: str | 
     net = build_default_model(torch_dtype, device, _max_positions(model_config, config))
     logger.warning(UNTRAINED_NOTICE)
     return LLMEngine(net, ByteTokenizer(), model_config, config, torch_dtype, device)
+
+
+def _tp_engine(model: str, config: EngineConfig, dtype: str, device, tokenizer: str | Path | None) -> LLMEngine:
+    """An engine over config.tensor_parallel_size ranks (engine/core/tp_engine.py); model resolved."""
+    if model == TINY_MODEL and tokenizer is not None:
+        raise ValueError("the embedded model has its own byte tokenizer: tokenizer= does not apply to it")
+    model_config, text = load_model_config(model), load_tokenizer(model, tokenizer)
+    engine = build_tp_engine(model, model_config, text, config, resolve_dtype(dtype, model_config, device), device,
+                             _max_positions(model_config, config))
+    if model == TINY_MODEL:
+        logger.warning(UNTRAINED_NOTICE)
+    return engine
 
 
 def _tokenizer_dir(tokenizer: str | Path | None) -> Tokenizer | None:

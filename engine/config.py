@@ -158,6 +158,11 @@ class EngineConfig:
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
     enforce_eager: no CUDA graphs for decode steps (they are captured only on CUDA).
+    tensor_parallel_size: ranks the model is split over (engine/parallel/): this process is rank 0 and
+    schedules, N - 1 follower processes (one GPU each on CUDA, a share of the cores on CPU) run each step's
+    forward with it. kv_cache_memory, num_kv_blocks and gpu_memory_utilization are per rank.
+    tp_cpu_all_reduce: on CPU, "shared_memory" (the ranks' all-reduces through a shared memory file, spinning:
+    engine/parallel/host_reduce.py) or "gloo" (every collective through gloo; slower, kept to measure against).
     prefill_first: "on": while sequences decode, waiting prompts that one step finishes, of at most 4 tokens
     together per decoding sequence, get a step of their own ahead of the decodes' next token
     (never two such steps in a row, so a decode waits at most one prompt step); "off" mixes them into the
@@ -179,6 +184,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     prefill_first: str = "auto"
+    tensor_parallel_size: int = 1
+    tp_cpu_all_reduce: str = "shared_memory"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -203,6 +210,11 @@ class EngineConfig:
                              f"expected one of {ATTENTION_BACKENDS}")
         if self.prefill_first not in PREFILL_FIRST_MODES:
             raise ValueError(f"unknown prefill_first {self.prefill_first!r}; expected one of {PREFILL_FIRST_MODES}")
+        if not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
+        if self.tp_cpu_all_reduce not in ("shared_memory", "gloo"):
+            raise ValueError(f"tp_cpu_all_reduce must be 'shared_memory' or 'gloo', got {self.tp_cpu_all_reduce!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
 

@@ -5,6 +5,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from engine.structured_params import StructuredOutputsParams
+
 MAX_TOP_K = 2 ** 31 - 1  # larger values mean "no cut" anyway; this keeps them inside int tensors
 GREEDY_BELOW_TEMPERATURE = 1e-5  # as vLLM: below this, dividing logits by it overflows to inf / NaN
 MAX_LOGPROBS = 20        # top alternatives a request may ask for per token (vLLM's and OpenAI's 20)
@@ -35,6 +37,10 @@ class SamplingParams:
     logits). `prompt_logprobs` (None = off, 0..20): the same for every prompt token but the first, from the
     model's raw logits (engine/sampling/prompt_logprobs.py); such a request does not use the prefix cache.
 
+    `structured_outputs` (None = off): a StructuredOutputsParams (JSON schema, regex, choice, grammar or any
+    JSON object) the output is constrained to, token by token (engine/structured/); its mask applies before
+    the logits processors, so logprobs are those of the masked distribution.
+
     Text (vLLM's options and defaults): `include_stop_str_in_output` keeps a stop string in the text (and,
     for a stop token or EOS that ends the request, that token's text; otherwise it is not detokenized);
     `skip_special_tokens` leaves special tokens out of the text; `spaces_between_special_tokens` (see
@@ -62,6 +68,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -91,6 +98,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_ids(self.stop_token_ids))
         self._check_processors()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where the "
+                             "output may end")
 
     def _check_processors(self) -> None:
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)

@@ -49,6 +49,9 @@ class Sequence:
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.perf_counter()
         self.first_token_time: float | None = None
+        # structured outputs: the sequence's grammar state (engine/structured/ SequenceGrammar), set once its
+        # grammar compiled, advanced by each token it gets; None for unconstrained sequences
+        self.grammar = None
         # params.prompt_logprobs: one entry per prompt token, the first None, filled as the prefill runs
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
 

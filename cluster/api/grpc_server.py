@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from cluster.api.metrics import ServingMetrics
 from cluster.api.prompt_encoder import PromptEncoder
 from cluster.api.request_validation import MAX_REQUEST_BYTES, TEXT_ARGS, build_sampling_params, check_prompt_token_ids
 from cluster.backend import Backend, BackendOverloaded, BackendUnavailable, GenerationChunk, GenerationRequest
+from engine.structured import check_spec
+from engine.structured_params import StructuredOutputsParams
 from proto import tandem_pb2, tandem_pb2_grpc
 
 logger = logging.getLogger("tandem.cluster.grpc")
@@ -145,10 +148,33 @@ def _sampling_params(request: tandem_pb2.GenerateRequest):
 
     processors = {name: optional(name) for name in ("min_p", "presence_penalty", "frequency_penalty",
                                                     "repetition_penalty", "min_tokens", "logprobs", "n", *TEXT_ARGS)}
-    return build_sampling_params(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
-                                 top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
-                                 stop=list(request.stop) or None, ignore_eos=request.ignore_eos,
-                                 logit_bias=dict(request.logit_bias) or None, **processors)
+    params = build_sampling_params(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
+                                   top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
+                                   stop=list(request.stop) or None, ignore_eos=request.ignore_eos,
+                                   logit_bias=dict(request.logit_bias) or None, **processors)
+    spec = _structured_outputs(request)
+    return params if spec is None else dataclasses.replace(params, structured_outputs=spec)
+
+
+def _structured_outputs(request: tandem_pb2.GenerateRequest) -> StructuredOutputsParams | None:
+    """The request's structured outputs (None when unset); ValueError naming the field when the spec is
+    malformed or does not compile (engine/structured/grammars.py check_spec)."""
+    if not request.HasField("structured_outputs"):
+        return None
+    kind = request.structured_outputs.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs is set but gives no kind (json_schema, regex, choice, grammar, "
+                         "json_object)")
+    value = getattr(request.structured_outputs, kind)
+    if kind == "choice":
+        value = list(value.choices)
+    fields = {"json" if kind == "json_schema" else kind: value}
+    try:
+        spec = StructuredOutputsParams(**fields)
+        check_spec(spec)
+    except ValueError as error:
+        raise ValueError(f"structured_outputs.{kind}: {error}") from None
+    return spec
 
 
 def _status_of(error: Exception, request_id: str) -> tuple[grpc.StatusCode, str]:

@@ -26,7 +26,7 @@ TEMPLATE_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "doc
 MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content",
                             "reasoning"})
 ECHOED_RESPONSE_FIELDS = frozenset({"refusal", "annotations", "audio", "function_call"})
-ACCEPTED_TOOL_CHOICES = ("none", "auto")  # the model decides; Tandem does not constrain it to call a tool
+ACCEPTED_TOOL_CHOICES = ("none", "auto", "required")  # required / a named function: openai_tools.py forces a call
 MAX_CHAT_MESSAGES = 4096  # checked before any message is looked at: rendering is work before admission
 
 
@@ -168,9 +168,13 @@ def _documents(documents) -> list | None:
 
 
 def _check_tool_choice(choice) -> None:
+    """none / auto (the model decides), required, or {"type": "function", "function": {"name": ...}}."""
     if choice is None or choice in ACCEPTED_TOOL_CHOICES:
         return
-    raise unsupported(f"tool_choice={json.dumps(choice)} is not supported by this server: it renders tools into "
-                      f"the prompt but does not force a tool call (use {' or '.join(ACCEPTED_TOOL_CHOICES)})",
-                      param="tool_choice")
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(function, dict) and choice.get("type", "function") == "function" \
+            and isinstance(function.get("name"), str):
+        return
+    raise unsupported(f"tool_choice={json.dumps(choice)} is not supported: use {', '.join(ACCEPTED_TOOL_CHOICES)} "
+                      "or {\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
 

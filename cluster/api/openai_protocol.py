@@ -17,6 +17,8 @@ from cluster.api.openai_fields import (OpenAIError, bad_request, bool_field, che
                                        number_field)
 from cluster.api.openai_prompts import completion_prompts
 from cluster.api.openai_sampling import EXTRA_FIELDS, sampling_extras
+from cluster.api.openai_structured import STRUCTURED_FIELDS, structured_outputs
+from cluster.api.openai_tools import ToolForcing, forced_tools
 from cluster.api.prompt_encoder import PromptEncoder
 from cluster.api.request_validation import InvalidField, build_sampling_params
 from engine.sampling_params import SamplingParams
@@ -24,11 +26,11 @@ from engine.sampling_params import SamplingParams
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                             "stop_token_ids", "stream", "stream_options", "ignore_eos", "return_token_ids",
-                            "user", "metadata", *EXTRA_FIELDS})
+                            "user", "metadata", *EXTRA_FIELDS, *STRUCTURED_FIELDS})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # Fields that would change the result; only their no-op value (or null) is accepted.
-NO_OP_VALUES = {"best_of": (1,), "echo": (False,), "suffix": ("",), "response_format": ({"type": "text"},)}
+NO_OP_VALUES = {"best_of": (1,), "echo": (False,), "suffix": ("",)}
 COMPLETION_NO_OPS = {name: values for name, values in NO_OP_VALUES.items() if name != "echo"}
 
 
@@ -64,6 +66,7 @@ class ParsedRequest:
     include_usage: bool
     return_token_ids: bool
     echo: tuple[tuple[str, tuple[int, ...]], ...] | None = None  # completions: each prompt's (text, ids)
+    tool_forcing: ToolForcing | None = None  # chat: tool_choice forces a call (openai_tools.py)
 
     @property
     def num_choices(self) -> int:
@@ -117,7 +120,15 @@ def parse_chat_request(body: dict, served: ServedModel) -> ParsedRequest:
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), (ids,), served)
     if max_tokens is None:
         max_tokens = max(1, served.max_model_len - len(ids))
-    return _parsed(body, model, (ids,), max_tokens, chat=True)
+    call = _parsed(body, model, (ids,), max_tokens, chat=True)
+    forced = forced_tools(body)
+    if forced is None:
+        return call
+    if call.params.structured_outputs is not None:
+        raise bad_request("tool_choice forcing a call cannot be combined with response_format / structured_outputs",
+                          param="tool_choice")
+    forcing, spec = forced
+    return dataclasses.replace(call, params=constrained(call.params, spec), tool_forcing=forcing)
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], prompts, served: ServedModel) -> int | None:
@@ -157,13 +168,25 @@ def _sampling_params(body: dict, max_tokens: int, chat: bool, echo: bool) -> Sam
         raise bad_request("stop_token_ids must be a list of integers", code="invalid_type",
                           param="stop_token_ids")
     try:
-        return build_sampling_params(
+        params = build_sampling_params(
             max_tokens=max_tokens, temperature=number_field(body, "temperature"),
             top_p=number_field(body, "top_p"), top_k=int_field(body, "top_k"), seed=int_field(body, "seed"),
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=bool_field(body, "ignore_eos"),
             **sampling_extras(body, chat, echo))
     except ValueError as error:  # InvalidField names its field
         raise bad_request(str(error), param=getattr(error, "field", None)) from error
+    return constrained(params, structured_outputs(body))  # response_format, structured_outputs, guided_*
+
+
+def constrained(params: SamplingParams, spec) -> SamplingParams:
+    """params with `spec` as its structured_outputs (params itself for None); 400 naming min_tokens, which
+    cannot be combined with it."""
+    if spec is None:
+        return params
+    try:
+        return dataclasses.replace(params, structured_outputs=spec)
+    except ValueError as error:
+        raise bad_request(str(error), param="min_tokens") from error
 
 
 def _check_fields(body: dict, known: frozenset) -> None:

@@ -17,6 +17,7 @@ from cluster.bench.serve_fault import FaultInjector, FaultSpec, fault_report, fo
 from cluster.bench.serve_metrics import compute_metrics, parse_goodput
 from cluster.bench.serve_multiturn import MultiturnSummary, format_multiturn, run_conversations
 from cluster.bench.serve_report import RunSettings, format_report, result_json
+from cluster.bench.structured import SCHEMAS
 from cluster.bench.serve_workloads import (MixedWorkload, MultiturnWorkload, PrefixRepetitionWorkload, RandomWorkload,
                                            SampleRequest, Workload, add_shape_arguments, arrival_gaps,
                                            fit_to_context, generate_conversations, generate_requests)
@@ -54,6 +55,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--structured-outputs", choices=("none", "json"), default="none",
+                        help="json: each request's output follows a JSON schema drawn round robin from a small set "
+                             "(cluster/bench/structured.py SCHEMAS; not with multiturn)")
 
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
@@ -85,6 +89,12 @@ def _fit_to_served_context(config: ClientConfig, samples: list[SampleRequest],
     return samples, warmups
 
 
+def with_schemas(samples: list[SampleRequest]) -> list[SampleRequest]:
+    """The requests, request i constrained to SCHEMAS[i % len(SCHEMAS)] (`structured_outputs.json`)."""
+    return [dataclasses.replace(sample, structured_outputs={"json": SCHEMAS[index % len(SCHEMAS)]})
+            for index, sample in enumerate(samples)]
+
+
 def check_counts(args: argparse.Namespace) -> None:
     if args.num_prompts < 1 or args.num_warmups < 0:
         raise ValueError("--num-prompts must be >= 1 and --num-warmups >= 0")
@@ -105,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
                           args.timeout, sys.stderr.isatty())
     if not isinstance(workload, MultiturnWorkload):
         samples, warmups = _fit_to_served_context(config, samples, warmups)
+    if args.structured_outputs == "json":
+        if isinstance(workload, MultiturnWorkload):
+            raise ValueError("--structured-outputs does not combine with --dataset-name multiturn")
+        samples, warmups = with_schemas(samples), with_schemas(warmups)
     try:
         fault = FaultInjector(FaultSpec.parse(args.fault), config.base_url, len(samples)) if args.fault else None
         if isinstance(workload, MultiturnWorkload):

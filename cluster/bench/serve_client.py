@@ -64,8 +64,11 @@ async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
 
 
 def _request_body(sample: SampleRequest, model: str, ignore_eos: bool) -> dict:
-    return {"model": model, "prompt": list(sample.prompt_token_ids), "max_tokens": sample.output_len,
+    body = {"model": model, "prompt": list(sample.prompt_token_ids), "max_tokens": sample.output_len,
             "temperature": 0, "stream": True, "return_token_ids": True, "ignore_eos": ignore_eos}
+    if sample.structured_outputs is not None:
+        body["structured_outputs"] = sample.structured_outputs
+    return body
 
 
 async def _read_events(response: aiohttp.ClientResponse):

@@ -14,10 +14,12 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class SampleRequest:
-    """One benchmark request: the prompt's token ids and how many tokens to generate."""
+    """One benchmark request: the prompt's token ids and how many tokens to generate; structured_outputs: the
+    request's `structured_outputs` field (vLLM's), None for an unconstrained request."""
 
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    structured_outputs: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +163,8 @@ def fit_to_context(requests: list[SampleRequest], max_model_len: int) -> tuple[l
         output_len = min(request.output_len, max_model_len - 1)
         room = max_model_len - output_len
         if output_len != request.output_len or len(request.prompt_token_ids) > room:
-            request = SampleRequest(request.prompt_token_ids[:room], output_len)
+            request = dataclasses.replace(request, prompt_token_ids=request.prompt_token_ids[:room],
+                                          output_len=output_len)
             cut += 1
         fitted.append(request)
     return fitted, cut

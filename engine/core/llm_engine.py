@@ -25,9 +25,10 @@ from engine.core.scheduler import Scheduler, prefill_first_enabled
 from engine.core.stats import EngineStats
 from engine.core.step_log import StepLog, StepRecord, chunk_tokens
 from engine.core.step_observer import StepObserver
+from engine.core.structured_requests import StructuredRequests
 from engine.core.stop_rules import finish_reason, is_stop_token
 from engine.kv.kv_cache import KVCache, KVCacheSpec
-from engine.model.causal_lm import CausalLM
+from engine.model.causal_lm import CausalLM, local_heads
 from engine.outputs import OutputText, RequestMetrics, StepDelta
 from engine.runner.decode_graphs import decode_graphs_for
 from engine.runner.device_memory import release_device_memory
@@ -52,17 +53,20 @@ class LLMEngine(KVHandoff):
     release_prefilled, take_prefilled_blocks) are in engine/core/kv_handoff.py."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, model_config: ModelConfig,
-                 config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+                 config: EngineConfig, dtype: torch.dtype, device: torch.device, tp_leader=None) -> None:
+        """tp_leader (engine/runner/tp_leader.py): model is rank 0's shard, the leader's followers run each step
+        with it; close() stops them. None: one rank."""
         self.model_config, self.config, self.tokenizer = model_config, config, tokenizer
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype, self.tp_leader = device, dtype, tp_leader
         if device.type == "cpu":
             keep_freed_host_memory()  # steps reuse their activations' memory instead of page-faulting it in
-        spec = KVCacheSpec(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+        spec = KVCacheSpec(model_config.num_layers, local_heads(model_config, model.shard)[1], model_config.head_dim,
                            config.block_size, dtype)
         attention = select_backend(config.attention_backend, device, dtype)
         self.memory_plan = plan_memory(model, spec, config, device, attention)  # measured on CUDA, logged
-        num_blocks = self.memory_plan.num_blocks
-        self.kv_cache = KVCache(spec, num_blocks, device, config.enable_prefix_caching)
+        pool = KVCache if tp_leader is None else tp_leader.kv_cache  # TP: as many blocks as every rank holds
+        self.kv_cache = pool(spec, self.memory_plan.num_blocks, device, config.enable_prefix_caching)
+        num_blocks = self.kv_cache.num_blocks
         self.max_model_len = max_model_len(model_config, config, num_blocks)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens "
@@ -70,9 +74,11 @@ class LLMEngine(KVHandoff):
                              f"({self.max_model_len})")
         self.scheduler = Scheduler(config, self.kv_cache.allocator, prefill_first_enabled(config, device.type))
         sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids)
-        self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention)
+        self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention,
+                                  step_sender=None if tp_leader is None else tp_leader.send_step)
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device)
+        self.structured = StructuredRequests(tokenizer, model_config.vocab_size, sampler)  # structured outputs
         self.stats = EngineStats()
         self.step_log = StepLog()  # the last steps: what each held and cost
         self._live = LiveRequests()
@@ -92,8 +98,11 @@ class LLMEngine(KVHandoff):
         for request_id in self._live.request_ids():
             self.abort(request_id)
         self._closed = True
+        self.structured.close()
         self.runner.close()
         self.runner = self.kv_cache = None
+        if self.tp_leader is not None:
+            self.tp_leader.close()
         release_device_memory(self.device)
 
     @property
@@ -117,7 +126,8 @@ class LLMEngine(KVHandoff):
 
         params.n > 1 (full requests only, at most max_num_seqs): n samples of the prompt, each with
         params.for_sample(j); the prompt is prefilled once and its KV shared (engine/core/fork.py); each
-        sample's deltas carry its `index`, and the request ends when every sample has."""
+        sample's deltas carry its `index`, and the request ends when every sample has. A structured request waits
+        for its grammar outside the schedule (engine/core/structured_requests.py)."""
         self._validate(request_id, prompt_token_ids, params, num_resumed_tokens)
         if params.n > 1 and (prefill_only or num_resumed_tokens or params.n > self.config.max_num_seqs):
             raise ValueError(f"n={params.n} needs a full request (not prefill-only, not resumed) and at most "
@@ -125,10 +135,12 @@ class LLMEngine(KVHandoff):
         samples = [Sequence(request_id, list(prompt_token_ids), params.for_sample(j), prefill_only=prefill_only,
                             arrival_time=arrival_time, num_resumed_tokens=num_resumed_tokens, index=j)
                    for j in range(params.n)]
+        samples[0].forks = samples[1:]
+        held = self.structured.hold(samples[0])  # raises before anything is tracked
         for seq in samples:
             self._track(seq)
-        samples[0].forks = samples[1:]
-        self.scheduler.add_waiting(samples[0])
+        if not held:
+            self.scheduler.add_waiting(samples[0])
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Seq[int], first_token: int,
                               params: SamplingParams, block_ids: Seq[int],
@@ -152,6 +164,7 @@ class LLMEngine(KVHandoff):
                        num_resumed_tokens=num_resumed_tokens)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
+        self.structured.attach_now(seq)
         self._track(seq)
         self.scheduler.add_running(seq)
         self.scheduler.register_full_blocks(seq)
@@ -169,10 +182,11 @@ class LLMEngine(KVHandoff):
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(request_id, prompt, params, num_resumed_tokens, self.max_model_len,
                       self.model_config.vocab_size)
+        self.structured.check(params)
 
     # ---- the step loop ---------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.structured.has_pending
 
     def step(self, observer: StepObserver | None = None) -> list[StepDelta]:
         """Run one packed forward over the scheduled chunks and return the deltas it produced.
@@ -183,9 +197,10 @@ class LLMEngine(KVHandoff):
         before the exception propagates."""
         self._check_open()
         step_started = time.perf_counter()
+        ended = [self._finish(s, "abort", (), {"index": s.index}) for s in self.structured.release(self.scheduler)]
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
+            return ended
         started = time.perf_counter()
         on_layer = None
         if observer is not None:
@@ -208,7 +223,7 @@ class LLMEngine(KVHandoff):
             if seq.forks:  # a prefill of n samples just ended: the others take their share of its KV
                 fork_samples(seq, self.scheduler, self.kv_cache)
         self.stats.record_step(chunks, forward_s)
-        deltas = [self._append_token(seq, token, logprobs)
+        deltas = ended + [self._append_token(seq, token, logprobs)
                   for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
         self.step_log.record(StepRecord(step_started, forward_s, time.perf_counter() - step_started,
                                         *chunk_tokens(chunks)))
@@ -219,6 +234,8 @@ class LLMEngine(KVHandoff):
         if first:
             seq.first_token_time = time.perf_counter()
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         text = self._live.text(seq)
         may_stop = seq.num_output_tokens > seq.params.min_tokens  # min_tokens: no stop of any kind before
         stop_token = may_stop and is_stop_token(seq.params, token, self.tokenizer.eos_token_ids)

@@ -4,6 +4,10 @@ Layout: one contiguous tensor [num_layers, 2, num_blocks, block_size, num_kv_hea
 (index 0 of dim 1 is K, 1 is V). Per layer, the K and V planes are contiguous, so attention can view
 them as flat slot arrays [num_blocks * block_size, num_kv_heads, head_dim]; slot = block * block_size
 + offset. kv_transfer moves `kv[:, :, block_ids]` (all layers of a run of blocks) in one piece.
+
+Tensor parallelism: each rank's pool holds the KV heads head_range = [start, stop) of the model's (its
+TPLayout.kv_heads, engine/parallel/layout.py), num_kv_heads = stop - start of them; a block id names the same
+tokens on every rank (rank 0's allocator hands out the ids), each rank holding its heads of them.
 """
 from __future__ import annotations
 
@@ -38,9 +42,13 @@ class KVCache:
     """The K/V pool tensor plus the allocator that hands out its blocks."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, head_range: tuple[int, int] | None = None) -> None:
+        """head_range: the model's KV heads this pool holds (tensor parallelism); default all of them."""
         self.spec = spec
         self.num_blocks = num_blocks
+        self.head_range = head_range or (0, spec.num_kv_heads)
+        if self.head_range[1] - self.head_range[0] != spec.num_kv_heads:
+            raise ValueError(f"head_range {self.head_range} does not hold the spec's {spec.num_kv_heads} KV heads")
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv = zeroed_pool((spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
                               spec.dtype, device)

@@ -16,19 +16,24 @@ from engine.config import ModelConfig
 from engine.kv.kv_cache import KVCache
 from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.model.linear import meta_linear, prepare_linears
+from engine.model.tp_layers import ParallelLMHead, RowParallelLinear, TPShard, VocabParallelEmbedding
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, head_dim] each
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    """Tensor-parallel (shard given): this rank's query and KV heads only (TPLayout), QKV column-parallel, o_proj
+    row-parallel; the KV pool it writes holds the same KV heads."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, shard: TPShard | None = None):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = local_heads(cfg, shard) + (cfg.head_dim,)
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = meta_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
-        self.o_proj = meta_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype)
+        self.o_proj = meta_linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype) if shard is None else \
+            RowParallelLinear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, shard)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -52,12 +57,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, shard: TPShard | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        inter = cfg.intermediate_size if shard is None else shard.layout.intermediate_size
+        down = None if shard is None else RowParallelLinear(inter, cfg.hidden_size, False, dtype, shard)
+        self.mlp = GatedMLP(cfg.hidden_size, inter, dtype, down)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RopeTables, meta: AttentionMetadata,
                 kv_cache: KVCache, kv_written: Callable[[], None] | None = None
@@ -79,19 +86,27 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Parameters are created unallocated; call materialize(device) and load_weights() before use."""
+    """Parameters are created unallocated; call materialize(device) and load_weights() before use.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    shard (tensor parallelism): this rank's slice of the model (engine/model/tp_layers.py); load_weights then
+    takes the rank's slices of the checkpoint tensors (engine/model/tp_weights.py), and compute_logits gives
+    the whole logits on rank 0, None elsewhere. None: the whole model, no communication at all."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, shard: TPShard | None = None) -> None:
         super().__init__()
-        self.config = cfg
-        # [vocab, hidden] unallocated, nothing drawn (the checkpoint fills it)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta",
-                                                             dtype=dtype))
+        self.config, self.shard = cfg, shard
+        if shard is None:  # [vocab, hidden] unallocated, nothing drawn (the checkpoint fills it)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+                cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype))
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.hidden_size, dtype, shard)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = meta_linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        # the LM head last: the parameters' order is their order in memory once materialized, which the CPU
+        # matmuls' numerics follow (a migrated seeded request is compared token for token across processes)
+        self.lm_head = meta_linear(cfg.hidden_size, cfg.vocab_size, False, dtype) if shard is None else \
+            ParallelLMHead(cfg.hidden_size, cfg.vocab_size, dtype, shard)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -121,14 +136,28 @@ class CausalLM(nn.Module):
                                 None if on_layer is None else lambda i=index: on_layer(i))
         return self.norm.add_and_norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab] (tensor-parallel: on rank 0; every
+        rank must call it, the others get None)."""
+        if self.shard is None:
+            return self.lm_head(hidden).float()
+        return self.lm_head.gather(self.lm_head(hidden).float())
+
+    def _rows(self, name: str, piece: str | None, ranges: dict) -> tuple[int, int] | None:
+        """The rows of parameter `name` a checkpoint tensor fills: its fused piece's; a vocabulary shard's real
+        rows (the last rank's padding rows are zeroed here); None: all."""
+        if self.shard is not None and name in ("embed_tokens.weight", "lm_head.weight"):
+            start, stop = self.shard.layout.vocab
+            with torch.no_grad():
+                self.get_parameter(name)[stop - start:].zero_()
+            return 0, stop - start
+        return None if piece is None else ranges[piece]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        ranges = _fused_ranges(self.config, self.shard)
         for hf_name, tensor in weights:
             target = _map_hf_name(hf_name, self.config)
             if target is None:
@@ -136,7 +165,7 @@ class CausalLM(nn.Module):
             name, shard = target
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
-            _copy_shard(params[name], tensor, shard, self.config, hf_name)
+            _copy_shard(params[name], tensor, self._rows(name, shard, ranges), hf_name)
             loaded.add(name if shard is None else f"{name}#{shard}")
         missing = [n for n in _expected_pieces(params, self.config) if n not in loaded]
         if missing:
@@ -163,15 +192,23 @@ def _map_hf_name(hf_name: str, cfg: ModelConfig) -> tuple[str, str | None] | Non
     return name, None
 
 
-def _shard_range(shard: str, cfg: ModelConfig) -> tuple[int, int]:
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
-            "gate": (0, inter), "up": (inter, 2 * inter)}[shard]
+def local_heads(cfg: ModelConfig, shard: TPShard | None) -> tuple[int, int]:
+    """(query heads, KV heads) this rank computes: all of them without tensor parallelism."""
+    if shard is None:
+        return cfg.num_heads, cfg.num_kv_heads
+    return shard.layout.num_heads, shard.layout.num_kv_heads
 
 
-def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: str | None, cfg: ModelConfig,
-                hf_name: str) -> None:
-    target = param.data if shard is None else param.data.narrow(0, *_span(_shard_range(shard, cfg)))
+def _fused_ranges(cfg: ModelConfig, shard: TPShard | None) -> dict[str, tuple[int, int]]:
+    """Where each piece of a fused parameter (this rank's share of it) lies in the fused rows."""
+    heads, kv_heads = local_heads(cfg, shard)
+    q, kv = heads * cfg.head_dim, kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size if shard is None else shard.layout.intermediate_size
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
+
+
+def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, rows: tuple[int, int] | None, hf_name: str) -> None:
+    target = param.data if rows is None else param.data.narrow(0, *_span(rows))
     if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                          f"expected {tuple(target.shape)}")

@@ -85,13 +85,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul. Tensor-parallel: intermediate_size is
+    this rank's share, gate-up column-parallel, down_proj the row-parallel layer `down_proj` (it all-reduces)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 down_proj: nn.Module | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = meta_linear(hidden_size, 2 * intermediate_size, False, dtype)
-        self.down_proj = meta_linear(intermediate_size, hidden_size, False, dtype)
+        self.down_proj = down_proj or meta_linear(intermediate_size, hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]

@@ -82,7 +82,8 @@ def prepare_linears(model: nn.Module) -> None:
             if warm_up_macs(linear.in_features, linear.out_features) > WARM_BUDGET_MACS:
                 continue
             for rows in range(1, WARMED_ROWS + 1):
-                linear(torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
+                # Linear's own forward: a row-parallel layer's all-reduce is no part of building kernels
+                Linear.forward(linear, torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
 
 
 def warm_up_macs(in_features: int, out_features: int) -> int:

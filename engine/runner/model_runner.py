@@ -16,6 +16,7 @@ from engine.attention.block_tables import BlockTableMirrors
 from engine.attention.metadata import table_width
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
+from engine.parallel.step_message import StepInputs
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.prompt_logprobs import PromptRows, compute_prompt_logprobs, prompt_rows
@@ -45,8 +46,11 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 attention: AttentionBackend | None = None):
-        """attention: the backend every layer uses (default: `auto` for this device and pool dtype)."""
+                 attention: AttentionBackend | None = None,
+                 step_sender: Callable[[StepInputs], None] | None = None):
+        """attention: the backend every layer uses (default: `auto` for this device and pool dtype).
+        step_sender (tensor-parallel rank 0, TPLeader.send_step): gets each step's host inputs before the
+        forward, for the other ranks to run the same one; None with one rank."""
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
@@ -55,6 +59,7 @@ class ModelRunner:
         self.attention = attention or select_backend("auto", device, kv_cache.spec.dtype)
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine once the pool exists (CUDA)
         self.block_tables = BlockTableMirrors()
+        self.step_sender = step_sender
 
     def close(self) -> None:
         """Let go of the model, the KV pool and the decode graphs (closed), so their memory can be freed once
@@ -79,17 +84,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))  # [S, vocab]
         seqs = batch.sampled_seqs
         sampled = self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs],
-                                      [(s.token_ids, s.num_prompt_tokens) for s in seqs])
+                                      [(s.token_ids, s.num_prompt_tokens) for s in seqs],
+                                      constraints=[s.grammar for s in seqs])
         return StepResult(seqs, sampled, prompt_logprobs)
 
     def _forward(self, batch: ModelInput, on_layer: Callable[[int], None] | None) -> torch.Tensor:
-        """The model forward, replayed from a captured graph when the step is decode rows only (no layer
-        callbacks then: only prefill steps stream)."""
-        meta, graphs = batch.meta, self.decode_graphs
-        if graphs is not None and meta.num_decode_rows == meta.num_seqs and graphs.covers(meta.num_seqs) \
-                and on_layer is None:
-            return graphs.run(batch.input_ids, batch.positions, meta)
-        return self.model(batch.input_ids, batch.positions, meta, self.kv_cache, on_layer)
+        return run_forward(self.model, self.kv_cache, self.decode_graphs, batch.input_ids, batch.positions,
+                           batch.meta, on_layer)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> ModelInput:
         """The step's flat batch: ids, positions, each token's pool slot and the attention metadata.
@@ -108,9 +109,22 @@ class ModelRunner:
         computed, new = [c.seq.num_computed_tokens for c in ordered], [c.num_new_tokens for c in ordered]
         width = table_width([c + n for c, n in zip(computed, new)], self.block_size)
         tables = self.block_tables.tables([c.seq for c in ordered], width)  # [N, width] int32
+        if self.step_sender is not None:
+            self.step_sender(StepInputs(input_ids, computed, new, tables, sample_rows, prompt.rows))
         step = build_step_tensors(self.attention, computed, new, tables, self.block_size, self.device)
         return ModelInput(self._tensor(input_ids), step.positions, step.meta, self._tensor(sample_rows),
                           tuple(sampled), prompt)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def run_forward(model: CausalLM, kv_cache: KVCache, graphs: DecodeGraphs | None, input_ids: torch.Tensor,
+                positions: torch.Tensor, meta: AttentionMetadata,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+    """The model forward ([T] ids -> [T, hidden]), replayed from a captured graph when the step is decode rows
+    only (no layer callbacks then: only prefill steps stream). Tensor-parallel followers run it too."""
+    if graphs is not None and meta.num_decode_rows == meta.num_seqs and graphs.covers(meta.num_seqs) \
+            and on_layer is None:
+        return graphs.run(input_ids, positions, meta)
+    return model(input_ids, positions, meta, kv_cache, on_layer)

@@ -1,7 +1,8 @@
 """Sampler: one next token per sampled row, greedy or temperature / min-p / top-k / top-p, seedable per
 request, with the row's logprobs when it asks.
 
-On the logits' device (CPU or CUDA), vectorised over rows. First `process_logits`
+On the logits' device (CPU or CUDA), vectorised over rows. First the token masks of rows under a grammar
+(structured outputs: engine/sampling/token_mask.py; no such row, no mask work), then `process_logits`
 (engine/sampling/logits_processors.py: min_tokens, logit_bias, penalties) on the rows that ask for any, greedy rows
 included (it changes their argmax); no row asking, nothing runs. Greedy rows are then an argmax; the
 others go through `transform_logits` (temperature), `cut_min_p`, then `candidate_probs`: no cut is a
@@ -27,6 +28,7 @@ from engine.host_lists import to_device as _to_device
 from engine.sampling.logits_processors import History, cut_min_p, process_logits
 from engine.sampling.logprobs import TokenLogprobs, logprob_tensors, unpack
 from engine.sampling.nucleus import nucleus_candidates
+from engine.sampling.token_mask import TokenMaskFiller, apply_token_masks
 from engine.sampling_params import SamplingParams
 
 _BLOCK = 1024  # columns per block in the two-level argmax and draw
@@ -52,11 +54,14 @@ class Sampler:
     seeded from (seed, position), so a seeded request gets the same tokens whatever shares its batch
     and whichever engine samples which of its tokens; unseeded rows share the sampler's generator for
     that device (one per device, created on first use, each seeded with `seed`). eos_token_ids: what
-    min_tokens masks besides a request's stop_token_ids (unless it ignores EOS)."""
+    min_tokens masks besides a request's stop_token_ids (unless it ignores EOS). mask_filler: what fills the
+    bitmask of rows under a grammar (set by the engine at its first structured request)."""
 
-    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
+                 mask_filler: TokenMaskFiller | None = None) -> None:
         self.seed = seed
         self.eos_token_ids = tuple(eos_token_ids)
+        self.mask_filler = mask_filler
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -65,10 +70,14 @@ class Sampler:
         return self.sample(logits, params, positions, histories).tokens
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
-               histories: Sequence[History] | None = None) -> SamplerOutput:
+               histories: Sequence[History] | None = None,
+               constraints: Sequence[object | None] | None = None) -> SamplerOutput:
         """One token per row of logits [S, vocab]; positions[i] is the index the new token of row i will
         have; histories[i] = (row i's prompt + generated ids, its prompt length), read only by rows with
-        penalties or an unmet min_tokens (None: empty histories)."""
+        penalties or an unmet min_tokens (None: empty histories); constraints[i]: row i's grammar state
+        (engine/structured/ SequenceGrammar) or None; a constrained row picks only tokens its grammar allows,
+        and its logprobs are those of the masked distribution. Reads the grammar states, never advances them."""
+        logits = apply_token_masks(logits, constraints, self.mask_filler)  # [S, vocab]
         logits = process_logits(logits, params, histories, self.eos_token_ids)  # [S, vocab]
         tokens = _argmax(logits)  # [S] int64: the greedy pick, and the fallback of every row
         rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -112,7 +112,8 @@ REFUSED = [  # (extra request fields, the param the 400 names)
     ({"messages": CONTINUED, "extra_body": {"continue_final_message": True}}, "continue_final_message"),
     ({"messages": [{"role": "developer", "content": "x"}]}, "messages"),  # the template's raise_exception
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),  # a role no template names
-    ({"messages": CONVERSATION, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": CONVERSATION, "tools": TOOLS,  # "required" is served (structured outputs); an unknown tool is not
+      "tool_choice": {"type": "function", "function": {"name": "no_such_tool"}}}, "tool_choice"),
     ({"messages": [CONVERSATION[1], {**CONVERSATION[2], "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),

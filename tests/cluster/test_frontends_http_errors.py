@@ -54,7 +54,8 @@ BAD_CHATS = [
     ({"messages": [{"content": "no role"}]}, 400, "invalid_value"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "invalid_value"),  # the template refuses
     ({"messages": CHAT, "tools": [{"type": "function"}]}, 400, "invalid_value"),  # a tool without its function
-    ({"messages": CHAT, "tool_choice": "required"}, 400, "unsupported_parameter"),
+    ({"messages": CHAT, "tool_choice": "required"}, 400, "invalid_value"),  # forcing a call needs tools
+    ({"messages": CHAT, "tool_choice": "sometimes"}, 400, "unsupported_parameter"),
     ({"messages": CHAT, "echo": True}, 400, "unsupported_parameter"),  # echo is for completions
 ]
 

@@ -7,7 +7,8 @@ Rules (docs/architecture.md, "The map"):
   tests/ (they are not in any allowed set);
 - inside engine/, between its rooms (ALLOWED_ENGINE_ROOMS), one way only: the API (engine/__init__.py,
   llm.py, builder.py) -> core/ -> runner/ -> model/ -> attention/ -> kv/, with sampling/ and text/ beside
-  them, results/ (outputs.py) for core/, and the shared types (config.py, sampling_params.py, sequence.py,
+  them, results/ (outputs.py) for core/, parallel/ (tensor parallelism's layout, group and step message) for
+  model/, runner/ and core/, and the shared types (config.py, sampling_params.py, sequence.py,
   host_lists.py) under all of them, importing only each other;
 - inside cluster/, between its rooms: api and local know only the Backend contract (cluster/backend.py),
   api and coordinator also the stream merger (cluster/merged_streams.py); coordinator drives workers;
@@ -44,19 +45,23 @@ ENGINE_TOP_LEVEL_ROOMS = {
     "engine": "engine.api", "engine.llm": "engine.api", "engine.builder": "engine.api", "engine.convert": "engine.api",
     "engine.outputs": "engine.results",
     "engine.config": "engine.types", "engine.sampling_params": "engine.types", "engine.sequence": "engine.types",
+    "engine.structured_params": "engine.types",
     "engine.host_lists": "engine.types",
 }
 ALLOWED_ENGINE_ROOMS: dict[str, frozenset[str]] = {
     "engine.types": frozenset(),
+    "engine.parallel": frozenset({"engine.types"}),
     "engine.kv": frozenset({"engine.types"}),
     "engine.text": frozenset({"engine.types"}),
     "engine.sampling": frozenset({"engine.types"}),
+    "engine.structured": frozenset({"engine.text", "engine.types"}),
     "engine.attention": frozenset({"engine.kv", "engine.types"}),
-    "engine.model": frozenset({"engine.attention", "engine.kv", "engine.types"}),
-    "engine.runner": frozenset({"engine.model", "engine.attention", "engine.kv", "engine.sampling", "engine.types"}),
+    "engine.model": frozenset({"engine.attention", "engine.kv", "engine.parallel", "engine.types"}),
+    "engine.runner": frozenset({"engine.model", "engine.attention", "engine.kv", "engine.parallel", "engine.sampling",
+                                "engine.types"}),
     "engine.results": frozenset({"engine.sampling", "engine.text", "engine.types"}),
-    "engine.core": frozenset({"engine.runner", "engine.model", "engine.attention", "engine.kv", "engine.sampling",
-                              "engine.text", "engine.results", "engine.types"}),
+    "engine.core": frozenset({"engine.runner", "engine.model", "engine.attention", "engine.kv", "engine.parallel",
+                              "engine.sampling", "engine.structured", "engine.text", "engine.results", "engine.types"}),
 }
 ALLOWED_ENGINE_ROOMS["engine.api"] = frozenset(ALLOWED_ENGINE_ROOMS)
 

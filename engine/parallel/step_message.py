@@ -1,0 +1,92 @@
+"""The one message rank 0 sends the other ranks of its group for each step: the step's host inputs, packed into an
+int32 buffer of a fixed size (one broadcast on the group's host control group, engine/parallel/group.py), from
+which a follower builds the same batch tensors (build_step_tensors) and runs the same forward.
+
+Layout (int32 words): header [kind, T, N, width, S, R, C, total] then input_ids [T], num_computed [N],
+num_new [N], block_tables [N * width], sample_rows [S], prompt_rows [R], copy sources [C], copy targets [C].
+kind STOP ends a follower. Every step of at most INLINE_WORDS words (decode steps of 256 sequences with up to
+60 blocks each, prefill steps of ~15k tokens) is one broadcast; a larger one sends the words past INLINE_WORDS
+in a second broadcast, announced by `total` in the first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.parallel.group import TPGroup
+
+STEP, STOP = 1, 2
+HEADER_WORDS = 8
+INLINE_WORDS = 16384  # 64 KiB: one broadcast of this size costs ~0.1 ms over loopback gloo
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything a rank needs to run one step's forward and its logits calls, on the host."""
+
+    input_ids: list[int]          # [T] the batch's tokens, sequence by sequence
+    num_computed: list[int]       # [N] tokens already in each sequence's KV
+    num_new: list[int]            # [N] tokens of each sequence in this step (single-token chunks first)
+    block_tables: np.ndarray      # [N, width] int32
+    sample_rows: list[int]        # [S] batch rows that go through the LM head to be sampled
+    prompt_rows: list[int]        # [R] batch rows that give prompt logprobs (in ROWS_PER_SLICE slices)
+    copies: tuple[list[int], list[int]] = field(default=((), ()))  # [C] KV blocks copied (source, target)
+
+
+def pack(step: StepInputs) -> np.ndarray:
+    """The step as its int32 words (header included)."""
+    tables = np.ascontiguousarray(step.block_tables, dtype=np.int32)
+    sources, targets = step.copies
+    parts = [step.input_ids, step.num_computed, step.num_new, tables.reshape(-1), step.sample_rows,
+             step.prompt_rows, sources, targets]
+    body = np.concatenate([np.asarray(p, dtype=np.int32).reshape(-1) for p in parts])
+    header = np.array([STEP, len(step.input_ids), len(step.num_new), tables.shape[1] if tables.ndim == 2 else 0,
+                       len(step.sample_rows), len(step.prompt_rows), len(sources), HEADER_WORDS + body.size],
+                      dtype=np.int32)
+    return np.concatenate([header, body])
+
+
+def unpack(words: np.ndarray) -> StepInputs:
+    """pack's inverse."""
+    _, num_tokens, num_seqs, width, num_samples, num_prompt, num_copies, _ = (int(w) for w in words[:HEADER_WORDS])
+    sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, num_samples, num_prompt, num_copies, num_copies]
+    bounds = np.cumsum([HEADER_WORDS] + sizes)
+    ids, computed, new, tables, samples, prompt, sources, targets = (
+        words[start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
+    return StepInputs(ids.tolist(), computed.tolist(), new.tolist(), tables.reshape(num_seqs, width).copy(),
+                      samples.tolist(), prompt.tolist(), (sources.tolist(), targets.tolist()))
+
+
+class StepChannel:
+    """Rank 0 sends (send, send_stop), the others receive, one message per step, in the same order."""
+
+    def __init__(self, group: TPGroup, inline_words: int = INLINE_WORDS) -> None:
+        self.group = group
+        self.buffer = torch.zeros(inline_words, dtype=torch.int32)  # host; reused for every message
+
+    def send(self, step: StepInputs) -> None:
+        self._send_words(pack(step))
+
+    def send_stop(self) -> None:
+        self._send_words(np.array([STOP] + [0] * (HEADER_WORDS - 2) + [HEADER_WORDS], dtype=np.int32))
+
+    def receive(self) -> StepInputs | None:
+        """The next step rank 0 sent, or None for STOP. Waits as long as rank 0 is idle."""
+        inline = self.buffer.numel()
+        words = self.group.broadcast_control_(self.buffer, idle=True).numpy()
+        if words[0] == STOP:
+            return None
+        total = int(words[HEADER_WORDS - 1])
+        if total > inline:
+            rest = self.group.broadcast_control_(torch.empty(total - inline, dtype=torch.int32))
+            words = np.concatenate([words, rest.numpy()])
+        return unpack(words[:total])
+
+    def _send_words(self, words: np.ndarray) -> None:
+        inline = self.buffer.numel()
+        self.buffer.numpy()[:min(inline, words.size)] = words[:inline]
+        self.group.broadcast_control_(self.buffer)
+        if words.size > inline:
+            self.group.broadcast_control_(torch.from_numpy(np.ascontiguousarray(words[inline:])))

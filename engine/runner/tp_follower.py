@@ -1,0 +1,150 @@
+"""A follower rank: a process that holds its shard of the model and of the KV pool, and runs, for every step rank 0
+sends (engine/parallel/step_message.py), the same forward and the same logits calls (their collectives meet
+rank 0's). It schedules nothing and samples nothing: its KV pool's blocks are the ones rank 0's allocator hands
+out, with this rank's KV heads (TPLayout.kv_heads) in them.
+
+follower_main is the process's entry point (spawned by engine/runner/tp_leader.py). It ends on rank 0's STOP
+message, on any error (logged), or when rank 0's process is gone (a watchdog thread: no rank outlives it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionBackend, build_step_tensors, select_backend
+from engine.config import EngineConfig, ModelConfig, max_model_len
+from engine.kv.kv_cache import KVCache, KVCacheSpec
+from engine.model.causal_lm import CausalLM
+from engine.model.tp_layers import TPShard
+from engine.model.tp_weights import load_shard
+from engine.parallel.group import Rendezvous, TPGroup, connect_group, open_store, remove_store
+from engine.parallel.layout import tp_layout
+from engine.parallel.step_message import StepChannel, StepInputs
+from engine.runner.decode_graphs import DecodeGraphs, decode_graphs_for
+from engine.runner.host_malloc import keep_freed_host_memory
+from engine.runner.memory_plan import plan_memory
+from engine.runner.model_runner import run_forward
+from engine.sampling.prompt_logprobs import ROWS_PER_SLICE
+
+logger = logging.getLogger("tandem.engine.tp")
+PARENT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """What a follower process is started with (pickled into it)."""
+
+    model: str                # resolved: "tiny", a GGUF file or a checkpoint directory
+    model_config: ModelConfig
+    config: EngineConfig
+    dtype: torch.dtype
+    device: str               # "cpu" or "cuda:<rank>"
+    rank: int
+    rendezvous: Rendezvous
+    num_threads: int          # torch's intra-op threads (CPU: the cores divided among the ranks)
+    parent_pid: int
+    max_positions: int
+
+
+def status_key(rendezvous: Rendezvous, what: str, rank: int) -> str:
+    """The store key a follower sets at a milestone ("alive", "ready", "error")."""
+    return f"{rendezvous.namespace}/{what}/{rank}"
+
+
+class FollowerRunner:
+    """The follower's half of ModelRunner.execute: the same batch tensors, forward and logits calls."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, attention: AttentionBackend, device: torch.device,
+                 graphs: DecodeGraphs | None) -> None:
+        self.model, self.kv_cache, self.attention, self.device = model, kv_cache, attention, device
+        self.graphs = graphs
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> None:
+        if step.copies[0]:  # forks copied blocks on rank 0 after its last forward: the same here, before this one
+            self.kv_cache.copy_blocks(list(step.copies[0]), list(step.copies[1]))
+        tensors = build_step_tensors(self.attention, step.num_computed, step.num_new, step.block_tables,
+                                     self.kv_cache.spec.block_size, self.device)
+        input_ids = self._tensor(step.input_ids)  # [T]
+        hidden = run_forward(self.model, self.kv_cache, self.graphs, input_ids, tensors.positions, tensors.meta)
+        for begin in range(0, len(step.prompt_rows), ROWS_PER_SLICE):  # as compute_prompt_logprobs slices them
+            rows = self._tensor(step.prompt_rows[begin:begin + ROWS_PER_SLICE])  # [R]
+            self.model.compute_logits(hidden.index_select(0, rows))
+        if step.sample_rows:
+            self.model.compute_logits(hidden.index_select(0, self._tensor(step.sample_rows)))  # [S, hidden]
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
+        self.model = self.kv_cache = self.graphs = None
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.device)
+
+
+def build_follower_runner(spec: FollowerSpec, model: CausalLM, group: TPGroup, kv_heads: tuple[int, int],
+                          device: torch.device) -> FollowerRunner:
+    """The follower's KV pool and decode graphs, sized as rank 0 sizes its own (LLMEngine): the smallest block
+    count any rank can hold (one collective)."""
+    cfg, config = spec.model_config, spec.config
+    attention = select_backend(config.attention_backend, device, spec.dtype)
+    kv_spec = KVCacheSpec(cfg.num_layers, kv_heads[1] - kv_heads[0], cfg.head_dim, config.block_size, spec.dtype)
+    num_blocks = group.min_int(plan_memory(model, kv_spec, config, device, attention).num_blocks)
+    kv_cache = KVCache(kv_spec, num_blocks, device, enable_prefix_caching=False, head_range=kv_heads)
+    graphs = decode_graphs_for(model, kv_cache, attention, config, max_model_len(cfg, config, num_blocks), device)
+    return FollowerRunner(model, kv_cache, attention, device, graphs)
+
+
+def follower_main(spec: FollowerSpec) -> None:
+    """A follower process: connect, load this rank's shard, report ready (or the error), then run steps."""
+    _watch_parent(spec.parent_pid, spec.rendezvous.store_path)
+    torch.set_num_threads(spec.num_threads)
+    rendezvous, size = spec.rendezvous, spec.config.tensor_parallel_size
+    store = open_store(rendezvous)
+    store.set(status_key(rendezvous, "alive", spec.rank), b"1")
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        keep_freed_host_memory()
+    try:
+        group = connect_group(store, rendezvous, spec.rank, size, device, lambda: os.getppid() == spec.parent_pid)
+        layout = tp_layout(spec.model_config, spec.rank, size)
+        model = load_shard(spec.model, spec.model_config, TPShard(layout, group), spec.dtype, device,
+                           spec.max_positions)
+    except BaseException:  # noqa: BLE001 - rank 0 raises it for us
+        store.set(status_key(rendezvous, "error", spec.rank), traceback.format_exc().encode())
+        return
+    store.set(status_key(rendezvous, "ready", spec.rank), b"1")
+    try:
+        runner = build_follower_runner(spec, model, group, layout.kv_heads, device)
+        channel = StepChannel(group)
+        while (step := channel.receive()) is not None:
+            runner.run(step)
+        runner.close()
+    except RuntimeError as exc:  # rank 0's group is gone (its engine dropped unclosed, or its process died)
+        logger.warning("tensor-parallel rank %d stops: rank 0 is gone (%s)", spec.rank, str(exc).splitlines()[0])
+    except BaseException:  # noqa: BLE001 - a failed step: nothing to run for any more
+        logger.error("tensor-parallel rank %d stops: %s", spec.rank, traceback.format_exc())
+    finally:
+        if os.getppid() != spec.parent_pid:  # rank 0 died: nobody else removes the group's store directory
+            remove_store(rendezvous.store_path)
+
+
+def _watch_parent(parent_pid: int, store_path: str) -> None:
+    """Exit at once when rank 0's process is gone (killed: it could not send STOP or remove the group's store
+    directory, which this rank then removes)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        remove_store(store_path)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tandem-tp-parent-watch", daemon=True).start()

@@ -1,0 +1,182 @@
+"""TPLeader: rank 0's side of a tensor-parallel group, in the engine's process. It starts the follower processes
+(ranks 1..N-1, engine/runner/tp_follower.py), connects the group, and then, for each step, sends the step's inputs
+as one message (StepChannel) before rank 0 runs its own forward. close() stops every follower: STOP, then a
+bounded wait, then a kill; a failed start kills them at once. Nothing of the group outlives the engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv.kv_cache import KVCache, KVCacheSpec
+from engine.model.tp_layers import TPShard
+from engine.parallel.group import (CONNECT_TIMEOUT_S, Rendezvous, TPGroup, connect_group, open_store,
+                                   private_store_path, remove_store)
+from engine.parallel.host_reduce import MAX_SLOT_BYTES, create_file, shared_memory_dir
+from engine.parallel.layout import tp_layout
+from engine.parallel.step_message import StepChannel, StepInputs
+from engine.runner.tp_follower import FollowerSpec, follower_main, status_key
+
+logger = logging.getLogger("tandem.engine.tp")
+STOP_WAIT_S = 10.0
+POLL_S = 0.05
+
+
+class CopyRecordingKVCache(KVCache):
+    """Rank 0's KV pool: block copies (forks) are done here and queued for the followers' next step."""
+
+    def __init__(self, *args, leader: "TPLeader", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.leader = leader
+
+    def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
+        super().copy_blocks(sources, targets)
+        self.leader.queue_copies(sources, targets)
+
+
+class TPLeader:
+    """Rank 0 of a group of config.tensor_parallel_size ranks. Use start(); close() when the engine closes."""
+
+    def __init__(self, group: TPGroup, store, processes: list, rendezvous: Rendezvous, saved_threads: int) -> None:
+        self.group, self.store, self.processes, self.rendezvous = group, store, processes, rendezvous
+        self.channel = StepChannel(group)
+        self.shard = None
+        self._copies: tuple[list[int], list[int]] = ([], [])
+        self._saved_threads = saved_threads
+        self._closed = False
+
+    @classmethod
+    def start(cls, model: str, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+              device: torch.device, max_positions: int) -> "TPLeader":
+        """Spawn the followers and connect the group (rank 0 = this process). On CPU the cores are divided among
+        the ranks (torch's threads here too, restored by close). Any failure: the followers are killed, raised."""
+        size = config.tensor_parallel_size
+        rendezvous = _rendezvous(private_store_path(), model_config, config, dtype, device)
+        store = open_store(rendezvous)
+        saved = torch.get_num_threads()
+        threads = max(1, saved // size) if device.type == "cpu" else saved
+        context, processes = mp.get_context("spawn"), []
+        try:
+            for rank in range(1, size):
+                rank_device = "cpu" if device.type == "cpu" else f"cuda:{(device.index or 0) + rank}"
+                spec = FollowerSpec(model, model_config, config, dtype, rank_device, rank, rendezvous, threads,
+                                    os.getpid(), max_positions)
+                process = context.Process(target=follower_main, args=(spec,), daemon=True, name=f"tandem-tp-rank{rank}")
+                process.start()
+                processes.append(process)
+            _wait_for(store, rendezvous, processes, "alive", CONNECT_TIMEOUT_S)
+            group = connect_group(store, rendezvous, 0, size, device, lambda: all(p.is_alive() for p in processes))
+        except BaseException:
+            _kill(processes)
+            _remove_files(rendezvous)
+            raise
+        torch.set_num_threads(threads)
+        leader = cls(group, store, processes, rendezvous, saved)
+        leader.shard = TPShard(tp_layout(model_config, 0, size), group)
+        logger.info("tensor parallel: %d ranks (pids %s), %d threads each", size,
+                    [os.getpid()] + [p.pid for p in processes], threads)
+        return leader
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until every follower loaded its shard; ValueError with a follower's error (or death) otherwise.
+        Every rank has mapped the shared memory file by then: its name is removed (nothing left to clean up)."""
+        _wait_for(self.store, self.rendezvous, self.processes, "ready", timeout_s)
+        _remove_shared_file(self.rendezvous)
+
+    def kv_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, prefix_caching: bool) -> KVCache:
+        """Rank 0's pool: its KV heads (TPLayout.kv_heads), as many blocks as every rank can hold (the smallest
+        num_blocks of any rank: one collective, every rank), block copies forwarded to the followers."""
+        return CopyRecordingKVCache(spec, self.group.min_int(num_blocks), device, prefix_caching,
+                                    head_range=self.shard.layout.kv_heads, leader=self)
+
+    def queue_copies(self, sources: list[int], targets: list[int]) -> None:
+        self._copies[0].extend(sources)
+        self._copies[1].extend(targets)
+
+    def send_step(self, step: StepInputs) -> None:
+        """Send the step (with the block copies queued since the last one) to every follower: one message."""
+        if self._copies[0]:
+            step, self._copies = replace(step, copies=self._copies), ([], [])
+        self.channel.send(step)
+
+    def abort(self) -> None:
+        """A failed start: kill the followers at once (they may be inside a collective), restore the threads."""
+        self._closed = True
+        _kill(self.processes)
+        _remove_files(self.rendezvous)
+        torch.set_num_threads(self._saved_threads)
+
+    def close(self) -> None:
+        """Stop every follower (STOP message, then a kill past STOP_WAIT_S), remove the group's files and restore
+        torch's threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if all(p.is_alive() for p in self.processes):
+                self.channel.send_stop()
+        except Exception as exc:  # noqa: BLE001 - a follower already gone: the kill below still runs
+            logger.warning("tensor parallel: STOP not delivered (%s); killing the followers", exc)
+        deadline = time.monotonic() + STOP_WAIT_S
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill(self.processes)
+        _remove_files(self.rendezvous)
+        torch.set_num_threads(self._saved_threads)
+
+
+def _wait_for(store, rendezvous: Rendezvous, processes: list, what: str, timeout_s: float) -> None:
+    """Until every follower set its `what` key; ValueError when one set its error key, died, or the time ran out."""
+    pending, deadline = {p: rank for rank, p in enumerate(processes, start=1)}, time.monotonic() + timeout_s
+    while pending:
+        for process, rank in list(pending.items()):
+            if store.check([status_key(rendezvous, "error", rank)]):
+                error = store.get(status_key(rendezvous, "error", rank)).decode()
+                raise ValueError(f"tensor-parallel rank {rank} failed to start:\n{error}")
+            if store.check([status_key(rendezvous, what, rank)]):
+                del pending[process]
+            elif not process.is_alive():
+                raise ValueError(f"tensor-parallel rank {rank} exited (code {process.exitcode}) before it was {what}")
+        if pending and time.monotonic() > deadline:
+            raise ValueError(f"tensor-parallel ranks {sorted(pending.values())} not {what} after {timeout_s:.0f} s")
+        time.sleep(POLL_S if pending else 0)
+
+
+def _rendezvous(store_path: str, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                device: torch.device) -> Rendezvous:
+    """The group's rendezvous; on CPU with the shared memory file of its all-reduces (created here), whose slot
+    holds a step's largest all-reduce: max_num_batched_tokens x hidden_size (capped; larger ones use gloo)."""
+    namespace = f"tp-{uuid.uuid4().hex[:12]}"
+    if device.type != "cpu" or config.tp_cpu_all_reduce == "gloo":
+        return Rendezvous(store_path, namespace)
+    element = torch.tensor([], dtype=dtype).element_size()
+    slot = min(MAX_SLOT_BYTES, config.max_num_batched_tokens * model_config.hidden_size * element)
+    path = shared_memory_dir() / f"tandem-{namespace}"
+    create_file(path, config.tensor_parallel_size, slot)
+    return Rendezvous(store_path, namespace, shm_path=str(path), shm_slot_bytes=slot)
+
+
+def _remove_shared_file(rendezvous: Rendezvous) -> None:
+    if rendezvous.shm_path:
+        Path(rendezvous.shm_path).unlink(missing_ok=True)
+
+
+def _remove_files(rendezvous: Rendezvous) -> None:
+    """Everything the group left on disk: the shared memory file and the store's private directory."""
+    _remove_shared_file(rendezvous)
+    remove_store(rendezvous.store_path)
+
+
+def _kill(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()

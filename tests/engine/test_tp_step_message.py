@@ -1,0 +1,50 @@
+"""Rank 0's step message: packed and unpacked exactly, one broadcast when it fits, the overflow in a second,
+STOP ends the receiver; over a real 2-rank gloo group."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.parallel.step_message import HEADER_WORDS, StepChannel, StepInputs, pack, unpack
+from tests.support.tp_ranks import run_ranks
+
+
+def _step(num_seqs: int, width: int, copies=((), ())) -> StepInputs:
+    rng = np.random.default_rng(num_seqs)
+    new = [1] * (num_seqs - 1) + [5]
+    return StepInputs(rng.integers(0, 50000, sum(new)).tolist(), rng.integers(0, 900, num_seqs).tolist(), new,
+                      rng.integers(0, 4000, (num_seqs, width)).astype(np.int32), list(range(num_seqs)), [3, 4],
+                      (list(copies[0]), list(copies[1])))
+
+
+def _same(a: StepInputs, b: StepInputs) -> bool:
+    return (a.input_ids, a.num_computed, a.num_new, a.sample_rows, a.prompt_rows) == \
+        (b.input_ids, b.num_computed, b.num_new, b.sample_rows, b.prompt_rows) and \
+        np.array_equal(a.block_tables, b.block_tables) and [list(c) for c in a.copies] == [list(c) for c in b.copies]
+
+
+def test_pack_unpack_round_trip():
+    for step in (_step(1, 1), _step(7, 3, ([1, 2], [9, 10])), _step(40, 0)):
+        words = pack(step)
+        assert words.dtype == np.int32 and words[HEADER_WORDS - 1] == words.size
+        assert _same(unpack(words), step)
+
+
+def _exchange(group, steps, inline_words):
+    channel = StepChannel(group, inline_words)
+    if group.rank == 0:
+        for step in steps:
+            channel.send(step)
+        channel.send_stop()
+        return None
+    received = []
+    while (step := channel.receive()) is not None:
+        received.append(step)
+    return received
+
+
+def test_channel_delivers_every_step_in_order_then_stop():
+    # 64 inline words: the small steps fit one broadcast, the 30 x 20 block table overflows into a second
+    steps = [_step(2, 2), _step(30, 20, ([5], [6])), _step(1, 1), _step(3, 4)]
+    assert pack(steps[0]).size <= 64 < pack(steps[1]).size
+    _, received = run_ranks(_exchange, 2, steps, 64)
+    assert len(received) == len(steps) and all(_same(a, b) for a, b in zip(received, steps))

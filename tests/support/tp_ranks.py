@@ -1,0 +1,52 @@
+"""Run a function on every rank of a real gloo tensor-parallel group: one spawned process per rank, rendezvous at
+a FileStore in a private directory. Results (or the rank's error) come back over a queue,
+pickled by value in the rank (a queue would share tensors by file descriptor, gone once the rank exits)."""
+from __future__ import annotations
+
+import pickle
+import queue
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.parallel.group import Rendezvous, connect_group, open_store, private_store_path, remove_store
+
+RANK_TIMEOUT_S = 120.0
+
+
+def _rank_main(fn, rank: int, size: int, rendezvous: Rendezvous, results, args) -> None:
+    try:
+        torch.set_num_threads(1)
+        group = connect_group(open_store(rendezvous), rendezvous, rank, size, torch.device("cpu"))
+        results.put((rank, "ok", pickle.dumps(fn(group, *args))))
+    except BaseException:  # noqa: BLE001 - the test process reports it
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, size: int, *args) -> list:
+    """fn(group, *args) on each of `size` ranks (fn importable at module level); its results in rank order.
+    AssertionError with the traceback if any rank raised; every process is joined (killed past the timeout)."""
+    rendezvous = Rendezvous(private_store_path(), "test")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = [context.Process(target=_rank_main, args=(fn, r, size, rendezvous, results, args), daemon=True)
+                 for r in range(size)]
+    for process in processes:
+        process.start()
+    got = {}
+    try:
+        for _ in range(size):
+            rank, status, value = results.get(timeout=RANK_TIMEOUT_S)
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            got[rank] = pickle.loads(value)
+    except queue.Empty as exc:
+        raise AssertionError(f"ranks {sorted(set(range(size)) - set(got))} gave no result") from exc
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        remove_store(rendezvous.store_path)
+    return [got[r] for r in range(size)]
