@@ -28,6 +28,7 @@ class AttentionBackend(ABC):
 
     name: str
     supports_decode_graphs = False
+    fused_layers = False  # the layers' own fused kernels (engine/model/fused_triton.py) run with this backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -35,6 +36,12 @@ class AttentionBackend(ABC):
 
         q: [T, H, D]; k, v: [T, H_kv, D]; k_pool, v_pool: [num_slots, H_kv, D]. Returns [T, H, D]."""
         self.store(k, v, k_pool, v_pool, meta.slot_mapping)
+        return self.attend(q, k, v, k_pool, v_pool, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+               v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the pool, this step's K/V already in it (stored by forward, or by the layer's
+        fused RoPE-and-store kernel). Changes nothing but the returned [T, H, D] tensor."""
         out = torch.empty_like(q)
         decodes = meta.num_decode_rows
         if decodes:
@@ -89,6 +96,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     supports_decode_graphs = True
+    fused_layers = True
 
     def __init__(self) -> None:
         from engine.attention import triton_decode, triton_prefill, triton_store  # imports triton

@@ -17,11 +17,18 @@ import torch
 
 class PagedAttention(Protocol):
     """What a step's metadata needs of its attention backend (engine/attention/backends.py implements it):
-    store this step's K/V into the pool, then attend. Declared here so the metadata and the backends do not
-    import each other."""
+    store this step's K/V into the pool, then attend (forward), or attend over K/V the layer stored itself
+    (attend). fused_layers: the layers use their fused Triton kernels (engine/model/fused_triton.py: RoPE with
+    the K/V store, RMSNorm with the residual add, SiLU x up). Declared here so the metadata and the backends do
+    not import each other."""
+
+    fused_layers: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                 v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+               v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv.kv_cache import KVCache
-from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, triton_kernels
 from engine.model.linear import meta_linear, prepare_linears
 from engine.model.tp_layers import ParallelLMHead, RowParallelLinear, TPShard, VocabParallelEmbedding
 
@@ -41,18 +41,25 @@ class Attention(nn.Module):
                 kv_cache: KVCache) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2 * H_kv) * D]
-        q, k = self._rotated_qk(qkv, rope)                                 # [T, H, D], [T, H_kv, D]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = kv_cache.layer_slots(self.layer)
-        out = paged_attention(q, k, v, k_pool, v_pool, meta)               # [T, H, D]
+        if meta.backend.fused_layers:  # RoPE on q and k and the K/V store: one launch; then attention alone
+            q, k = self._normed_qk(qkv)
+            triton_kernels().rotary_store_(q, k, v, *rope, k_pool, v_pool, meta.slot_mapping)
+            out = meta.backend.attend(q, k, v, k_pool, v_pool, meta)       # [T, H, D]
+        else:
+            q, k = self._normed_qk(qkv, rope)                              # [T, H, D], [T, H_kv, D]
+            out = paged_attention(q, k, v, k_pool, v_pool, meta)           # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-    def _rotated_qk(self, qkv: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    def _normed_qk(self, qkv: torch.Tensor, rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, H_kv, D] out of qkv, per-head normed (Qwen3), rotated when rope is given."""
         num_tokens, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)  # [T, H + H_kv, D]
         if self.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k rotate together: one pass instead of two
+        if rope is not None:
+            qk = apply_rotary(qk, *rope)  # q and k rotate together: one pass instead of two
         return qk[:, :self.num_heads], qk[:, self.num_heads:]
 
 
@@ -74,15 +81,16 @@ class DecoderLayer(nn.Module):
         the sum before it); the residual passed in may be written to (CPU: the add is fused into the norm).
         kv_written, when given, runs once the attention (which stores this layer's K/V) is issued, before the
         MLP: a layer-streamed transfer can send this layer's KV under the MLP's work."""
+        fused = meta.backend.fused_layers
         if residual is None:
-            residual, x = h, self.input_layernorm(h)
+            residual, x = h, self.input_layernorm(h, fused)
         else:
-            x, residual = self.input_layernorm.add_and_norm(h, residual)
+            x, residual = self.input_layernorm.add_and_norm(h, residual, fused)
         attention = self.self_attn(x, rope, meta, kv_cache)
         if kv_written is not None:
             kv_written()
-        x, residual = self.post_attention_layernorm.add_and_norm(attention, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm.add_and_norm(attention, residual, fused)
+        return self.mlp(x, fused), residual
 
 
 class CausalLM(nn.Module):
@@ -134,7 +142,7 @@ class CausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             h, residual = layer(h, residual, rope, meta, kv_cache,
                                 None if on_layer is None else lambda i=index: on_layer(i))
-        return self.norm.add_and_norm(h, residual)[0]
+        return self.norm.add_and_norm(h, residual, meta.backend.fused_layers)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab] (tensor-parallel: on rank 0; every

@@ -1,4 +1,9 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks of the Llama-family decoder: RMSNorm, rotary embedding, gated MLP.
+
+`fused=True` (the step's attention backend runs the layers' Triton kernels: CUDA, or CPU tensors under Triton's
+interpreter) takes one launch per norm, per residual add + norm and per SiLU x up (engine/model/fused_triton.py);
+otherwise the CPU float32 passes of fused_cpu.py, or torch.
+"""
 from __future__ import annotations
 
 import math
@@ -21,18 +26,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device="meta", dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         # x: [..., dim]
+        if fused and x.dim() == 2:
+            return triton_kernels().rms_norm(x, self.weight, self.eps)
         if x.dim() == 2 and fused_cpu.supports(x):
             return fused_cpu.rms_norm(x, self.weight, self.eps)
         return fused_cpu.rms_norm_reference(x, self.weight, self.eps)
 
-    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + delta), residual + delta); delta, residual: [T, dim]. On CPU float32 the sum is
-        written into residual (one fused pass); elsewhere residual is left as it was."""
+    def add_and_norm(self, delta: torch.Tensor, residual: torch.Tensor,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta); delta, residual: [T, dim]. Fused (one Triton launch), or
+        on CPU float32 (one fused pass), the sum is written into residual; elsewhere residual is left as it was."""
+        if fused and residual.is_contiguous():
+            return triton_kernels().add_rms_norm_(residual, delta, self.weight, self.eps), residual
         if fused_cpu.supports(delta) and fused_cpu.supports(residual) and residual.is_contiguous():
             return fused_cpu.add_rms_norm_(residual, delta, self.weight, self.eps), residual
         return fused_cpu.add_rms_norm_reference(residual, delta, self.weight, self.eps)
+
+
+def triton_kernels():
+    """engine/model/fused_triton.py, imported on first use: it imports triton, which only the Triton path needs."""
+    from engine.model import fused_triton  # noqa: PLC0415
+    return fused_triton
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -95,7 +111,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = meta_linear(hidden_size, 2 * intermediate_size, False, dtype)
         self.down_proj = down_proj or meta_linear(intermediate_size, hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if fused:
+            return self.down_proj(triton_kernels().silu_mul(gate_up, self.intermediate_size))
         hidden = F.silu(gate_up[:, :self.intermediate_size])  # [T, intermediate]
         return self.down_proj(hidden.mul_(gate_up[:, self.intermediate_size:]))
