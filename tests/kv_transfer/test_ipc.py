@@ -1,8 +1,8 @@
-"""KV transfer over transport 'ipc' between two real processes: the receivers (and the TCPStore) live in the
-pytest process, the senders in a spawned peer (tests/support/kv_ipc_peer.py) whose pools the receivers map.
+"""KV transfer over transport 'ipc' between two real processes: the receivers (and their control listeners) live
+in the pytest process, the senders in a spawned peer (tests/support/kv_ipc_peer.py) whose pools the receivers map.
 
 Everything runs on CPU pools in shared memory, which take the transport's whole path (publish the pool
-handle once per channel, map it, one copy per run into the receiver's blocks, checksum, ack); with CUDA
+handle once per connection, map it, one gather and one scatter into the receiver's blocks, reply); with CUDA
 the same scenarios run again between two processes on one GPU (the CUDA IPC handles, the copy on a side
 stream). Every scenario ends with every block free on both sides."""
 from __future__ import annotations
