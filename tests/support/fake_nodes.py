@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 
 import ray
 from ray.cluster_utils import Cluster
@@ -84,7 +85,7 @@ RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 def stop_fake_cluster(fake: FakeCluster, timeout_s: float = 20.0) -> None:
     """Disconnects, removes every node, and fails naming any process of the cluster still alive after
     timeout_s (raylets, GCS, workers: every process this test process started below it)."""
-    started = descendants(os.getpid())
+    started = descendants(os.getpid()) - {resource_tracker._resource_tracker._pid}  # ours lives on
     ray.shutdown()
     fake.cluster.shutdown()
     left = wait_gone(started, timeout_s)
