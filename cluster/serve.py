@@ -116,10 +116,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-worker", type=float, default=1.0,
                         help="GPU share of each worker (disaggregated mode); below 1 every worker shares one GPU "
                              "and KV moves over CUDA IPC, e.g. 0.5 for 1 prefill + 1 decode worker on one GPU")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--grpc-port", type=int, default=50051)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require this key on gRPC and HTTP requests")
     parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="on SIGTERM/SIGINT, how long requests in flight may still run before they end "
                              "with 'the server is stopping' (0: end them at once)")

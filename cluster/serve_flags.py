@@ -19,6 +19,11 @@ SERVING_CPU_PREFILL_BOUND = 512
 
 
 def add_api_arguments(group) -> None:
+    """The front ends' flags: where they listen, the API key, the names served, the bounds on what comes in."""
+    group.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC front ends listen on")
+    group.add_argument("--grpc-port", type=int, default=50051)
+    group.add_argument("--http-port", type=int, default=8000)
+    group.add_argument("--api-key", default=None, help="require this key on gRPC and HTTP requests")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the names the API serves the model under: every one is accepted as `model`, the "
                             "first is the one reported (/v1/models lists them all); default: the --model path")

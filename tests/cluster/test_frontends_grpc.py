@@ -3,7 +3,6 @@ a LocalEngineBackend on the embedded default model, checked against a second eng
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 
@@ -14,8 +13,8 @@ from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.backend import GenerationRequest
 from engine import LLM, SamplingParams
 from proto import tandem_pb2, tandem_pb2_grpc
-from tests.support.frontend_rig import (assert_pool_free, fail_next_step, greedy, local_backend, wait_until_busy,
-                                        wait_until_idle)
+from tests.support.frontend_rig import (assert_pool_free, fail_next_step, greedy, grpc_stub, local_backend,
+                                        wait_until_busy, wait_until_idle)
 
 KV_BYTES = 8 << 20
 API_KEY = "s3cret-key"
@@ -30,20 +29,6 @@ def served():
 @pytest.fixture(scope="module")
 def reference():
     return LLM("tiny", kv_cache_memory=KV_BYTES)
-
-
-@contextlib.asynccontextmanager
-async def grpc_stub(engine, *, api_key=None, max_message_bytes=1 << 20, **backend_fields):
-    async with local_backend(engine, **backend_fields) as backend:
-        config = GrpcServerConfig(api_key=api_key, max_message_bytes=max_message_bytes)
-        server, port = await start_grpc_server(backend, config)
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            yield tandem_pb2_grpc.TandemStub(channel)
-            await wait_until_idle(engine)
-        finally:
-            await channel.close()
-            await server.stop(None)
 
 
 async def collect(stub, metadata=None, **fields) -> list[tandem_pb2.GenerateResponse]:

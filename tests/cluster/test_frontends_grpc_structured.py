@@ -4,7 +4,6 @@ one of the choices; a spec that does not compile is INVALID_ARGUMENT naming it, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 
@@ -12,10 +11,9 @@ import grpc
 import jsonschema
 import pytest
 
-from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from engine import LLM
-from proto import tandem_pb2, tandem_pb2_grpc
-from tests.support.frontend_rig import assert_pool_free, local_backend, wait_until_idle
+from proto import tandem_pb2
+from tests.support.frontend_rig import assert_pool_free, grpc_stub
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}},
@@ -25,19 +23,6 @@ SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 
 @pytest.fixture(scope="module")
 def served():
     return LLM("tiny", kv_cache_memory=8 << 20).engine
-
-
-@contextlib.asynccontextmanager
-async def grpc_stub(engine):
-    async with local_backend(engine) as backend:
-        server, port = await start_grpc_server(backend, GrpcServerConfig())
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-        try:
-            yield tandem_pb2_grpc.TandemStub(channel)
-            await wait_until_idle(engine)
-        finally:
-            await channel.close()
-            await server.stop(None)
 
 
 def request(seed: int, **structured) -> tandem_pb2.GenerateRequest:

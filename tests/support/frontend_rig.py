@@ -6,9 +6,13 @@ import asyncio
 import contextlib
 import time
 
+import grpc
+
 from cluster.api.admission import AdmissionBound
+from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from engine import SamplingParams
+from proto import tandem_pb2_grpc
 
 IDLE_TIMEOUT_S = 10.0
 
@@ -66,3 +70,18 @@ def fail_next_step(engine, monkeypatch, message: str) -> None:
         return real_step()
 
     monkeypatch.setattr(engine, "step", step_that_fails_once)
+
+
+@contextlib.asynccontextmanager
+async def grpc_stub(engine, *, api_key=None, max_message_bytes=1 << 20, **backend_fields):
+    """A TandemStub on a gRPC front end over a local backend of `engine`; waits for the engine to go idle at the end."""
+    async with local_backend(engine, **backend_fields) as backend:
+        config = GrpcServerConfig(api_key=api_key, max_message_bytes=max_message_bytes)
+        server, port = await start_grpc_server(backend, config)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield tandem_pb2_grpc.TandemStub(channel)
+            await wait_until_idle(engine)
+        finally:
+            await channel.close()
+            await server.stop(None)
