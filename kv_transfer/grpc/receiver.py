@@ -26,9 +26,8 @@ from proto import tandem_pb2
 log = logging.getLogger(__name__)
 
 
-def _ack(status: TransferStatus, request_id: str = "", error: str = "", nbytes: int = 0) -> tandem_pb2.KVAck:
-    """A transfer's one ack (final: the stream carries no other)."""
-    return tandem_pb2.KVAck(status=int(status), request_id=request_id, error=error, bytes_received=nbytes, final=True)
+def _ack(status: TransferStatus, request_id: str = "", error: str = "", nbytes: int = 0, final: bool = True) -> tandem_pb2.KVAck:
+    return tandem_pb2.KVAck(status=int(status), request_id=request_id, error=error, bytes_received=nbytes, final=final)
 
 
 class GrpcReceiver(KVReceiver):
@@ -134,9 +133,9 @@ class GrpcReceiver(KVReceiver):
             return self._failed(held, TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", rid), None, True
 
     async def _receive(self, context, manifest: Manifest, held: list[IncomingTransfer]) -> None:
-        """Allocates the manifest's blocks (recorded in held) and lands every data chunk (the sender sends
-        them without waiting for a verdict: the only ack is the final one)."""
+        """Allocates the manifest's blocks (recorded in held), accepts it, and lands every data chunk."""
         held.append(self._accept(manifest))
+        await context.write(_ack(TransferStatus.OK, manifest.request_id, final=False))
         await self._stream(context, held[0])
 
     async def _drain(self, context) -> None:

@@ -32,10 +32,10 @@ _GRPC_TO_STATUS = {
 
 
 class GrpcSender(KVSender):
-    """Each send() is one bidirectional Push stream: the manifest chunk, each run's bytes in chunks of
-    config.grpc_chunk_bytes followed by its checksum, and the one KVAck back saying whether the blocks were
-    written (or, early, why not). The manifest goes out before any checksum is taken: run i is checksummed
-    while run i-1 is on the wire. One send() ends within 2 * kv_transfer_timeout_s (the
+    """Each send() is one bidirectional Push stream: the manifest chunk, the server's verdict, each run's
+    bytes in chunks of config.grpc_chunk_bytes followed by its checksum, and the final KVAck saying whether
+    the blocks were written. The manifest goes out before any checksum is taken: run i is checksummed while
+    the verdict (i = 0) or run i-1 is on the wire. One send() ends within 2 * kv_transfer_timeout_s (the
     receiver's queue wait, then the transfer). Every stream carries config.cluster_secret (if any) as call
     metadata; a receiver that refuses it fails the transfer with UNAUTHENTICATED."""
 
@@ -106,9 +106,9 @@ class GrpcSender(KVSender):
             PUSH_PATH, request_serializer=None, response_deserializer=tandem_pb2.KVAck.FromString)
 
     async def _push(self, target: str, outgoing: OutgoingTransfer, handle: TransferHandle) -> None:
-        """Manifest, then the runs at once (no verdict to wait for: while the receiver queues the transfer,
-        gRPC's flow control holds the writes; a refusal is its final ack, which stops them), then the final
-        ack: one message out, one back. Raises KVTransferError unless the receiver acked the written blocks."""
+        """Manifest, wait for the verdict (the receiver may queue the transfer first), stream the runs
+        (stopping early if the server gives up), read the final ack. Raises KVTransferError unless the
+        receiver acked the written blocks."""
         rid = outgoing.manifest.request_id
         call = self._stub(target)(timeout=self._deadline_s, metadata=self._metadata)
         loop, push_task = asyncio.get_running_loop(), asyncio.current_task()
@@ -123,11 +123,15 @@ class GrpcSender(KVSender):
         try:
             await self._opened(call, target, rid)
             await call.write(encode_manifest_chunk(outgoing.manifest_bytes))
-            first_checksum = _checksum_soon(outgoing, 0)  # while run 0 is gathered
-            final = asyncio.ensure_future(self._read_ack(call, rid))
-            await self._write_runs(call, outgoing, final, first_checksum)
-            await call.done_writing()
-            ack = await final
+            first_checksum = _checksum_soon(outgoing, 0)  # while the verdict travels
+            ack = await self._read_ack(call, rid)
+            if ack.final:  # rejected: nothing more to send
+                await call.done_writing()
+            else:
+                final = asyncio.ensure_future(self._read_ack(call, rid))
+                await self._write_runs(call, outgoing, final, first_checksum)
+                await call.done_writing()
+                ack = await final
         except KVTransferError:  # a streamed layer or tail that will not come: the receiver frees on the cancel
             call.cancel()
             raise
