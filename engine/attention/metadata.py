@@ -70,27 +70,54 @@ def build_step_tensors(backend: PagedAttention, num_computed: list[int], num_new
                        block_tables: np.ndarray, block_size: int, device: torch.device) -> StepTensors:
     """Positions, slot mapping and metadata for sequences whose chunks cover positions
     [num_computed[i], num_computed[i] + num_new[i]); single-token chunks come first. block_tables:
-    [N, max_blocks] int32, each row holding at least the blocks of positions up to its chunk's end."""
-    seq_lens = [c + n for c, n in zip(num_computed, num_new)]
-    query_start = [0]
-    for n in num_new:
-        query_start.append(query_start[-1] + n)
+    [N, max_blocks] int32, each row holding at least the blocks of positions up to its chunk's end. Uploads
+    its inputs itself (tensor-parallel followers); rank 0's runner stages them in one copy and calls
+    `step_tensors`."""
+    query_start = query_starts(num_new)
     tables = _upload(block_tables, device)                                          # [N, max_blocks]
     starts = _upload(np.asarray(query_start, dtype=np.int32), device)               # [N + 1]
-    lens = _upload(np.asarray(seq_lens, dtype=np.int32), device)                    # [N]
     computed = _upload(np.asarray(num_computed, dtype=np.int64), device)            # [N]
     new = _upload(np.asarray(num_new, dtype=np.int64), device)                      # [N]
-    num_tokens = query_start[-1]
-    seq_of_token = torch.repeat_interleave(torch.arange(len(num_new), device=device), new,
+    seq_lens = [c + n for c, n in zip(num_computed, num_new)]
+    lens = _upload(np.asarray(seq_lens, dtype=np.int32), device)                    # [N]
+    return step_tensors(backend, StepCounts(computed, new, starts, lens), tables, tuple(query_start),
+                        tuple(seq_lens), block_size)
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """A step's per-sequence counts on the device."""
+
+    num_computed: torch.Tensor   # [N] int64
+    num_new: torch.Tensor        # [N] int64
+    query_start: torch.Tensor    # [N + 1] int32
+    seq_lens: torch.Tensor       # [N] int32
+
+
+def step_tensors(backend: PagedAttention, counts: StepCounts, tables: torch.Tensor, query_start: tuple[int, ...],
+                 seq_lens: tuple[int, ...], block_size: int) -> StepTensors:
+    """Positions and slot mapping computed on the device from the per-sequence counts and the step's tables
+    [N, width] int32, and the metadata around them; query_start / seq_lens: the same counts on the host."""
+    num_tokens, device = query_start[-1], tables.device
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), counts.num_new,
                                            output_size=num_tokens)                 # [T]
-    offset_in_chunk = torch.arange(num_tokens, device=device) - starts.long()[seq_of_token]
-    positions = computed[seq_of_token] + offset_in_chunk                           # [T]
+    offset_in_chunk = torch.arange(num_tokens, device=device) - counts.query_start.long()[seq_of_token]
+    positions = counts.num_computed[seq_of_token] + offset_in_chunk                # [T]
     blocks = tables[seq_of_token, positions // block_size].long()                  # [T]
     slot_mapping = blocks * block_size + positions % block_size                    # [T]
-    num_decode_rows = next((i for i, n in enumerate(num_new) if n > 1), len(num_new))
-    meta = AttentionMetadata(backend, slot_mapping, starts, lens, tables, block_size, num_decode_rows,
-                             tuple(query_start), tuple(seq_lens), max(seq_lens[:num_decode_rows], default=0))
+    starts = query_start
+    num_decode_rows = next((i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] > 1), len(seq_lens))
+    meta = AttentionMetadata(backend, slot_mapping, counts.query_start, counts.seq_lens, tables, block_size,
+                             num_decode_rows, query_start, seq_lens, max(seq_lens[:num_decode_rows], default=0))
     return StepTensors(positions, meta)
+
+
+def query_starts(num_new: list[int]) -> list[int]:
+    """[N + 1]: the first batch row of each sequence, then the batch's token count (cu_seqlens)."""
+    starts = [0]
+    for n in num_new:
+        starts.append(starts[-1] + n)
+    return starts
 
 
 def padded_tables(tables: list[list[int]]) -> np.ndarray:

@@ -35,6 +35,7 @@ from engine.runner.device_memory import release_device_memory
 from engine.runner.host_malloc import keep_freed_host_memory
 from engine.runner.memory_plan import plan_memory
 from engine.runner.model_runner import ModelRunner
+from engine.runner.step_io import StepIO
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -73,11 +74,12 @@ class LLMEngine(KVHandoff):
                              f"({config.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len})")
         self.scheduler = Scheduler(config, self.kv_cache.allocator, prefill_first_enabled(config, device.type))
-        sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids)
+        io = StepIO(device)  # a step's copies: one upload of its inputs, one copy of its picks back
+        sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids, to_host=io.to_host)
         self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention,
-                                  step_sender=None if tp_leader is None else tp_leader.send_step)
+                                  step_sender=None if tp_leader is None else tp_leader.send_step, io=io)
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
-                                                      self.max_model_len, device)
+                                                      self.max_model_len, device, io)
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, sampler)  # structured outputs
         self.stats = EngineStats()
         self.step_log = StepLog()  # the last steps: what each held and cost

@@ -13,13 +13,13 @@ on a GPU (engine/sampling/nucleus.py). The draw is an inverse CDF, one uniform p
 levels (block sums, then a cumsum inside the chosen block). Rows asking for logprobs get
 `engine.sampling.logprobs.logprob_tensors` (log_softmax of the processed logits after temperature, before the
 cuts) beside the draw. The host only builds small index / parameter tensors (non-blocking copies) and
-per-row generators; the one device-to-host sync is the final `tolist()` in `Sampler.sample`, which
+per-row generators; the one device-to-host copy is the final `to_host` in `Sampler.sample`, which
 brings the tokens and the small [L, 2 + 2k] logprob tensor back in one copy.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,13 +55,16 @@ class Sampler:
     and whichever engine samples which of its tokens; unseeded rows share the sampler's generator for
     that device (one per device, created on first use, each seeded with `seed`). eos_token_ids: what
     min_tokens masks besides a request's stop_token_ids (unless it ignores EOS). mask_filler: what fills the
-    bitmask of rows under a grammar (set by the engine at its first structured request)."""
+    bitmask of rows under a grammar (set by the engine at its first structured request). to_host: how the picks
+    come back to the host (engine/runner/step_io.py StepIO.to_host: one counted copy); `tolist` if None."""
 
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
-                 mask_filler: TokenMaskFiller | None = None) -> None:
+                 mask_filler: TokenMaskFiller | None = None,
+                 to_host: Callable[[torch.Tensor], list] | None = None) -> None:
         self.seed = seed
         self.eos_token_ids = tuple(eos_token_ids)
         self.mask_filler = mask_filler
+        self.to_host = to_host or torch.Tensor.tolist
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -92,9 +95,9 @@ class Sampler:
             tokens = tokens.index_copy(0, index, torch.where(drawn >= 0, drawn, fallback))
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not asked:
-            return SamplerOutput(tokens.tolist(), [None] * len(params))  # the one device-to-host sync
+            return SamplerOutput(self.to_host(tokens), [None] * len(params))  # the one device-to-host copy
         packed = logprob_tensors(logits, tokens, params, asked)  # [L, 2 + 2k] float64
-        host = torch.cat([tokens.double(), packed.flatten()]).tolist()  # the one device-to-host sync
+        host = self.to_host(torch.cat([tokens.double(), packed.flatten()]))  # the one device-to-host copy
         picks = [int(t) for t in host[:len(params)]]
         return SamplerOutput(picks, unpack(host[len(params):], picks, params, asked))
 

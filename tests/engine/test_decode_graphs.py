@@ -31,8 +31,8 @@ def test_padded_static_decode_matches_transformers(tiny_checkpoint, hf_greedy):
     graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention, max_num_seqs=8,
                           max_model_len=engine.max_model_len, device=TEST_DEVICE, capture=False)
     replayed = []
-    run = graphs.run
-    graphs.run = lambda ids, pos, meta: replayed.append(meta.num_seqs) or run(ids, pos, meta)
+    run = graphs.run_staged
+    graphs.run_staged = lambda batch, tables: replayed.append(len(batch.input_ids)) or run(batch, tables)
     engine.runner.decode_graphs = graphs
     prompts = random_prompts([3, 20, 33, 7, 50], llm.get_tokenizer().vocab_size, seed=5)
     max_tokens = [2, 4, 6, 8, 10]

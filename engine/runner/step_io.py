@@ -1,0 +1,140 @@
+"""The host <-> device copies of a step, all made here and counted.
+
+A step's inputs (token ids, per-sequence counts, block-table updates, sampled rows) are written through numpy
+views into one persistent host buffer (pinned on CUDA) and reach the device in one host-to-device copy of the bytes
+used (`StagingBuffer.upload`); the device twin's views of the same layout are what the forward reads. The sampled
+ids come back in one device-to-host copy (`StepIO.to_host`), on a side stream, waited for with an event. On CPU the
+twin is the host buffer itself and the copies cost nothing, but they are counted the same way, so a CPU test sees
+what a GPU step would pay (`CopyCounter`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALIGN = 8  # every field starts on an 8-byte boundary, so each dtype's view is aligned
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+                 np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+
+
+@dataclass
+class CopyCounter:
+    """Copies made through StepIO since it was created (or last reset): what a test of a step counts."""
+
+    host_to_device: int = 0
+    device_to_host: int = 0
+
+    def reset(self) -> None:
+        self.host_to_device = self.device_to_host = 0
+
+
+@dataclass(frozen=True)
+class Field:
+    """One named array in a staging layout: `count` elements of `dtype` at byte `offset`."""
+
+    offset: int
+    dtype: np.dtype
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def layout(fields: Sequence[tuple[str, type, int]], start: int = 0) -> tuple[dict[str, Field], int]:
+    """Offsets for (name, numpy dtype, count) fields packed in order from `start`, each 8-byte aligned; returns
+    the fields by name and the end offset."""
+    out, offset = {}, start
+    for name, dtype, count in fields:
+        out[name] = Field(offset, np.dtype(dtype), count)
+        offset += -(-out[name].nbytes // ALIGN) * ALIGN
+    return out, offset
+
+
+class StagingBuffer:
+    """A host byte buffer (pinned on CUDA) and its device twin of the same capacity. Fields are written on the host
+    (`host`), read on the device (`device`), and `upload(nbytes)` copies the first nbytes across in one copy, ordered
+    on the current stream before any kernel issued after it. The device twin never moves: views of it may be
+    captured in CUDA graphs."""
+
+    def __init__(self, capacity: int, device: torch.device, counter: CopyCounter) -> None:
+        capacity = max(ALIGN, -(-capacity // ALIGN) * ALIGN)
+        cuda = device.type == "cuda"
+        self.capacity, self.device, self.counter = capacity, device, counter
+        self._host = torch.empty(capacity, dtype=torch.uint8, pin_memory=cuda)
+        self._device = torch.empty(capacity, dtype=torch.uint8, device=device) if cuda else self._host
+        self._host_bytes = self._host.numpy()
+        self._uploaded = torch.cuda.Event() if cuda else None
+
+    def host(self, field: Field) -> np.ndarray:
+        """The field's host array (write it before `upload`; valid until the next wait_writable)."""
+        return self._host_bytes[field.offset:field.offset + field.nbytes].view(field.dtype)
+
+    def device_view(self, field: Field) -> torch.Tensor:
+        """The field's device tensor (what the forward reads once `upload` has run)."""
+        raw = self._device[field.offset:field.offset + field.nbytes]
+        return raw.view(_TORCH_DTYPES[field.dtype])
+
+    def wait_writable(self) -> None:
+        """Block until the last upload has read the host buffer (CUDA: its copy may still be in flight)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def upload(self, nbytes: int) -> None:
+        """Copy the host buffer's first nbytes to the device twin: one copy, counted."""
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes do not fit a staging buffer of {self.capacity}")
+        self.counter.host_to_device += 1
+        if self._uploaded is None:
+            return
+        self._device[:nbytes].copy_(self._host[:nbytes], non_blocking=True)
+        self._uploaded.record()
+
+
+class StepIO:
+    """A runner's staging buffer for eager steps (grown when a step needs more) and the way back for its sampled
+    ids. Every host <-> device copy of a step goes through here (the decode graphs' own buffer shares the counter)."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self.copies = CopyCounter()
+        self.staging = StagingBuffer(capacity, device, self.copies)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._landing: dict[torch.dtype, torch.Tensor] = {}  # pinned host tensors the results land in
+
+    def staging_for(self, nbytes: int) -> StagingBuffer:
+        """The eager staging buffer, grown (doubled) first when nbytes do not fit."""
+        if nbytes > self.staging.capacity:
+            self.staging.wait_writable()
+            self.staging = StagingBuffer(max(nbytes, 2 * self.staging.capacity), self.device, self.copies)
+        return self.staging
+
+    def buffer(self, capacity: int) -> StagingBuffer:
+        """A fixed staging buffer counted with this one (the decode graphs' static inputs)."""
+        return StagingBuffer(capacity, self.device, self.copies)
+
+    def to_host(self, values: torch.Tensor) -> list:
+        """values (1-D, on the device) as a host list: one device-to-host copy, counted. On CUDA the copy runs
+        on a side stream once the current stream has produced values, and the host waits for its event only."""
+        self.copies.device_to_host += 1
+        if self._stream is None:
+            return values.tolist()
+        landing = self._landing_for(values.dtype, values.numel())
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            landing[:values.numel()].copy_(values, non_blocking=True)
+            values.record_stream(self._stream)
+            copied = torch.cuda.Event()
+            copied.record()
+        copied.synchronize()
+        return landing[:values.numel()].tolist()
+
+    def _landing_for(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        landing = self._landing.get(dtype)
+        if landing is None or landing.numel() < numel:
+            landing = self._landing[dtype] = torch.empty(max(numel, 1024), dtype=dtype, pin_memory=True)
+        return landing
