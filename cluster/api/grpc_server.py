@@ -20,7 +20,7 @@ import grpc
 
 from cluster.api.api_key import ApiKeyCheck
 from cluster.api.grpc_operators import add_operator_services
-from cluster.api.grpc_wire import UndecodableRequest, add_tandem_service
+from cluster.api.grpc_wire import LargeRequest, UndecodableRequest, add_tandem_service
 from cluster.api.input_pool import InputLimits, InputPool
 from cluster.api.internal_errors import report_internal_error
 from cluster.api.metered_backend import MeteredBackend
@@ -98,16 +98,18 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
         self._backend, self._inputs = backend, inputs
         self._encoder = PromptEncoder(backend.tokenizer, backend.max_model_len)
 
-    async def Generate(self, request: tandem_pb2.GenerateRequest | UndecodableRequest,
+    async def Generate(self, request: tandem_pb2.GenerateRequest | UndecodableRequest | LargeRequest,
                        context: grpc.aio.ServicerContext) -> None:
         arrival = time.perf_counter()
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        large = isinstance(request, LargeRequest)  # parsed with the rest of the work, on the InputPool
         try:
-            size = len(request.prompt) + len(request.prompt_token_ids)
+            size = len(request.raw) if large else len(request.prompt) + len(request.prompt_token_ids)
             generation = await self._inputs.prepare(size, lambda: self._generation_request(request, arrival))
         except Exception as error:  # ValueError: INVALID_ARGUMENT; anything else: INTERNAL with an incident id
-            await context.abort(*_status_of(error, request.request_id[:MAX_REQUEST_ID_CHARS] or "-"))
+            label = "-" if large else request.request_id[:MAX_REQUEST_ID_CHARS] or "-"
+            await context.abort(*_status_of(error, label))
         failure: Exception | None = None
         async with aclosing(self._backend.generate(generation)) as chunks:
             try:
@@ -125,8 +127,11 @@ class TandemService(tandem_pb2_grpc.TandemServicer):
                                          model=health.model, prefill_workers=health.prefill_workers,
                                          decode_workers=health.decode_workers)
 
-    def _generation_request(self, request: tandem_pb2.GenerateRequest, arrival: float) -> GenerationRequest:
-        """ValueError names the first thing wrong with `request`."""
+    def _generation_request(self, request: tandem_pb2.GenerateRequest | LargeRequest,
+                            arrival: float) -> GenerationRequest:
+        """ValueError names the first thing wrong with `request` (a LargeRequest is parsed first)."""
+        if isinstance(request, LargeRequest):
+            request = request.decoded()
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise ValueError(f"request_id may have at most {MAX_REQUEST_ID_CHARS} characters")
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"

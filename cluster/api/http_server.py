@@ -33,7 +33,7 @@ from cluster.api.openai_generation import backend_error, generation_requests, re
 from cluster.api.openai_protocol import (ParsedRequest, ServedModel, parse_chat_request, parse_completion_request,
                                          parse_json_body)
 from cluster.api.openai_responses import ChatShape, CompletionShape, ResponseShape
-from cluster.api.openai_tools import ToolCallShape
+from cluster.api.openai_tool_stream import ToolCallShape
 from cluster.api.request_validation import MAX_REQUEST_BYTES
 from cluster.api.utility_routes import UtilityRoutes
 from cluster.backend import Backend, WorkerScaling
@@ -152,12 +152,11 @@ class OpenAIFrontEnd:
         body = await request.read()
         call: ParsedRequest = await self._inputs.prepare(len(body), lambda: parse(parse_json_body(body), self._served))
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        options = {} if call.tool_forcing is None else {"forcing": call.tool_forcing}
         if call.tool_forcing is not None:  # tool_choice forces a call: answered as tool_calls
             shape_type = ToolCallShape
         shape = shape_type(request_id, call.model, int(time.time()), call.return_token_ids,
-                           call.params.logprobs, self._served.tokenizer, call.echo)
-        if call.tool_forcing is not None:
-            shape.forcing = call.tool_forcing
+                           call.params.logprobs, self._served.tokenizer, call.echo, **options)
         return await respond(request, self._backend, call, shape, generation_requests(call, request_id, arrival))
 
     async def health(self, request: web.Request) -> web.Response:

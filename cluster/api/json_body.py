@@ -5,13 +5,16 @@ interpreter's recursion limit, so a body nested 100k levels deep used to be a 50
 JSON that decodes to a lone surrogate no tokenizer takes. Here every failure is a ValueError naming what
 is wrong, and InvalidField (a ValueError) names the field when one string is at fault. The checks after
 parsing cost nothing for ordinary bodies: the walk runs only when the raw bytes could hold too deep a
-nesting (more openers than the bound) or a surrogate escape.
+nesting (more openers than the bound) or a surrogate escape. A large body is parsed with no call holding the
+GIL for long (json_runs.py: its long arrays of numbers in slices), so that parsing it on an InputPool thread
+leaves the event loop answering.
 """
 from __future__ import annotations
 
 import json
 import re
 
+from cluster.api.json_runs import loads_in_slices
 from cluster.api.request_validation import check_text
 
 MAX_JSON_DEPTH = 64  # levels of objects and arrays; OpenAI requests (tool schemas included) nest far less
@@ -22,7 +25,7 @@ def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     """The body as a dict; ValueError for anything else (invalid UTF-8, invalid JSON, NaN or Infinity,
     not an object, nested deeper than max_depth), InvalidField for a string with a lone surrogate."""
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        body = loads_in_slices(raw, _loads)
     except RecursionError:
         raise ValueError(f"the request body nests deeper than {max_depth} levels") from None
     except (UnicodeDecodeError, ValueError) as error:
@@ -33,6 +36,10 @@ def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     if deep or _SURROGATE_ESCAPE.search(raw):
         _walk(body, (), 1, max_depth)
     return body
+
+
+def _loads(text: bytes):
+    return json.loads(text.decode("utf-8"), parse_constant=_reject_constant)
 
 
 def _reject_constant(name: str):

@@ -100,7 +100,8 @@ async def _stream_events(response: web.StreamResponse, call: ParsedRequest, shap
         completion_tokens = 0
         async for item in streams:
             completion_tokens += len(item.chunk.token_ids)
-            await _send_event(response, shape.stream_chunk(item.choice, item.chunk, call.include_usage, item.prompt))
+            for payload in shape.stream_objects(item.choice, item.chunk, call.include_usage, item.prompt):
+                await _send_event(response, payload)
         if call.include_usage:
             await _send_event(response, shape.stream_usage(call.num_prompt_tokens, completion_tokens))
     except ConnectionResetError:

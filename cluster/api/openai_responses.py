@@ -110,6 +110,10 @@ class ResponseShape(ABC):
             response["tandem_timing"] = timing_dict(chunk.timing)
         return response
 
+    def stream_objects(self, index: int, chunk: GenerationChunk, include_usage: bool, prompt: int = 0) -> list[dict]:
+        """The streamed objects of one backend chunk: stream_chunk's one object, unless a shape sends more."""
+        return [self.stream_chunk(index, chunk, include_usage, prompt)]
+
     def stream_usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         """The extra last object of stream_options.include_usage: no choices, the usage."""
         response = self._envelope(self.chunk_object_name, [])

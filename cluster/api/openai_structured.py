@@ -3,8 +3,9 @@
 backend sees the request.
 
 `response_format`: {"type": "text"} (no constraint), {"type": "json_object"} (any JSON object), {"type":
-"json_schema", "json_schema": {"name", "schema", "strict", "description"}} (the schema; `strict` is accepted,
-the output always follows the schema). `structured_outputs`: {"json" | "regex" | "choice" | "grammar" |
+"json_schema", "json_schema": {"name", "schema", "strict", "description"}} (the output follows the schema;
+with `strict` true the schema must also be one OpenAI's strict mode honours, openai_strict.py, else a 400 naming
+"response_format.json_schema.schema"). `structured_outputs`: {"json" | "regex" | "choice" | "grammar" |
 "json_object": ...}, exactly one. `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`: one each.
 Two of these at once, or anything malformed, is a 400 whose `param` names the field (for a spec that does not
 compile, the field inside it: "response_format.json_schema.schema", "structured_outputs.regex", "guided_regex").
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 
 from cluster.api.openai_fields import OpenAIError, bad_request
+from cluster.api.openai_strict import check_strict_schema
 from engine.structured import check_spec
 from engine.structured_params import KINDS, StructuredOutputsParams
 
@@ -72,9 +74,22 @@ def _response_format(value) -> tuple[tuple[str, str], StructuredOutputsParams] |
                               code="invalid_type", param=f"response_format.json_schema.{name}")
     schema = described.get("schema", described.get("json_schema"))
     param = "response_format.json_schema.schema"
+    if described.get("strict"):
+        _check_strict(schema, described.get("name"), param)
     if schema is None:
         return ("response_format", param), _spec(param, json_object=True)
     return ("response_format", param), _spec(param, json=schema)
+
+
+def _check_strict(schema, name, param: str) -> None:
+    """400 naming `param` when strict mode cannot honour `schema` (openai_strict.py)."""
+    try:
+        if schema is None:
+            raise ValueError("strict mode needs a schema")
+        check_strict_schema(StructuredOutputsParams(json=schema).json)
+    except ValueError as error:
+        raise bad_request(f"Invalid schema for response_format {json.dumps(name or '')}: {error}",
+                          param=param) from error
 
 
 def _structured(value) -> tuple[tuple[str, str], StructuredOutputsParams] | None:

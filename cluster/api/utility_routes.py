@@ -13,7 +13,9 @@ Text is checked as generation checks it (a lone surrogate, text the tokenizer ca
 role: 400 naming the field), but not against the context: /tokenize is how a client finds out how long a
 prompt is (vLLM does the same). Ids outside the vocabulary are a 400. A large body is parsed, tokenized or
 decoded, and its answer written as JSON, on the InputPool's threads, as generation requests are; the long
-parts (tokenizing, decoding, and the token list written in slices) leave the GIL to the event loop.
+parts (parsing long id lists, json_runs.py; tokenizing; decoding; the token list written in slices) leave the GIL
+to the event loop, and a text over IN_PROCESS_CHARS is tokenized and its ids written in a child process
+(tokenize_process.py), since building and freeing the list of its millions of ids would hold the GIL for 80 ms.
 """
 from __future__ import annotations
 
@@ -27,11 +29,15 @@ from cluster.api.openai_chat import TEMPLATE_FIELDS, render_chat_prompt
 from cluster.api.openai_fields import OpenAIError, bad_request, bool_field
 from cluster.api.input_pool import InputPool
 from cluster.api.openai_protocol import ServedModel, parse_json_body, requested_model
+from cluster.api.request_validation import InvalidField, check_text
+from cluster.api.token_bounds import native_tokenizer
+from cluster.api.tokenize_process import TokenizerProcess
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "return_token_strs",
                              *TEMPLATE_FIELDS})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 JSON_SLICE = 8192  # token ids written per call (~1 ms): between calls the event loop can take the GIL
+IN_PROCESS_CHARS = 256 * 1024  # /tokenize texts longer than this are tokenized in the TokenizerProcess
 
 
 def tandem_version() -> str:
@@ -45,7 +51,10 @@ class UtilityRoutes:
     """The handlers above over one served model; large bodies are prepared on `inputs`."""
 
     def __init__(self, served: ServedModel, inputs: InputPool) -> None:
+        """Reads the tokenizer once (its JSON for the TokenizerProcess, which starts at the first large text)."""
         self._served, self._inputs = served, inputs
+        native = native_tokenizer(served.tokenizer)
+        self._process = None if native is None else TokenizerProcess(native.to_str())
 
     def add_to(self, app: web.Application, expect_handler=None) -> None:
         """Adds the routes to `app`, each with `expect_handler` (None: aiohttp's)."""
@@ -55,6 +64,11 @@ class UtilityRoutes:
         routes.add_post("/tokenize", self.tokenize, expect_handler=expect_handler)
         routes.add_post("/detokenize", self.detokenize, expect_handler=expect_handler)
         routes.add_get("/version", self.version, expect_handler=expect_handler)
+        app.on_cleanup.append(self._close)
+
+    async def _close(self, app: web.Application) -> None:
+        if self._process is not None:
+            self._process.close()
 
     def _card(self, name: str) -> dict:
         served = self._served
@@ -91,19 +105,31 @@ class UtilityRoutes:
         try:
             if "prompt" in body:
                 add_special = bool_field(body, "add_special_tokens", default=True)
-                ids = self._served.encoder.tokenize(body["prompt"], add_special, "prompt")
+                count, tokens = self._token_list(body["prompt"], add_special, "prompt")
             else:
-                ids = self._chat_ids(body)
+                count, tokens = self._chat_tokens(body)
         except ValueError as error:
             raise bad_request(str(error), param=getattr(error, "field", None)) from error
-        return (f'{{"count": {len(ids)}, "max_model_len": {self._served.max_model_len}, '
-                f'"tokens": {_ids_json(ids)}, "token_strs": null}}').encode()
+        return b"".join((f'{{"count": {count}, "max_model_len": {self._served.max_model_len}, "tokens": '.encode(),
+                         tokens, b', "token_strs": null}'))
 
-    def _chat_ids(self, body: dict) -> list[int]:
+    def _chat_tokens(self, body: dict) -> tuple[int, bytes]:
         """The messages rendered with the chat template as a chat request is (openai_chat.py) and encoded
         without special tokens unless add_special_tokens (the template writes them)."""
         text = render_chat_prompt(body, self._served.tokenizer)
-        return self._served.encoder.tokenize(text, bool_field(body, "add_special_tokens"), "messages")
+        return self._token_list(text, bool_field(body, "add_special_tokens"), "messages")
+
+    def _token_list(self, text, add_special_tokens: bool, field: str) -> tuple[int, bytes]:
+        """(count, JSON list) of the token ids of `text` (PromptEncoder.tokenize's); a text over
+        IN_PROCESS_CHARS is tokenized by the TokenizerProcess where the tokenizer has one."""
+        if self._process is None or not isinstance(text, str) or len(text) <= IN_PROCESS_CHARS:
+            ids = self._served.encoder.tokenize(text, add_special_tokens, field)
+            return len(ids), _ids_json(ids).encode()
+        check_text(text, field)
+        try:
+            return self._process.ids_json(text, add_special_tokens)
+        except ValueError as error:
+            raise InvalidField(field, f"the tokenizer cannot take {field} ({error})") from None
 
     def _detokenize(self, raw: bytes) -> bytes:
         body = _body(raw, DETOKENIZE_FIELDS, self._served)

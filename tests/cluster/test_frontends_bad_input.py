@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
+from cluster.api.grpc_wire import OFF_LOOP_MESSAGE_BYTES
 from cluster.api.json_body import MAX_JSON_DEPTH
 from cluster.api.openai_chat import MAX_CHAT_MESSAGES
 from cluster.api.request_validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
@@ -156,6 +157,9 @@ def test_grpc_strings_that_are_not_utf8_and_ids_outside_the_vocabulary_are_inval
         "prompt": b"\x12\x03a\xed\xa0", "stop": ok_request.SerializeToString() + b"\x4a\x02\xff\xfe",
         "request_id": b"\x0a\x01\x80" + ok_request.SerializeToString(), "not a valid": b"\x12\xff",
     }
+    large = tandem_pb2.GenerateRequest(prompt_token_ids=[5] * 300_000, max_tokens=2).SerializeToString()
+    assert len(large) > OFF_LOOP_MESSAGE_BYTES  # parsed on the InputPool, not on the loop: the same answers
+    raw_cases.update({"stop is not valid": large + b"\x4a\x02\xff\xfe", "model's context": large})
 
     async def scenario():
         codes = {}

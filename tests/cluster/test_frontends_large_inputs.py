@@ -2,7 +2,9 @@
 one loop, the probes (/health, /ping, /version, /metrics, gRPC Health and grpc.health.v1) keep answering, every
 large request gets its proper answer (400 / INVALID_ARGUMENT past the context, 413 past the body limit, 200 for
 /tokenize), and afterwards the server serves and no KV block is left taken. Past the InputPool's waiting bound a
-large request is refused at once (429 / RESOURCE_EXHAUSTED) while small ones are served.
+large request is refused at once (429 / RESOURCE_EXHAUSTED) while small ones are served. The first test runs over
+the in-process engine and over colocated replicas on a real local Ray (one replica actor: the same front ends, the
+Coordinator as their backend, the probes reading its health from the actor).
 
 PROBE_BOUND_S is generous (CI's 2-core machines, client and server sharing one loop); the issue's target of
 100 ms is measured outside the tests, against a server in its own process."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -23,8 +26,11 @@ from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.http_server import HttpServerConfig, start_http_server
 from cluster.api.input_pool import InputLimits, InputPool
 from cluster.api.metrics import ServingMetrics
+from cluster.coordinator.coordinator import Coordinator
 from engine import LLM
 from proto import tandem_pb2, tandem_pb2_grpc
+from tests.support.cluster_rig import cluster_config, running_cluster
+from tests.support.cluster_rig import wait_until_idle as cluster_idle
 from tests.support.frontend_rig import local_backend, wait_until_idle
 from tests.support.http_rig import KV_BYTES, MODEL, completion_body
 
@@ -46,20 +52,42 @@ def qwen(tiny_checkpoint):
     return LLM(model=str(tiny_checkpoint("qwen2")), kv_cache_memory=KV_BYTES).engine
 
 
+@pytest.fixture(scope="module")
+def replicas(tiny_checkpoint):
+    """Colocated replicas on a real local Ray (`tandem serve --replicas 1`): one replica actor of the same
+    checkpoint behind the Coordinator."""
+    config = dataclasses.replace(cluster_config(1, 1), num_prefill_workers=0, transport="auto",
+                                 model=str(tiny_checkpoint("llama")))
+    with running_cluster(config) as coordinator:
+        yield coordinator
+
+
 @contextlib.asynccontextmanager
-async def front_ends(engine, pool: InputPool):
-    """HTTP and gRPC front ends over one LocalEngineBackend of `engine` on free loopback ports, sharing `pool`;
-    yields an aiohttp session and the two gRPC stubs. At the end every KV block must be free and no large input
-    pending."""
-    async with local_backend(engine, model_name=MODEL) as backend:
+async def backend_of(served):
+    """A LocalEngineBackend over `served` when it is an engine, the Coordinator `served` itself otherwise; at the
+    end every KV block must be free."""
+    if isinstance(served, Coordinator):
+        yield served
+        await cluster_idle(served)
+        return
+    async with local_backend(served, model_name=MODEL) as backend:
+        yield backend
+        await wait_until_idle(served)
+
+
+@contextlib.asynccontextmanager
+async def front_ends(served, pool: InputPool):
+    """HTTP and gRPC front ends over backend_of(served) on free loopback ports, sharing `pool`; yields an aiohttp
+    session and the two gRPC stubs. At the end every KV block must be free and no large input pending."""
+    async with backend_of(served) as backend:
         metrics = ServingMetrics()
         server, grpc_port = await start_grpc_server(backend, GrpcServerConfig(health_poll_s=0.1), metrics, pool)
-        runner, http_port = await start_http_server(backend, HttpServerConfig(), metrics, input_pool=pool)
+        runner, http_port = await start_http_server(backend, HttpServerConfig(served_model_names=(MODEL,)), metrics,
+                                                    input_pool=pool)
         try:
             async with aiohttp.ClientSession(f"http://127.0.0.1:{http_port}") as session, \
                     grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 yield session, tandem_pb2_grpc.TandemStub(channel), health_pb2_grpc.HealthStub(channel)
-            await wait_until_idle(engine)
             assert pool.pending == 0
         finally:
             await runner.cleanup()
@@ -134,14 +162,16 @@ async def assert_still_serves(session, stub) -> None:
     assert await generate(stub, prompt="Hello", max_tokens=2, ignore_eos=True) == grpc.StatusCode.OK
 
 
-def test_the_probes_answer_while_8_large_requests_arrive_at_once(llama):
+@pytest.mark.parametrize("mode", ["in-process", "colocated replicas"])
+def test_the_probes_answer_while_8_large_requests_arrive_at_once(mode, request):
+    served = request.getfixturevalue("llama" if mode == "in-process" else "replicas")
     completion = json.dumps(completion_body(ISSUE_PROMPT, 2)).encode()
     chat = json.dumps({"messages": [{"role": "user", "content": ISSUE_PROMPT}], "max_tokens": 2}).encode()
     tokenize = json.dumps({"prompt": ISSUE_PROMPT}).encode()
     over_limit = completion + b" " * (HttpServerConfig().max_body_bytes - len(completion) + 1)
 
     async def scenario():
-        async with front_ends(llama, InputPool()) as (session, stub, health):
+        async with front_ends(served, InputPool()) as (session, stub, health):
             requests = [post(session, "/v1/completions", completion), post(session, "/v1/completions", completion),
                         post(session, "/v1/chat/completions", chat), post(session, "/v1/chat/completions", chat),
                         post(session, "/tokenize", tokenize), generate(stub, prompt=ISSUE_PROMPT, max_tokens=2),

@@ -172,8 +172,9 @@ def test_tool_choice_named_and_required_answer_validated_tool_calls_whole_and_st
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
     deltas = [c.choices[0] for c in streamed if c.choices]
     assert deltas[-1].finish_reason == "tool_calls"
-    [streamed_call] = [t for d in deltas for t in (d.delta.tool_calls or ())]
-    jsonschema.validate(json.loads(streamed_call.function.arguments), PARAMETERS[streamed_call.function.name])
+    header, *fragments = [t for d in deltas for t in (d.delta.tool_calls or ())]  # streamed as OpenAI does
+    arguments = "".join(fragment.function.arguments for fragment in fragments)
+    jsonschema.validate(json.loads(arguments), PARAMETERS[header.function.name])
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -125,6 +125,7 @@ def test_the_pool_prepares_large_inputs_on_its_threads_and_bounds_those_waiting(
                 await pool.prepare(11, lambda: ran.append(True))
             assert await pool.prepare(5, lambda: "small inputs pass") == "small inputs pass"
             waiting.cancel()  # its client left: it never runs
+            await asyncio.sleep(0)  # the cancel reaches the pool's queue on the loop's next turn
             release.set()
             assert await running is True
             await asyncio.sleep(0.05)
