@@ -167,6 +167,12 @@ class EngineConfig:
     together per decoding sequence, get a step of their own ahead of the decodes' next token
     (never two such steps in a row, so a decode waits at most one prompt step); "off" mixes them into the
     decode step (Sarathi); "auto" is on for CPU and off for CUDA (engine/core/scheduler.py says why).
+    async_scheduling: the host schedules step N + 1 while the device runs step N, whose picks feed step N + 1 on
+    the device (engine/core/step_pipeline.py); outputs are the same with it on or off. None (auto): on for CUDA
+    with one rank, off otherwise (on CPU the forward runs on the host itself: nothing overlaps). True with
+    tensor_parallel_size > 1 is refused (the other ranks take the step's ids from rank 0's host message).
+    warmup: run every kind of step once at start (engine/core/warmup.py), so no request pays for a kernel compile
+    or an autotune. None (auto): on for CUDA, off on CPU (nothing compiles there).
     """
 
     block_size: int = 16
@@ -186,6 +192,8 @@ class EngineConfig:
     prefill_first: str = "auto"
     tensor_parallel_size: int = 1
     tp_cpu_all_reduce: str = "shared_memory"
+    async_scheduling: bool | None = None
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -217,6 +225,19 @@ class EngineConfig:
             raise ValueError(f"tp_cpu_all_reduce must be 'shared_memory' or 'gloo', got {self.tp_cpu_all_reduce!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
+            raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
+        if not (self.warmup is None or isinstance(self.warmup, bool)):
+            raise ValueError(f"warmup must be True, False or None (auto), got {self.warmup!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1: the other ranks take each step's token "
+                             "ids from rank 0's host message, which cannot carry picks still on the device")
+
+    def async_scheduling_on(self, device_type: str) -> bool:
+        """async_scheduling resolved for a device type (None: on for CUDA with one rank)."""
+        if self.async_scheduling is None:
+            return device_type == "cuda" and self.tensor_parallel_size == 1
+        return self.async_scheduling
 
 
 def max_model_len(model_config: ModelConfig, config: EngineConfig, num_blocks: int) -> int:

@@ -43,6 +43,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
+        # tokens a launched step samples for this sequence that have not reached the host yet (async scheduling:
+        # at most 1; the scheduler counts them as known, the runner feeds them from the device)
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0       # prompt tokens served by the prefix cache (stats)
         self.num_hashed_blocks = 0       # leading full blocks registered in the prefix cache
         self.block_hashes: list[bytes] = []  # chained sha256 digests of the full blocks
@@ -69,7 +72,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens whose K/V the next steps compute: the known ones past num_computed_tokens, and a pending one."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -89,5 +93,7 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the sequence's last token, so a next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """True when this chunk reaches the sequence's last token (a pending one included), so a next token is
+        sampled."""
+        seq = self.seq
+        return seq.num_computed_tokens + self.num_new_tokens == seq.num_tokens + seq.num_pending_tokens

@@ -29,6 +29,8 @@ class LimitRow:
     engine_ms: float
     floor_ms: float
     floor: str
+    host_ms: float | None = None    # decode steps: the host's time to issue one (median)
+    device_ms: float | None = None  # ... and the device's time for it (CUDA events; None off CUDA)
 
     @property
     def ratio(self) -> float:
@@ -39,9 +41,11 @@ def measure_limits(llm, decode_batches: tuple[int, ...] = DECODE_BATCHES) -> lis
     rows = [prefill_row(llm)]
     floor_ms, floor = decode_floor(llm)
     rows += [decode_row(llm, batch, floor_ms, floor) for batch in decode_batches]
-    print(f"\n{'phase':<13} {'batch':<20} {'engine ms':>10} {'floor ms':>9} {'ratio':>6}  floor")
+    print(f"\n{'phase':<13} {'batch':<20} {'engine ms':>10} {'host ms':>8} {'device ms':>9} {'floor ms':>9} "
+          f"{'ratio':>6}  floor")
     for r in rows:
-        print(f"{r.phase:<13} {r.batch:<20} {r.engine_ms:10.2f} {r.floor_ms:9.2f} {r.ratio:6.2f}  {r.floor}")
+        print(f"{r.phase:<13} {r.batch:<20} {r.engine_ms:10.2f} {_cell(r.host_ms):>8} {_cell(r.device_ms):>9} "
+              f"{r.floor_ms:9.2f} {r.ratio:6.2f}  {r.floor}")
     return rows
 
 
@@ -56,8 +60,12 @@ def decode_floor(llm) -> tuple[float, str]:
 
 def decode_row(llm, batch: int, floor_ms: float, floor: str, context: int = DECODE_CONTEXT,
                steps: int = DECODE_STEPS) -> LimitRow:
-    return LimitRow("decode step", f"{batch} seqs x {context} ctx",
-                    _decode_step_ms(llm, batch, context, steps), floor_ms, floor)
+    engine_ms, host_ms, device_ms = _decode_step_ms(llm, batch, context, steps)
+    return LimitRow("decode step", f"{batch} seqs x {context} ctx", engine_ms, floor_ms, floor, host_ms, device_ms)
+
+
+def _cell(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -84,27 +92,32 @@ def prefill_row(llm, prompts: int = PREFILL_PROMPTS, length: int = PREFILL_LEN, 
                     f"bare matmuls of the same layers ({tokens / engine_ms * 1e3:.0f} tok/s engine)")
 
 
-def _decode_step_ms(llm, batch: int, context: int, steps: int) -> float:
-    """The median forward time of the steps that decoded all `batch` sequences and nothing else."""
+def _decode_step_ms(llm, batch: int, context: int, steps: int) -> tuple[float, float, float | None]:
+    """Of the steps that decoded all `batch` sequences and nothing else: the median forward time (launch to picks
+    on the host; with async scheduling, from the previous step's completion), the host's time to issue one and
+    the device's time for it (engine/core/step_log.py StepRecord; None off CUDA)."""
     from engine import SamplingParams
     engine, stats = llm.engine, llm.engine.stats
     params = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True)
     ids = [f"limits-decode-{batch}-{i}" for i in range(batch)]
     for request_id, prompt in zip(ids, _prompts(batch, context, llm.engine.model_config.vocab_size, 200 + batch)):
         engine.add_request(request_id, prompt, params)
-    times = []
+    times, records = [], []
     try:
         while engine.has_unfinished_requests():
             prefilled, decoded, seconds = stats.num_prefill_tokens, stats.num_decode_tokens, stats.forward_seconds
             engine.step()
             if stats.num_prefill_tokens == prefilled and stats.num_decode_tokens - decoded == batch:
                 times.append(stats.forward_seconds - seconds)
+                records.append(engine.step_log.records()[-1])
     finally:
         for request_id in ids:
             engine.abort(request_id)
     if not times:
         raise RuntimeError(f"no step decoded all {batch} sequences at once (max_num_seqs too small?)")
-    return statistics.median(times) * 1e3
+    device = [r.device_s for r in records if r.device_s is not None]
+    return (statistics.median(times) * 1e3, statistics.median(r.issue_s for r in records) * 1e3,
+            statistics.median(device) * 1e3 if device else None)
 
 
 @torch.inference_mode()

@@ -7,9 +7,16 @@ in fp32 with an online softmax. A long context at a small batch is split into pa
 parallel (flash-decoding); one more launch (`_merge_kernel`, one program per (sequence, head)) merges their
 partial results and writes the output in its dtype: two launches per decode, whatever the partitions
 (`merge_partitions_reference` is the torch reference beside it).
+
+Nothing here is compiled per step (issue 27): the partition size and count, the block tables' row stride and
+the metadata pointers (views into the step's staging buffer, 8-byte aligned) are runtime values
+(`do_not_specialize`, `do_not_specialize_on_alignment`); every constexpr is fixed by the model, the pool and the
+dtype. So a batch of any size over contexts of any length runs the kernels compiled for the first one.
 Imported only when the triton backend is chosen (importing triton reads TRITON_INTERPRET then).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -17,16 +24,21 @@ import triton.language as tl
 
 DEFAULT_PARTITION_TOKENS = 512
 MIN_TILE = 16  # tl.dot needs every tile dimension >= 16 on GPUs
+MERGE_BLOCK_P = 32  # partitions the merge kernel reads at a time (a loop over more: no constexpr from the batch)
+# Integer arguments that change from step to step, and pointers into the step's staging buffer (8-byte aligned,
+# 16 or not depending on the step's counts): runtime values, so that no step compiles a kernel of its own.
+STEP_INTS = ["stride_bt", "num_partitions", "partition"]
+STEP_POINTERS = ["block_tables_ptr", "seq_lens_ptr"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_POINTERS)
 def _decode_partition_kernel(
         acc_ptr, max_ptr, sum_ptr,  # partials: acc [B, H, P, BLOCK_D], max and sum [B, H, P], fp32
         q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt,
-        num_heads, num_partitions,
+        num_heads, num_partitions, partition,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     offs_g, offs_d, offs_n = tl.arange(0, GROUP_PAD), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
@@ -37,8 +49,8 @@ def _decode_partition_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    start = part * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
+    start = part * partition  # partition: tokens per partition, a multiple of BLOCK_N
+    end = tl.minimum(start + partition, seq_len)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
@@ -87,33 +99,42 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
         acc, maxes, sums, q, k_pool, v_pool, block_tables, seq_lens, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_tables.stride(0), num_heads, num_partitions,
+        block_tables.stride(0), num_heads, num_partitions, partition,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(MIN_TILE, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PARTITION=partition,
-        PRECISION=_dot_precision(q.dtype))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype))
     if out is None:
         out = torch.empty_like(q)
     _merge_kernel[(batch, num_heads)](out, acc, maxes, sums, out.stride(0), out.stride(1), num_partitions,
-                                      HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                      BLOCK_P=triton.next_power_of_2(num_partitions))
+                                      HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=MERGE_BLOCK_P)
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"])
 def _merge_kernel(out_ptr, acc_ptr, max_ptr, sum_ptr, stride_ob, stride_oh, num_partitions,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
     """One (sequence, head): sum_p acc_p * exp(max_p - top) / sum_p sum_p * exp(max_p - top), in out's dtype.
-    acc: [B, H, P, BLOCK_D]; max, sum: [B, H, P] (a partition past the sequence's end: -inf and 0)."""
+    acc: [B, H, P, BLOCK_D]; max, sum: [B, H, P] (a partition past the sequence's end: -inf and 0). Reads
+    BLOCK_P partitions at a time: a first pass finds top, a second sums (one pass when P <= BLOCK_P)."""
     seq, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
-    p_mask = offs_p < num_partitions
     row = (seq * num_heads + head) * num_partitions
-    maxes = tl.load(max_ptr + row + offs_p, mask=p_mask, other=float("-inf"))  # [P]
-    sums = tl.load(sum_ptr + row + offs_p, mask=p_mask, other=0.0)
-    weights = tl.where(p_mask, tl.exp(maxes - tl.max(maxes, 0)), 0.0)  # partition 0 is never empty
-    acc = tl.load(acc_ptr + (row + offs_p)[:, None] * BLOCK_D + offs_d[None, :], mask=p_mask[:, None], other=0.0)
-    merged = tl.sum(acc * weights[:, None], 0) / tl.sum(weights * sums, 0)  # [BLOCK_D]
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty),
+    top = tl.max(tl.load(max_ptr + row + offs_p, mask=offs_p < num_partitions, other=float("-inf")), 0)
+    for p0 in range(BLOCK_P, num_partitions, BLOCK_P):  # partition 0 is never empty: top is finite
+        p_mask = p0 + offs_p < num_partitions
+        top = tl.maximum(top, tl.max(tl.load(max_ptr + row + p0 + offs_p, mask=p_mask, other=float("-inf")), 0))
+    total = tl.zeros([BLOCK_D], tl.float32)
+    denominator = tl.sum(tl.zeros([BLOCK_P], tl.float32), 0)
+    for p0 in range(0, num_partitions, BLOCK_P):
+        parts = p0 + offs_p  # [P]
+        p_mask = parts < num_partitions
+        maxes = tl.load(max_ptr + row + parts, mask=p_mask, other=float("-inf"))
+        sums = tl.load(sum_ptr + row + parts, mask=p_mask, other=0.0)
+        weights = tl.where(p_mask, tl.exp(maxes - top), 0.0)  # [P]
+        acc = tl.load(acc_ptr + (row + parts)[:, None] * BLOCK_D + offs_d[None, :], mask=p_mask[:, None],
+                      other=0.0)  # [P, BLOCK_D]
+        total += tl.sum(acc * weights[:, None], 0)
+        denominator += tl.sum(weights * sums, 0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, (total / denominator).to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
 
@@ -131,11 +152,16 @@ def merge_partitions_reference(acc: torch.Tensor, maxes: torch.Tensor, sums: tor
 def choose_partition(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Tokens per partition: the whole context when batch x KV heads already fills the device, else
     split so that there are about two programs per streaming multiprocessor (at least 256 tokens each)."""
-    units = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    units = _multiprocessors(device) if device.type == "cuda" else 1
     if num_programs >= 2 * units:
         return max(max_seq_len, 1)
     splits = -(-2 * units // num_programs)
     return max(256, -(-max_seq_len // splits))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

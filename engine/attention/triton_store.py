@@ -2,7 +2,8 @@
 
 A negative slot means "write nothing": the padding rows of a captured decode graph point there, so a
 replay with fewer real sequences than the graph was captured for never touches a block anyone owns.
-Imported only when the triton backend is chosen.
+The slot mapping's alignment is not specialised (a view of any step's buffer launches the same compiled kernel;
+issue 27: nothing compiled while serving). Imported only when the triton backend is chosen.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(k_ptr, v_ptr, k_pool_ptr, v_pool_ptr, slot_ptr,
                      stride_kt, stride_vt, stride_ks, stride_vs,
                      ROW: tl.constexpr, BLOCK: tl.constexpr):

@@ -1,6 +1,7 @@
 """LLMEngine: the step loop. add requests, call step() until done, read deltas.
 
-One step = schedule -> one packed forward -> sample -> update sequences -> emit deltas.
+One step = schedule -> one packed forward -> sample -> update sequences -> emit deltas; with async scheduling the
+host schedules step N + 1 while the device runs step N (engine/core/step_pipeline.py).
 Requests come in three kinds:
 - full (colocated): prefill then decode here;
 - prefill-only (prefill workers): prefill, sample the first token, keep the KV blocks for transfer;
@@ -17,14 +18,15 @@ import torch
 
 from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig, max_model_len
-from engine.core.fork import fork_samples
 from engine.core.kv_handoff import KVHandoff
 from engine.core.live_requests import LiveRequests
-from engine.core.request_checks import check_prefilled, check_request
+from engine.core.request_checks import check_prefilled, check_request, check_step_budget
 from engine.core.scheduler import Scheduler, prefill_first_enabled
 from engine.core.stats import EngineStats
 from engine.core.step_log import StepLog, StepRecord, chunk_tokens
 from engine.core.step_observer import StepObserver
+from engine.core.step_pipeline import InFlightStep, StepPipeline
+from engine.core.warmup import warm_up
 from engine.core.structured_requests import StructuredRequests
 from engine.core.stop_rules import finish_reason, is_stop_token
 from engine.kv.kv_cache import KVCache, KVCacheSpec
@@ -69,22 +71,23 @@ class LLMEngine(KVHandoff):
         self.kv_cache = pool(spec, self.memory_plan.num_blocks, device, config.enable_prefix_caching)
         num_blocks = self.kv_cache.num_blocks
         self.max_model_len = max_model_len(model_config, config, num_blocks)
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"without chunked prefill, max_num_batched_tokens "
-                             f"({config.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({self.max_model_len})")
-        self.scheduler = Scheduler(config, self.kv_cache.allocator, prefill_first_enabled(config, device.type))
+        check_step_budget(config, self.max_model_len)
+        self.scheduler = Scheduler(config, self.kv_cache.allocator, prefill_first_enabled(config, device.type),
+                                   self.max_model_len)
         io = StepIO(device)  # a step's copies: one upload of its inputs, one copy of its picks back
-        sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids, to_host=io.to_host)
+        sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids, start_copy=io.start_to_host)
         self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention,
                                   step_sender=None if tp_leader is None else tp_leader.send_step, io=io)
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device, io)
+        self.pipeline = StepPipeline(self.runner, self.scheduler, self.kv_cache, config.async_scheduling_on(device.type))
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, sampler)  # structured outputs
         self.stats = EngineStats()
         self.step_log = StepLog()  # the last steps: what each held and cost
         self._live = LiveRequests()
         self._closed = False
+        if config.warmup or (config.warmup is None and device.type == "cuda"):
+            warm_up(self)  # every kind of step once: no request pays for a compile
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -99,6 +102,7 @@ class LLMEngine(KVHandoff):
             logger.info("%s", self.step_log.summary())
         for request_id in self._live.request_ids():
             self.abort(request_id)
+        self.pipeline.close()  # a running step completes: every sequence aborted, its picks are dropped
         self._closed = True
         self.structured.close()
         self.runner.close()
@@ -188,47 +192,42 @@ class LLMEngine(KVHandoff):
 
     # ---- the step loop ---------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work or self.structured.has_pending
+        return self.scheduler.has_work or self.structured.has_pending or self.pipeline.in_flight is not None
 
     def step(self, observer: StepObserver | None = None) -> list[StepDelta]:
-        """Run one packed forward over the scheduled chunks and return the deltas it produced.
+        """Run one packed forward over the scheduled chunks and return the deltas of the step that completed:
+        this one, or with async scheduling the one before it (engine/core/step_pipeline.py), this one still
+        running on the device while the host appends the other's tokens.
 
         observer (a prefill worker streaming KV layer by layer) is told, before the forward, which
         prefill-only requests this step completes (their block tables are final: every prompt token has
         a slot), and gets per-layer callbacks during it; if the forward raises, forward_failed(error) runs
-        before the exception propagates."""
+        before the exception propagates. A step with an observer never overlaps another."""
         self._check_open()
-        step_started = time.perf_counter()
-        ended = [self._finish(s, "abort", (), {"index": s.index}) for s in self.structured.release(self.scheduler)]
+        started = time.perf_counter()
+        deltas = [self._finish(s, "abort", (), {"index": s.index}) for s in self.structured.release(self.scheduler)]
+        if observer is not None and self.pipeline.in_flight is not None:
+            deltas += self._complete(self.pipeline.in_flight)  # a streaming step never overlaps another
         chunks = self.scheduler.schedule()
         if not chunks:
-            return ended
-        started = time.perf_counter()
-        on_layer = None
-        if observer is not None:
-            completing = [c.seq for c in chunks if c.samples and c.seq.prefill_only]
-            on_layer = observer.forward_starting(completing) if completing else None
-        try:
-            result = self.runner.execute(chunks, on_layer)
-        except BaseException as error:
-            if on_layer is not None:
-                observer.forward_failed(f"{type(error).__name__}: {error}")
-            raise
-        forward_s = time.perf_counter() - started
-        seqs, sampled = result.seqs, result.sampled
-        for seq, entry in result.prompt_logprobs:
-            seq.prompt_logprobs.append(entry)
-        for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_new_tokens
-            self.scheduler.register_full_blocks(chunk.seq)
-        for seq in seqs:
-            if seq.forks:  # a prefill of n samples just ended: the others take their share of its KV
-                fork_samples(seq, self.scheduler, self.kv_cache)
-        self.stats.record_step(chunks, forward_s)
-        deltas = ended + [self._append_token(seq, token, logprobs)
-                  for seq, token, logprobs in zip(seqs, sampled.tokens, sampled.logprobs)]
-        self.step_log.record(StepRecord(step_started, forward_s, time.perf_counter() - step_started,
-                                        *chunk_tokens(chunks)))
+            return deltas + (self._complete(self.pipeline.in_flight) if self.pipeline.in_flight else [])
+        launched = self.pipeline.launch(chunks, observer, started)
+        previous, self.pipeline.in_flight = self.pipeline.in_flight, launched
+        if previous is not None:
+            deltas += self._complete(previous)
+        if launched.needs_host:  # no overlap, or the next step reads its picks on the host
+            deltas += self._complete(launched)
+        return deltas
+
+    def _complete(self, step: InFlightStep) -> list[StepDelta]:
+        """Settle a launched step (waits for its picks) and append them: its deltas."""
+        if self.pipeline.in_flight is step:
+            self.pipeline.in_flight = None
+        completed = self.pipeline.complete(step)
+        self.stats.record_step(list(step.chunks), completed.forward_s)
+        deltas = [self._append_token(seq, token, logprobs) for seq, token, logprobs in completed.picks]
+        self.step_log.record(StepRecord(completed.began, completed.forward_s, time.perf_counter() - completed.began,
+                                        *chunk_tokens(list(step.chunks)), step.issue_s, completed.device_s))
         return deltas
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None = None) -> StepDelta:
@@ -279,11 +278,11 @@ class LLMEngine(KVHandoff):
             seq.finish_reason = "abort"
             self.scheduler.finish(seq, SequenceStatus.FINISHED)
             self._live.remove(seq)
+        self.pipeline.settle_if_unwatched()  # the running step sampled only for what is gone now
         return True
 
     def get_sequence(self, request_id: str) -> Sequence | None:
-        """The live (waiting, running or prefilled) request with this id, if any (of several samples, the
-        first still live)."""
+        """The live (waiting, running or prefilled) request with this id, if any (of n samples, the first live)."""
         return self._live.first(request_id)
 
     @property

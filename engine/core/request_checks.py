@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
 
@@ -46,3 +47,10 @@ def check_prefilled(request_id: str, num_prompt_tokens: int, first_token: int, p
         raise ValueError(f"request {request_id!r} asks for logprobs; its first token came without them")
     if num_blocks < -(-num_prompt_tokens // block_size):
         raise ValueError(f"{num_blocks} blocks cannot hold {num_prompt_tokens} prompt tokens")
+
+
+def check_step_budget(config: EngineConfig, max_model_len: int) -> None:
+    """Without chunked prefill a whole prompt must fit one step: ValueError when it may not."""
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens}) must be "
+                         f">= max_model_len ({max_model_len})")

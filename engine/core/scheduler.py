@@ -42,10 +42,13 @@ def prefill_first_enabled(config: EngineConfig, device_type: str) -> bool:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, prefill_first: bool = False) -> None:
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, prefill_first: bool = False,
+                 max_model_len: int | None = None) -> None:
         """prefill_first: while sequences decode, waiting prompts one step finishes get a step of their own
-        (see the module docstring)."""
+        (see the module docstring). max_model_len: the engine's context limit (a sequence whose pending token
+        reaches it is not scheduled again)."""
         self.config = config
+        self.max_model_len = max_model_len
         self.prefill_first = prefill_first
         self._last_was_prompts_only = False
         self.allocator = allocator
@@ -94,7 +97,8 @@ class Scheduler:
 
     def _num_decoding(self) -> int:
         """Running sequences waiting for their next token (a prefill worker's never do: it packs prompts)."""
-        return sum(1 for seq in self.running if seq.num_output_tokens and seq.num_uncomputed_tokens == 1)
+        return sum(1 for seq in self.running
+                   if seq.num_output_tokens + seq.num_pending_tokens and seq.num_uncomputed_tokens == 1)
 
     def _schedule_running(self, budget: int, prompt_budget: int) -> tuple[list[ScheduledChunk], bool]:
         """Running sequences in order: a decode takes its token, a prompt's next chunk fits what is left of
@@ -102,6 +106,9 @@ class Scheduler:
         chunks, preempted, index = [], False, 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if self._waits_for_host(seq):
+                index += 1
+                continue
             is_prompt = seq.num_uncomputed_tokens > 1
             num_new = self._chunk_size(seq, min(budget, prompt_budget) if is_prompt else budget)
             if num_new == 0:
@@ -124,6 +131,8 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted while its last step ran: admitted once that step completed
+                break
             if len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:  # its samples run too
                 break
             self._attach_cached_prefix(seq)
@@ -139,6 +148,17 @@ class Scheduler:
             chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
         return chunks
+
+    def _waits_for_host(self, seq: Sequence) -> bool:
+        """Async scheduling: a sequence whose last token is still on its way to the host sits this step out when
+        that token may be its last (max_tokens, the context limit). Stop tokens and strings cannot be foreseen:
+        their sequence computes one token more, which the engine drops. (Picks that end a prefill-only request's
+        prefill or fork samples never pend: engine/core/step_pipeline.py.)"""
+        if not seq.num_pending_tokens:
+            return False
+        known = seq.num_tokens + seq.num_pending_tokens
+        return known - seq.num_prompt_tokens >= seq.params.max_tokens or \
+            (self.max_model_len is not None and known >= self.max_model_len)
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute this step: what is left, within the budget and, for a prompt
@@ -187,9 +207,11 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Publish seq's newly completed full blocks to the prefix cache."""
+        """Publish seq's newly completed full blocks to the prefix cache (blocks of known tokens only: with async
+        scheduling a computed position's token may still be on its way to the host)."""
         size = self.block_size
-        while (seq.num_hashed_blocks + 1) * size <= seq.num_computed_tokens:
+        known = min(seq.num_computed_tokens, seq.num_tokens)
+        while (seq.num_hashed_blocks + 1) * size <= known:
             i = seq.num_hashed_blocks
             parent = seq.block_hashes[i - 1] if i else None
             tokens = seq.token_ids[i * size:(i + 1) * size]

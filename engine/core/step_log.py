@@ -19,7 +19,10 @@ DEFAULT_CAPACITY = 16384
 @dataclass(frozen=True)
 class StepRecord:
     """One step: when it started (time.perf_counter), its forward's and its whole call's seconds, and its tokens
-    (prompt: chunks of a prompt; decode: single tokens after a computed context) and prompts (chunks of prompts)."""
+    (prompt: chunks of a prompt; decode: single tokens after a computed context) and prompts (chunks of prompts).
+    With async scheduling a step's share of the timeline starts where the step before it completed (the two
+    overlap on the device). issue_s: the host's time to issue its forward and sampling; device_s: the device's time
+    for them (CUDA events; None elsewhere)."""
 
     started_at: float
     forward_s: float
@@ -27,6 +30,8 @@ class StepRecord:
     prompt_tokens: int
     decode_tokens: int
     prompts: int
+    issue_s: float = 0.0
+    device_s: float | None = None
 
 
 class StepLog:

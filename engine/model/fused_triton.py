@@ -10,7 +10,8 @@
 Math is float32 inside every kernel (RMSNorm: x.float(), its rms, back to x's dtype, then the weight, as
 Hugging Face's LlamaRMSNorm; RoPE: one rounding to the output dtype instead of one per torch op), so a
 bfloat16 result may differ from the eager path's in its last bit; float32 agrees to rounding. One program
-per token row. Imported only where Triton is installed (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+per token row, so the token count is the grid and never an argument: no step compiles a kernel of its own
+(issue 27). Imported only where Triton is installed (CUDA, or CPU tensors under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
@@ -111,7 +112,7 @@ def _rotate_(x_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF: tl.constex
     return new_lo, new_hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # any view of a step's slots: one compiled kernel
 def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, slot_ptr,
                          stride_qt, stride_kt, stride_vt, stride_ct, stride_ks, stride_vs,
                          H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr):

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
+from engine.runner.step_batch import feed_tokens
 from engine.runner.step_io import Field, StepIO, layout
 
 logger = logging.getLogger("tandem.engine")
@@ -72,13 +73,15 @@ class DecodeBatch:
     table_rows: list[int]     # each row's row of the device block table
     sample_rows: list[int]    # batch rows sampled (all of them, but a prompt's non-final single token)
     updates: TableUpdates     # what the device block table needs first (DeviceBlockTables.plan)
+    feed_rows: list[int]      # rows whose id is a pick of the step still running (async scheduling) ...
+    feed_from: list[int]      # ... at this index of its picks
 
 
 def staged_layout(size: int, num_updates: int = UPDATE_CAPACITY) -> tuple[dict[str, Field], int]:
     """The graphs' input fields for a batch padded to `size` rows, then room for num_updates table updates."""
     return layout([("input_ids", np.int64, size), ("positions", np.int64, size), ("slots", np.int64, size),
                    ("seq_lens", np.int32, size), ("table_rows", np.int64, size), ("sample_rows", np.int64, size),
-                   ("update_rows", np.int64, num_updates), ("update_cols", np.int64, num_updates),
+                   ("feed_rows", np.int64, size), ("feed_from", np.int64, size), ("update_rows", np.int64, num_updates), ("update_cols", np.int64, num_updates),
                    ("update_blocks", np.int32, num_updates)])
 
 
@@ -112,11 +115,13 @@ class DecodeGraphs:
         self.model = self.kv_cache = None
 
     @torch.inference_mode()
-    def run_staged(self, batch: DecodeBatch, tables: DeviceBlockTables) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_staged(self, batch: DecodeBatch, tables: DeviceBlockTables,
+                   fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The hidden states [B, hidden] of a decode-only step of B = len(batch.input_ids) rows and the sampled rows
-        [S] on the device: the batch goes across in one upload (with its table updates when they fit), the device
-        table is updated and its rows gathered, then the graph of the next size up replays. Writes the rows' K/V
-        into the pool, exactly as the eager forward does."""
+        [S] on the device: the batch goes across in one upload (with its table updates when they fit), the rows
+        fed from the running step's picks `fed` take them, the device table is updated and its rows gathered,
+        then the graph of the next size up replays. Writes the rows' K/V into the pool, exactly as the eager
+        forward does."""
         rows, size = len(batch.input_ids), self._size_for(len(batch.input_ids))
         updates = batch.updates if len(batch.updates) <= UPDATE_CAPACITY else None
         fields, _ = staged_layout(size, len(updates) if updates is not None else 0)
@@ -126,12 +131,15 @@ class DecodeGraphs:
         host["slots"][:rows], host["table_rows"][:rows] = batch.slots, batch.table_rows
         host["seq_lens"][:rows] = np.asarray(batch.positions) + 1
         host["sample_rows"][:len(batch.sample_rows)] = batch.sample_rows
+        feeds = len(batch.feed_rows)
+        host["feed_rows"][:feeds], host["feed_from"][:feeds] = batch.feed_rows, batch.feed_from
         _pad(host, rows, size, batch.table_rows[0])
         if updates is not None:
             host["update_rows"][:], host["update_cols"][:], host["update_blocks"][:] = \
                 updates.rows, updates.cols, updates.blocks
         self.staging.upload(max(f.offset + f.nbytes for f in fields.values()))
         view = {name: self.staging.device_view(f) for name, f in fields.items()}
+        feed_tokens(view["input_ids"], view["feed_rows"][:feeds], fed, view["feed_from"][:feeds])
         if updates is not None:
             tables.apply(view["update_rows"], view["update_cols"], view["update_blocks"])
         tables.gather(view["table_rows"], self.block_tables.shape[1], out=self.block_tables[:size])

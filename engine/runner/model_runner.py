@@ -2,14 +2,14 @@
 
 Batch order: single-token chunks first (they share one batched attention call), then prefill chunks.
 Only rows that finish a sequence's known tokens are sampled (logits skipping): the LM head never
-sees the other prompt tokens.
+sees the other prompt tokens. `launch` stops once the picks are on the device and on their way to the host
+(LaunchedStep): an async engine schedules the next step meanwhile, whose rows take those picks on the device.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
@@ -20,10 +20,11 @@ from engine.model.causal_lm import CausalLM
 from engine.parallel.step_message import StepInputs
 from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
-from engine.runner.step_io import StepIO, layout
+from engine.runner.step_batch import HostBatch, feed_tokens, host_batch, stage_eager
+from engine.runner.step_io import StepIO
 from engine.sampling.logprobs import TokenLogprobs
-from engine.sampling.prompt_logprobs import PromptRows, compute_prompt_logprobs, prompt_rows
-from engine.sampling.sampler import Sampler, SamplerOutput
+from engine.sampling.prompt_logprobs import PromptRows, compute_prompt_logprobs
+from engine.sampling.sampler import DevicePicks, Sampler, SamplerOutput
 from engine.sequence import ScheduledChunk, Sequence
 
 
@@ -38,6 +39,24 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose forward and sampling are issued: its picks on the device, their copy to the host under way."""
+
+    seqs: tuple[Sequence, ...]          # the sequence each pick goes to
+    picks: DevicePicks | None           # None when the step samples nothing
+    prompt_logprobs: list[tuple[Sequence, TokenLogprobs]]
+
+    def result(self) -> StepResult:
+        """The picks on the host (waits for their copy)."""
+        sampled = self.picks.result() if self.picks is not None else SamplerOutput([], [])
+        return StepResult(self.seqs, sampled, self.prompt_logprobs)
+
+    def pick_index(self) -> dict[int, int]:
+        """id(sequence) -> index of its pick in picks.tokens (what the next step's rows are fed from)."""
+        return {id(seq): i for i, seq in enumerate(self.seqs)}
+
+
+@dataclass(frozen=True)
 class ModelInput:
     """One step's batch: on the device for an eager forward, or on the host for a decode graph (`graph`)."""
 
@@ -45,10 +64,13 @@ class ModelInput:
     positions: torch.Tensor | None      # [T]
     meta: AttentionMetadata | None
     sample_rows: torch.Tensor | None    # [S] batch rows whose next token is sampled (None with graph)
-    sampled_seqs: tuple[Sequence, ...]
-    prompt_rows: PromptRows             # rows whose logits give prompt logprobs (requests that ask)
+    host: HostBatch
     rows_in_order: bool                 # the sampled rows are rows 0..S-1: no gather before the LM head
     graph: DecodeBatch | None = None    # a decode-only step the captured graphs run
+
+    @property
+    def prompt_rows(self) -> PromptRows:
+        return self.host.prompt
 
 
 class ModelRunner:
@@ -79,96 +101,72 @@ class ModelRunner:
         self.decode_graphs = None
         self.model = self.kv_cache = self.tables = None
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None) -> StepResult:
-        """Run one forward over all chunks (writes their K/V into the pool); returns the sampled
-        sequences and, for each, one new token (and its logprobs if asked), and the prompt logprobs the
-        chunks gave. Does not change the sequences themselves. on_layer: called for each layer of an eager
-        forward once its K/V are stored (CausalLM.forward); a step with it never replays a graph."""
-        batch = self.prepare(chunks, graphed=on_layer is None)
+        """launch(chunks, on_layer).result(): the step, its picks on the host."""
+        return self.launch(chunks, on_layer).result()
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None,
+               fed_by: LaunchedStep | None = None) -> LaunchedStep:
+        """Issue one forward over all chunks (writes their K/V into the pool) and the sampling of the rows that
+        end a sequence's tokens (and of its forks); the prompt logprobs the chunks give are computed here. Does
+        not change the sequences. on_layer: called for each layer of an eager forward once its K/V are stored
+        (CausalLM.forward); a step with it never replays a graph. fed_by: the step still running whose picks
+        are the pending last tokens of some of these sequences (async scheduling)."""
+        batch = self.prepare(chunks, graphed=on_layer is None, fed_by=fed_by)
+        fed = fed_by.picks.tokens if fed_by is not None and fed_by.picks is not None else None
         if batch.graph is not None:
-            hidden, sample_rows = self.decode_graphs.run_staged(batch.graph, self.tables)  # [B, hidden], [S]
+            hidden, sample_rows = self.decode_graphs.run_staged(batch.graph, self.tables, fed)  # [B, hidden], [S]
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache, on_layer)  # [T, hidden]
             sample_rows = batch.sample_rows
         prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.prompt_rows) \
             if batch.prompt_rows.rows else []
-        seqs = batch.sampled_seqs
+        seqs = batch.host.sampled
         if not seqs:
-            return StepResult((), SamplerOutput([], []), prompt_logprobs)
+            return LaunchedStep((), None, prompt_logprobs)
         picked = hidden[:len(seqs)] if batch.rows_in_order else hidden.index_select(0, sample_rows)  # [S, hidden]
         logits = self.model.compute_logits(picked)  # [S, vocab]
-        sampled = self.sampler.sample(logits, [s.params for s in seqs], [s.num_tokens for s in seqs],
-                                      [(s.token_ids, s.num_prompt_tokens) for s in seqs],
-                                      constraints=[s.grammar for s in seqs])
-        return StepResult(seqs, sampled, prompt_logprobs)
+        picks = self.sampler.sample_on_device(logits, [s.params for s in seqs], batch.host.pick_positions,
+                                              [(s.token_ids, s.num_prompt_tokens) for s in seqs],
+                                              constraints=[s.grammar for s in seqs])
+        return LaunchedStep(tuple(seqs), picks, prompt_logprobs)
 
-    def prepare(self, chunks: list[ScheduledChunk], graphed: bool = True) -> ModelInput:
+    def prepare(self, chunks: list[ScheduledChunk], graphed: bool = True,
+                fed_by: LaunchedStep | None = None) -> ModelInput:
         """The step's flat batch (single-token chunks first) and its inputs, sent to the device in one upload:
         token ids, per-sequence counts, the block-table rows and their updates (engine/runner/device_tables.py).
         Positions and pool slots are computed on the device; a decode-only step a graph covers (and `graphed`)
         is left on the host for DecodeGraphs.run_staged. Python work is per sequence and per new block (and per
         prompt token for the ids)."""
-        ordered = sorted(chunks, key=lambda c: c.num_new_tokens > 1)  # stable: single tokens first
-        input_ids, sample_rows, sampled, row, prompt = [], [], [], 0, PromptRows([], [], [])
-        for chunk in ordered:
-            seq, start, n = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
-            input_ids += seq.token_ids[start:start + n]
-            prompt_rows(seq, start, n, row, prompt)
-            row += n
-            if chunk.samples:  # the sequence's next token; a prefill of n samples gives each its first
-                for sample in (seq, *seq.forks):
-                    sample_rows.append(row - 1)
-                    sampled.append(sample)
-        seqs = [c.seq for c in ordered]
-        computed, new = [s.num_computed_tokens for s in seqs], [c.num_new_tokens for c in ordered]
-        width = table_width([c + n for c, n in zip(computed, new)], self.block_size)
+        batch = host_batch(chunks, fed_by.pick_index() if fed_by is not None else {})
+        seqs, computed, new = batch.seqs, batch.num_computed, batch.num_new
+        width = table_width(batch.seq_lens, self.block_size)
         if self.step_sender is not None:
+            if batch.feed_rows:
+                raise RuntimeError("a tensor-parallel step cannot take its ids from the device (async scheduling)")
             tables = self.host_tables.tables(seqs, width)  # [N, width] int32
-            self.step_sender(StepInputs(input_ids, computed, new, tables, sample_rows, prompt.rows))
+            self.step_sender(StepInputs(batch.input_ids, computed, new, tables, batch.sample_rows, batch.prompt.rows))
         table_rows, updates = self.tables.plan(seqs)
-        in_order = sample_rows == list(range(len(sample_rows)))
+        in_order = batch.sample_rows == list(range(len(batch.sample_rows)))
         graphs = self.decode_graphs
-        if graphed and graphs is not None and len(input_ids) == len(seqs) >= len(sample_rows) \
+        if graphed and graphs is not None and len(batch.input_ids) == len(seqs) >= len(batch.sample_rows) \
                 and graphs.covers(len(seqs)):
             if len(updates) > UPDATE_CAPACITY:  # more than the graphs' upload has room for: a copy of their own
-                self._stage_eager([], [], [], [], [], updates)
+                stage_eager(self.io, self.tables, HostBatch(), [], updates)
                 updates = TableUpdates()
             slots = [s.block_table[c // self.block_size] * self.block_size + c % self.block_size
                      for s, c in zip(seqs, computed)]
-            graph = DecodeBatch(input_ids, computed, slots, table_rows, sample_rows, updates)
-            return ModelInput(None, None, None, None, tuple(sampled), prompt, in_order, graph)
-        view = self._stage_eager(input_ids, computed, new, table_rows, sample_rows, updates)
+            graph = DecodeBatch(batch.input_ids, computed, slots, table_rows, batch.sample_rows, updates,
+                                batch.feed_rows, batch.feed_from)
+            return ModelInput(None, None, None, None, batch, in_order, graph)
+        view = stage_eager(self.io, self.tables, batch, table_rows, updates)
+        fed = fed_by.picks.tokens if batch.feed_rows else None
+        feed_tokens(view["input_ids"], view["feed_rows"], fed, view["feed_from"])
         counts = StepCounts(view["num_computed"], view["num_new"], view["query_start"], view["seq_lens"])
         step = step_tensors(self.attention, counts, self.tables.gather(view["table_rows"], width),
-                            tuple(query_starts(new)), tuple(c + n for c, n in zip(computed, new)), self.block_size)
-        return ModelInput(view["input_ids"], step.positions, step.meta, view["sample_rows"], tuple(sampled),
-                          prompt, in_order)
-
-    def _stage_eager(self, input_ids: list[int], computed: list[int], new: list[int], table_rows: list[int],
-                     sample_rows: list[int], updates: TableUpdates) -> dict[str, torch.Tensor]:
-        """The eager step's inputs through the staging buffer in one upload; applies the table updates. Returns
-        the device views by field name."""
-        num_seqs, num_updates = len(computed), len(updates)
-        fields, end = layout([("input_ids", np.int64, len(input_ids)), ("num_computed", np.int64, num_seqs),
-                              ("num_new", np.int64, num_seqs), ("query_start", np.int32, num_seqs + 1),
-                              ("seq_lens", np.int32, num_seqs), ("table_rows", np.int64, num_seqs),
-                              ("sample_rows", np.int64, len(sample_rows)), ("update_rows", np.int64, num_updates),
-                              ("update_cols", np.int64, num_updates), ("update_blocks", np.int32, num_updates)])
-        staging = self.io.staging_for(end)
-        staging.wait_writable()
-        host = {name: staging.host(f) for name, f in fields.items()}
-        host["input_ids"][:], host["num_computed"][:], host["num_new"][:] = input_ids, computed, new
-        host["query_start"][0] = 0
-        np.cumsum(host["num_new"], out=host["query_start"][1:], dtype=np.int32)
-        np.add(host["num_computed"], host["num_new"], out=host["seq_lens"], casting="unsafe")
-        host["table_rows"][:], host["sample_rows"][:] = table_rows, sample_rows
-        host["update_rows"][:], host["update_cols"][:], host["update_blocks"][:] = \
-            updates.rows, updates.cols, updates.blocks
-        staging.upload(end)
-        view = {name: staging.device_view(f) for name, f in fields.items()}
-        self.tables.apply(view["update_rows"], view["update_cols"], view["update_blocks"])
-        return view
+                            tuple(query_starts(new)), tuple(batch.seq_lens), self.block_size)
+        return ModelInput(view["input_ids"], step.positions, step.meta, view["sample_rows"], batch, in_order)
 
 
 def run_forward(model: CausalLM, kv_cache: KVCache, graphs: DecodeGraphs | None, input_ids: torch.Tensor,

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.host_lists import HostCopy
+
 ALIGN = 8  # every field starts on an 8-byte boundary, so each dtype's view is aligned
+LANDING_RING = 3  # device-to-host copies that may be outstanding before a landing buffer is reused
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                  np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
@@ -104,7 +107,8 @@ class StepIO:
         self.copies = CopyCounter()
         self.staging = StagingBuffer(capacity, device, self.copies)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._landing: dict[torch.dtype, torch.Tensor] = {}  # pinned host tensors the results land in
+        self._landing: dict[torch.dtype, list[torch.Tensor]] = {}  # rings of pinned tensors the results land in
+        self._turn = 0
 
     def staging_for(self, nbytes: int) -> StagingBuffer:
         """The eager staging buffer, grown (doubled) first when nbytes do not fit."""
@@ -118,11 +122,16 @@ class StepIO:
         return StagingBuffer(capacity, self.device, self.copies)
 
     def to_host(self, values: torch.Tensor) -> list:
-        """values (1-D, on the device) as a host list: one device-to-host copy, counted. On CUDA the copy runs
-        on a side stream once the current stream has produced values, and the host waits for its event only."""
+        """values (1-D, on the device) as a host list: start_to_host(values).wait()."""
+        return self.start_to_host(values).wait()
+
+    def start_to_host(self, values: torch.Tensor) -> HostCopy:
+        """Start the one device-to-host copy of values (1-D, on the device), counted; wait() gives the list. On CUDA
+        the copy runs on a side stream once the current stream has produced values, into the next of a ring of
+        pinned buffers (an async engine has at most two copies outstanding), and wait() waits for its event only."""
         self.copies.device_to_host += 1
         if self._stream is None:
-            return values.tolist()
+            return HostCopy(values, values.numel(), None)
         landing = self._landing_for(values.dtype, values.numel())
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
@@ -130,11 +139,13 @@ class StepIO:
             values.record_stream(self._stream)
             copied = torch.cuda.Event()
             copied.record()
-        copied.synchronize()
-        return landing[:values.numel()].tolist()
+        return HostCopy(landing, values.numel(), copied)
 
     def _landing_for(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        landing = self._landing.get(dtype)
-        if landing is None or landing.numel() < numel:
-            landing = self._landing[dtype] = torch.empty(max(numel, 1024), dtype=dtype, pin_memory=True)
-        return landing
+        ring = self._landing.setdefault(dtype, [])
+        self._turn = (self._turn + 1) % LANDING_RING
+        if len(ring) < LANDING_RING:
+            ring.append(torch.empty(0, dtype=dtype))
+        if ring[self._turn].numel() < numel:
+            ring[self._turn] = torch.empty(max(numel, 1024), dtype=dtype, pin_memory=True)
+        return ring[self._turn]

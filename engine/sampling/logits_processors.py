@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.host_lists import to_device
+from engine.host_lists import row_values, to_device
 from engine.sampling_params import SamplingParams
 
 History = tuple[Sequence[int], int]  # (prompt + generated token ids so far, number of prompt tokens)
@@ -122,7 +122,7 @@ def cut_min_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
     no softmax is needed. The input itself when no row has min_p."""
     if all(p.min_p == 0.0 for p in params):
         return logits
-    floor = to_device([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], logits.dtype,
-                      logits.device).unsqueeze(1)  # [R, 1]
+    floor = row_values([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], logits.dtype,
+                       logits.device)  # shared, or [R, 1]
     top = logits.amax(dim=-1, keepdim=True)  # [R, 1]
     return logits.masked_fill(logits < top + floor, float("-inf"))  # [R, vocab]

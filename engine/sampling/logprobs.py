@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.host_lists import to_device
+from engine.host_lists import row_values, to_device
 from engine.sampling_params import SamplingParams
 
 
@@ -49,13 +49,14 @@ def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence
     exact in float64, so the whole thing comes back in the sampler's one copy. log_softmax is never
     materialised: logprob = scaled logit - logsumexp of the row, for the few entries reported."""
     device = logits.device
-    index = to_device(rows, torch.long, device)  # [L]
-    picked = logits if len(rows) == logits.shape[0] else logits.index_select(0, index)  # [L, vocab]
+    every_row = len(rows) == logits.shape[0]
+    index = None if every_row else to_device(rows, torch.long, device)  # [L]
+    picked = logits if every_row else logits.index_select(0, index)  # [L, vocab]
     temperatures = [1.0 if params[i].greedy else params[i].temperature for i in rows]
     if any(t != 1.0 for t in temperatures):
-        picked = picked / to_device(temperatures, picked.dtype, device).unsqueeze(1)  # [L, vocab]
+        picked = picked / row_values(temperatures, picked.dtype, device)  # [L, vocab]
     normalizer = picked.logsumexp(dim=-1, keepdim=True)  # [L, 1]: logprob = logit - normalizer
-    sampled = picked.gather(1, tokens.index_select(0, index).unsqueeze(1))  # [L, 1]
+    sampled = picked.gather(1, (tokens if every_row else tokens.index_select(0, index)).unsqueeze(1))  # [L, 1]
     rank = (picked > sampled).sum(dim=-1, keepdim=True, dtype=torch.int32) + 1  # [L, 1] (int32: faster on CPU)
     k = max(params[i].logprobs for i in rows)
     top_values, top_ids = picked.topk(k, dim=-1)  # [L, k] each, most likely first

@@ -30,7 +30,7 @@ def nucleus_candidates(logits: torch.Tensor, top_p: Sequence[float]) -> tuple[to
     vocab, device = logits.shape[-1], logits.device
     log_total = logits.logsumexp(dim=-1, keepdim=True)  # [R, 1]
     rungs = [k for k in NUCLEUS_LADDER if k < vocab] if device.type == "cpu" else []
-    need = to_device([p + COVER_MARGIN for p in top_p], logits.dtype, device)  # [R]
+    need = to_device([p + COVER_MARGIN for p in top_p], logits.dtype, device) if rungs else None  # [R]
     left = torch.arange(logits.shape[0], device=device)  # [L]: rows not placed yet
     placed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, probs, ids) per rung
     for k in rungs:

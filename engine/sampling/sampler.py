@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_lists import HostCopy, row_values
 from engine.host_lists import to_device as _to_device
 from engine.sampling.logits_processors import History, cut_min_p, process_logits
 from engine.sampling.logprobs import TokenLogprobs, logprob_tensors, unpack
@@ -49,22 +50,41 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+@dataclass(frozen=True)
+class DevicePicks:
+    """One step's picks on the device (Sampler.sample_on_device), with their copy to the host under way."""
+
+    tokens: torch.Tensor                # [S] int64, on the logits' device
+    host: HostCopy                      # the tokens (then the packed logprobs of the rows that asked)
+    params: tuple[SamplingParams, ...]
+    asked: tuple[int, ...]              # rows that asked for logprobs
+
+    def result(self) -> SamplerOutput:
+        """The picks on the host (waits for the copy)."""
+        values = self.host.wait()
+        if not self.asked:
+            return SamplerOutput(values, [None] * len(self.params))
+        picks = [int(t) for t in values[:len(self.params)]]
+        return SamplerOutput(picks, unpack(values[len(self.params):], picks, self.params, list(self.asked)))
+
+
 class Sampler:
     """Picks tokens from logits. A seeded row draws its uniform from a generator on the logits' device
     seeded from (seed, position), so a seeded request gets the same tokens whatever shares its batch
     and whichever engine samples which of its tokens; unseeded rows share the sampler's generator for
     that device (one per device, created on first use, each seeded with `seed`). eos_token_ids: what
     min_tokens masks besides a request's stop_token_ids (unless it ignores EOS). mask_filler: what fills the
-    bitmask of rows under a grammar (set by the engine at its first structured request). to_host: how the picks
-    come back to the host (engine/runner/step_io.py StepIO.to_host: one counted copy); `tolist` if None."""
+    bitmask of rows under a grammar (set by the engine at its first structured request). start_copy: how the picks
+    start back to the host (engine/runner/step_io.py StepIO.start_to_host: one counted copy); a plain `tolist`
+    at wait() if None."""
 
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
                  mask_filler: TokenMaskFiller | None = None,
-                 to_host: Callable[[torch.Tensor], list] | None = None) -> None:
+                 start_copy: Callable[[torch.Tensor], HostCopy] | None = None) -> None:
         self.seed = seed
         self.eos_token_ids = tuple(eos_token_ids)
         self.mask_filler = mask_filler
-        self.to_host = to_host or torch.Tensor.tolist
+        self.start_copy = start_copy or (lambda values: HostCopy(values, values.numel(), None))
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
@@ -80,26 +100,34 @@ class Sampler:
         penalties or an unmet min_tokens (None: empty histories); constraints[i]: row i's grammar state
         (engine/structured/ SequenceGrammar) or None; a constrained row picks only tokens its grammar allows,
         and its logprobs are those of the masked distribution. Reads the grammar states, never advances them."""
+        return self.sample_on_device(logits, params, positions, histories, constraints).result()
+
+    def sample_on_device(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
+                         histories: Sequence[History] | None = None,
+                         constraints: Sequence[object | None] | None = None) -> "DevicePicks":
+        """`sample`, stopping once the picks are on the device and their copy to the host has started: the
+        picks can feed the next step's forward (async scheduling) before the host has them."""
         logits = apply_token_masks(logits, constraints, self.mask_filler)  # [S, vocab]
         logits = process_logits(logits, params, histories, self.eos_token_ids)  # [S, vocab]
         tokens = _argmax(logits)  # [S] int64: the greedy pick, and the fallback of every row
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            index = _to_device(rows, torch.long, logits.device)  # [R]
+            every_row = len(rows) == logits.shape[0]
+            index = None if every_row else _to_device(rows, torch.long, logits.device)  # [R]
             row_params = [params[i] for i in rows]
-            picked = logits if len(rows) == logits.shape[0] else logits.index_select(0, index)
+            picked = logits if every_row else logits.index_select(0, index)
             scaled = cut_min_p(transform_logits(picked.float(), row_params), row_params)  # [R, vocab]
             uniforms = self._uniforms(row_params, [positions[i] for i in rows], logits.device)  # [R]
             drawn = sample_rows(scaled, row_params, uniforms)  # [R], -1 where a row has no mass
-            fallback = tokens.index_select(0, index)  # [R]
-            tokens = tokens.index_copy(0, index, torch.where(drawn >= 0, drawn, fallback))
+            fallback = tokens if every_row else tokens.index_select(0, index)  # [R]
+            drawn = torch.where(drawn >= 0, drawn, fallback)  # [R]
+            tokens = drawn if every_row else tokens.index_copy(0, index, drawn)
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not asked:
-            return SamplerOutput(self.to_host(tokens), [None] * len(params))  # the one device-to-host copy
+            return DevicePicks(tokens, self.start_copy(tokens), tuple(params), ())  # the one device-to-host copy
         packed = logprob_tensors(logits, tokens, params, asked)  # [L, 2 + 2k] float64
-        host = self.to_host(torch.cat([tokens.double(), packed.flatten()]))  # the one device-to-host copy
-        picks = [int(t) for t in host[:len(params)]]
-        return SamplerOutput(picks, unpack(host[len(params):], picks, params, asked))
+        host = self.start_copy(torch.cat([tokens.double(), packed.flatten()]))  # the one device-to-host copy
+        return DevicePicks(tokens, host, tuple(params), tuple(asked))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -129,8 +157,8 @@ def transform_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     temperature is 1."""
     if all(p.temperature == 1.0 for p in params):
         return logits
-    temperature = _to_device([p.temperature for p in params], logits.dtype, logits.device)  # [R]
-    return logits / temperature.unsqueeze(1)  # [R, vocab]
+    temperature = row_values([p.temperature for p in params], logits.dtype, logits.device)  # shared, or [R, 1]
+    return logits / temperature  # [R, vocab]
 
 
 def _row_groups(params: Sequence[SamplingParams], vocab: int) -> list[list[int]]:
@@ -152,7 +180,7 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]):
     if max(ks) < vocab:
         values, ids = logits.topk(max(ks), dim=-1)  # [R, k] high to low: a partial sort
         rank = torch.arange(values.shape[-1], device=device).unsqueeze(0)  # [1, k]
-        k = _to_device(ks, torch.long, device).unsqueeze(1)  # [R, 1]
+        k = row_values(ks, torch.long, device)  # shared, or [R, 1]
         probs = values.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)  # [R, k]
     elif min(top_p) < 1.0:
         probs, ids = nucleus_candidates(logits, top_p)  # [R, n] high to low, enough to hold each nucleus
@@ -160,7 +188,7 @@ def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]):
     else:
         return logits.softmax(dim=-1), None  # [R, vocab]
     if min(top_p) < 1.0:
-        p = _to_device(top_p, probs.dtype, device).unsqueeze(1)  # [R, 1]
+        p = row_values(top_p, probs.dtype, device)  # shared, or [R, 1]
         mass_before = probs.cumsum(dim=-1) - probs  # [R, n]: mass of the higher-ranked tokens
         probs = probs.masked_fill((mass_before >= p) & (p < 1.0) & (rank > 0), 0.0)  # the top one stays
         probs = probs / probs.sum(dim=-1, keepdim=True)

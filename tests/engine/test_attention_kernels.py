@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
-from engine.attention.triton_decode import paged_decode  # noqa: E402
+from engine.attention import triton_decode  # noqa: E402
+from engine.attention.triton_decode import merge_partitions_reference, paged_decode  # noqa: E402
 from engine.attention.triton_prefill import paged_prefill  # noqa: E402
 from tests.support.engines import TEST_DEVICE as DEVICE  # noqa: E402
 
@@ -72,6 +73,35 @@ def test_decode_split_into_partitions_matches_reference(partition_tokens):
     torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_with_more_partitions_than_one_merge_read_matches_reference():
+    """1,200 tokens in partitions of 32: 38 partitions, more than the merge kernel reads at once (it loops)."""
+    block_size, heads, kv_heads, head_dim = 16, 8, 2, 64
+    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size, num_blocks=80)
+    seq_lens = [1200, 31, 600]
+    tables = random_tables(len(seq_lens), 80, 75)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    got = paged_decode(q, k_pool, v_pool, tables, as_int32(seq_lens), block_size, max(seq_lens), partition_tokens=32)
+    assert -(-max(seq_lens) // 32) > triton_decode.MERGE_BLOCK_P
+    want = torch.cat([reference(q[i:i + 1], k_pool, v_pool, tables[i], n, block_size) for i, n in enumerate(seq_lens)])
+    torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_partitions", [1, 5, 32, 45])
+def test_merge_kernel_matches_its_reference(num_partitions):
+    """Partials of 3 sequences x 4 heads, the later partitions of the first sequence empty (max -inf, sum 0)."""
+    gen = torch.Generator().manual_seed(num_partitions)
+    acc = torch.randn(3, 4, num_partitions, 64, generator=gen)  # [B, H, P, D]
+    maxes = torch.randn(3, 4, num_partitions, generator=gen) * 4
+    sums = torch.rand(3, 4, num_partitions, generator=gen) + 0.5
+    empty = num_partitions // 2 + 1
+    maxes[0, :, empty:], sums[0, :, empty:], acc[0, :, empty:] = float("-inf"), 0.0, 0.0
+    acc, maxes, sums = acc.to(DEVICE), maxes.to(DEVICE), sums.to(DEVICE)
+    out = torch.empty(3, 4, 64, device=DEVICE)
+    triton_decode._merge_kernel[(3, 4)](out, acc, maxes, sums, out.stride(0), out.stride(1), num_partitions,
+                                        HEAD_DIM=64, BLOCK_D=64, BLOCK_P=triton_decode.MERGE_BLOCK_P)
+    torch.testing.assert_close(out, merge_partitions_reference(acc, maxes, sums), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads, kv_heads", HEAD_SHAPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -93,6 +123,28 @@ def test_prefill_over_cached_prefix_matches_reference(heads, kv_heads, head_dim,
                   first_seq=len(decode_rows), num_seqs=len(chunks), max_query_len=70, block_size=block_size)
     assert out[:len(decode_rows)].abs().sum() == 0
     for i in range(len(decode_rows), len(specs)):
+        start, end = query_start[i], query_start[i + 1]
+        want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
+        torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(14, 2), (4, 4)])
+def test_prefill_after_long_prefixes_matches_reference(heads, kv_heads):
+    """Prefixes of several key tiles (read without a mask), chunks of several query tiles ending mid-tile and
+    mid-block: the unmasked tiles, the causal diagonal and the last partial tile all meet the reference."""
+    block_size, head_dim = 16, 64
+    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
+    specs = [(130, 45), (64, 64), (0, 33), (17, 100)]
+    query_start = [0]
+    for _, n in specs:
+        query_start.append(query_start[-1] + n)
+    seq_lens = [c + n for c, n in specs]
+    tables = random_tables(len(specs), 48, 12)
+    q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    out = torch.zeros_like(q)
+    paged_prefill(out, q, k_pool, v_pool, tables, as_int32(query_start), as_int32(seq_lens), first_seq=0,
+                  num_seqs=len(specs), max_query_len=100, block_size=block_size)
+    for i in range(len(specs)):
         start, end = query_start[i], query_start[i + 1]
         want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
         torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)

@@ -32,7 +32,7 @@ def test_padded_static_decode_matches_transformers(tiny_checkpoint, hf_greedy):
                           max_model_len=engine.max_model_len, device=TEST_DEVICE, capture=False)
     replayed = []
     run = graphs.run_staged
-    graphs.run_staged = lambda batch, tables: replayed.append(len(batch.input_ids)) or run(batch, tables)
+    graphs.run_staged = lambda batch, *rest: replayed.append(len(batch.input_ids)) or run(batch, *rest)
     engine.runner.decode_graphs = graphs
     prompts = random_prompts([3, 20, 33, 7, 50], llm.get_tokenizer().vocab_size, seed=5)
     max_tokens = [2, 4, 6, 8, 10]
