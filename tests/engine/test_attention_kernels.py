@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from engine.attention import triton_decode  # noqa: E402
+from engine.attention.metadata import query_starts  # noqa: E402
 from engine.attention.triton_decode import merge_partitions_reference, paged_decode  # noqa: E402
 from engine.attention.triton_prefill import paged_prefill  # noqa: E402
 from tests.support.engines import TEST_DEVICE as DEVICE  # noqa: E402
@@ -112,9 +113,7 @@ def test_prefill_over_cached_prefix_matches_reference(heads, kv_heads, head_dim,
     decode_rows = [(4, 1), (9, 1)]  # (num_computed, num_new): rows the prefill call must leave alone
     chunks = [(0, 5), (block_size, 20), (block_size + 3, 2 * block_size + 1), (0, 70)]
     specs = decode_rows + chunks
-    query_start = [0]
-    for _, n in specs:
-        query_start.append(query_start[-1] + n)
+    query_start = query_starts([n for _, n in specs])
     seq_lens = [c + n for c, n in specs]
     tables = random_tables(len(specs), 48, 6)
     q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
@@ -135,9 +134,7 @@ def test_prefill_after_long_prefixes_matches_reference(heads, kv_heads):
     block_size, head_dim = 16, 64
     k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
     specs = [(130, 45), (64, 64), (0, 33), (17, 100)]
-    query_start = [0]
-    for _, n in specs:
-        query_start.append(query_start[-1] + n)
+    query_start = query_starts([n for _, n in specs])
     seq_lens = [c + n for c, n in specs]
     tables = random_tables(len(specs), 48, 12)
     q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
