@@ -36,7 +36,7 @@ from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, add_scaling_arguments,
                                  engine_config_from_args, http_limits_from_args, mode_and_workers_from_args,
-                                 scaling_from_args, served_names_from_args)
+                                 scaling_from_args, served_names_from_args, tp_sizes_from_args)
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import DISAGG_POLICIES, KV_HOST_GONE, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.host_memory import cpu_kv_share
@@ -86,6 +86,8 @@ class ServeConfig:
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's own
     request_read_timeout_s: float = 30.0  # HTTP: a body not arrived by then is answered 408
     max_connections: int = 1024  # HTTP: connections served at once; past it 503
+    prefill_tp: int = 1  # ranks of each prefill worker (disaggregated)
+    decode_tp: int = 1   # ranks of each decode worker, replica, or of the engine in this process
 
     @property
     def model_name(self) -> str:
@@ -147,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "host's cores, shared evenly among the workers, at least 1 each)")
     add_api_arguments(parser.add_argument_group("API"))
     add_ray_arguments(parser.add_argument_group("Ray cluster (disaggregated mode)"))
-    add_engine_arguments(parser.add_argument_group("engine (every worker's engine)"))
+    add_engine_arguments(parser.add_argument_group("engine (every worker's engine; tensor parallelism)"))
     add_scaling_arguments(parser.add_argument_group("scaling (replicas or disaggregated: POST /admin/workers, "
                                                     "tandem scale, --autoscale)"))
 
@@ -185,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          kv_streaming=args.kv_streaming, disagg_policy=args.disagg_policy,
                          decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
                          drain_timeout_s=args.drain_timeout_s, autoscale=autoscale, tokenizer=args.tokenizer,
-                         **http_limits_from_args(args))
+                         **http_limits_from_args(args), **tp_sizes_from_args(args, mode))
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):
             raise ValueError("colocated replicas move no KV and have no prefill workers: --transport, "
@@ -217,10 +219,10 @@ def start_backend(config: ServeConfig) -> Backend:
         import torch
         if config.cpu_threads is not None:
             torch.set_num_threads(config.cpu_threads)
-        engine_config = config.engine
+        engine_config = dataclasses.replace(config.engine, tensor_parallel_size=config.decode_tp)
         on_cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
         if on_cpu and engine_config.num_kv_blocks is None:
-            share = cpu_kv_share(engine_config.kv_cache_memory, engines=1)
+            share = cpu_kv_share(engine_config.kv_cache_memory, engines=config.decode_tp)  # a pool per rank
             logger.info("%s", share.describe())
             engine_config = dataclasses.replace(engine_config, kv_cache_memory=share.bytes_per_engine)
         engine = build_engine(config.model, engine_config, dtype=config.dtype, device=config.device,
@@ -234,17 +236,17 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
     """The disaggregated cluster (or the colocated replicas: 0 prefill workers) this serve config describes
     (ValueError on an inconsistent one)."""
     return ClusterConfig(model=config.model, tokenizer=config.tokenizer, model_name=config.model_name,
-                         dtype=config.dtype, device=config.device,
+                         dtype=config.dtype, device=config.device, local_prefill_tokens=config.local_prefill_tokens,
                          num_prefill_workers=config.prefill_workers, num_decode_workers=config.decode_workers,
                          transport=config.transport, placement_strategy=config.placement_strategy,
                          engine=config.engine, cpu_threads_per_worker=config.cpu_threads,
-                         local_prefill_tokens=config.local_prefill_tokens,
                          worker_stall_timeout_s=config.worker_stall_timeout_s,
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,
                          gpus_per_worker=config.gpus_per_worker, prefill_resources=config.prefill_resources,
                          decode_resources=config.decode_resources, kv_streaming=config.kv_streaming,
                          disagg_policy=config.disagg_policy, decode_prefix_reuse=config.decode_prefix_reuse,
-                         bounds=config.bounds, drain_timeout_s=config.drain_timeout_s)
+                         bounds=config.bounds, drain_timeout_s=config.drain_timeout_s, prefill_tp=config.prefill_tp,
+                         decode_tp=config.decode_tp)
 
 
 async def serve(config: ServeConfig) -> None:

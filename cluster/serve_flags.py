@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import ATTENTION_BACKENDS, PREFILL_FIRST_MODES, EngineConfig
 
-# Serving on CPU: while requests decode, a step takes at most this many prompt tokens (one 512-token prompt), so
-# a decode waits at most ~0.5-1 s of prompt work between two tokens on 2 cores (docs/architecture.md, "Steps").
-SERVING_CPU_PREFILL_BOUND = 512
+# Serving: while requests decode, a step takes at most this many prompt tokens (one 512-token prompt), so a decode
+# waits at most one such step's prompt work between two tokens: ~0.5-1 s on 2 CPU cores (docs/architecture.md,
+# "Steps"); on a GPU, where the H200 run saw a 683 ms step when a 16k prompt came in beside 256 decodes of an 8B
+# shape, a 512-token chunk is ~14 ms of matmuls there (issue 27's bound: no step over 150 ms).
+SERVING_PREFILL_BOUND = 512
 
 
 def add_api_arguments(group) -> None:
@@ -83,6 +83,36 @@ def mode_and_workers_from_args(args: argparse.Namespace) -> tuple[str, int, int,
     return mode, prefill_workers, args.decode_workers, 0
 
 
+def add_tp_arguments(group) -> None:
+    """Tensor parallelism: how many ranks (GPUs, or CPU shares) each engine is split over."""
+    group.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=None,
+                       help="colocated: each replica (or the one engine in this process) is a tensor-parallel group "
+                            "of N ranks, one GPU (or --cpu-threads CPUs) each, on one node (default 1)")
+    for role in ("prefill", "decode"):
+        group.add_argument(f"--{role}-tp", type=int, default=None,
+                           help=f"disaggregated: the tensor-parallel size of each {role} worker (default 1; above 1 "
+                                "needs KV moved between TP layouts, not built yet: refused)")
+
+
+def tp_sizes_from_args(args: argparse.Namespace, mode: str) -> dict[str, int]:
+    """ServeConfig's prefill_tp and decode_tp from --tp / --prefill-tp / --decode-tp; ValueError names a flag
+    below 1 or one the mode does not take."""
+    for flag in ("tp", "prefill_tp", "decode_tp"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
+    if mode == "colocated":
+        for flag in ("prefill_tp", "decode_tp"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} sizes disaggregated workers; colocated "
+                                 "serving (--replicas N, or the engine in this process) takes --tp N")
+        return {"prefill_tp": 1, "decode_tp": args.tp or 1}
+    if args.tp is not None:
+        raise ValueError("--tp N sizes colocated engines (--replicas N); disaggregated workers take --prefill-tp A "
+                         "and --decode-tp B")
+    return {"prefill_tp": args.prefill_tp or 1, "decode_tp": args.decode_tp or 1}
+
+
 def add_ray_arguments(group) -> None:
     group.add_argument("--node-ip-address", default=None,
                        help="with --address: the address of this machine's Ray node (as `ray start "
@@ -107,8 +137,7 @@ def add_engine_arguments(group) -> None:
                             "the same step (0: off)")
     group.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                        help="while requests decode, no step takes more prompt tokens than this: the longest "
-                            f"wait between two tokens (0: --max-num-batched-tokens; default {SERVING_CPU_PREFILL_BOUND} "
-                            "on CPU, where a step's cost grows with its tokens, 0 on GPUs)")
+                            f"wait between two tokens (0: --max-num-batched-tokens; default {SERVING_PREFILL_BOUND})")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)
@@ -120,10 +149,14 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
                        help="auto: triton on CUDA, the numba kernel on CPU float32, torch otherwise")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="schedule step N + 1 while the device runs step N, whose picks feed it on the device "
+                            "(same outputs; default: on for CUDA with one rank, off on CPU)")
     group.add_argument("--prefill-first", choices=PREFILL_FIRST_MODES, default=defaults.prefill_first,
                        help="on: while sequences decode, waiting prompts one step finishes get a step of "
                             "their own before the decodes' next token (never two in a row); off: mixed into the "
                             "decode step; auto: on for CPU, off for CUDA")
+    add_tp_arguments(group)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -132,9 +165,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise ValueError("--kv-cache-memory-mib must be >= 1")
     memory = None if args.kv_cache_memory_mib is None else args.kv_cache_memory_mib << 20
     prefill_bound = args.max_prefill_tokens_while_decoding
-    if prefill_bound is None:  # the workers' device: CPU unless CUDA is named or (auto) found here
-        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-        prefill_bound = SERVING_CPU_PREFILL_BOUND if on_cpu else 0
+    prefill_bound = SERVING_PREFILL_BOUND if prefill_bound is None else prefill_bound
     return EngineConfig(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_chunked_prefill=args.enable_chunked_prefill,
@@ -143,7 +174,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                        prefill_first=args.prefill_first)
+                        prefill_first=args.prefill_first, async_scheduling=args.async_scheduling)
 
 
 BOUND_FLAGS = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers", "max_decode_workers",

@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from decode_worker.admission import AdmissionControl
 from decode_worker.commands import Cancel, Delivered, Expect, Stop, TransferStarted
@@ -44,11 +45,19 @@ logger = logging.getLogger("tandem.decode_worker")
 class DecodeWorker:
     """Owns `engine` from construction until stop(); starts its KV receiver and threads at once."""
 
-    def __init__(self, engine: LLMEngine, config: DecodeWorkerConfig) -> None:
+    def __init__(self, engine: LLMEngine, config: DecodeWorkerConfig,
+                 on_step_failure: Callable[[BaseException], None] | None = None) -> None:
+        """on_step_failure(error): called on the step thread, instead of ending the running requests with FAILED,
+        when an engine step raises: for a worker whose process ends then (a tensor-parallel group whose ranks
+        diverged, cluster/workers/tp_group.py), so that its requests migrate as on a worker death."""
         self.name, self._engine, self._config = config.name, engine, config
+        self._on_step_failure = on_step_failure
         max_live = min(config.max_live_requests, engine.config.max_num_seqs)  # transferred requests count too
+        # A replica's reservations only bound admission (no KV is handed to it): they come from the pool itself,
+        # so a tensor-parallel engine, whose KV hand-off is refused, serves as a replica too.
+        reserve = engine.kv_cache.allocator.allocate if config.transport == NO_TRANSPORT else engine.reserve_blocks
         self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
-                                           engine.reserve_blocks, engine.free_blocks, max_live, config.headroom_blocks,
+                                           reserve, engine.free_blocks, max_live, config.headroom_blocks,
                                            engine.pin_cached_prefix if config.prefix_reuse else None)
         self._receiver = NoReceiver() if config.transport == NO_TRANSPORT else create_receiver(
             config.transfer, engine_pool_view(engine, allocate_for=self._blocks_for_transfer), config.transport,
@@ -235,7 +244,10 @@ class DecodeWorker:
         try:
             deltas = self._engine.step()
         except Exception as error:
-            logger.exception("%s: engine step failed; ending every running request", self.name)
+            logger.exception("%s: engine step failed%s", self.name,
+                             "" if self._on_step_failure else "; ending every running request")
+            if self._on_step_failure is not None:
+                self._on_step_failure(error)  # the process ends here (a group worker); if not, as without it
             for request_id, emit in list(self._running.items()):
                 self._engine.abort(request_id)
                 self._end(request_id, emit, DecodeStatus.FAILED, f"engine step failed: {error}")

@@ -49,12 +49,14 @@ class Coordinator:
     """Implements cluster.backend.Backend. Use from one asyncio loop; built by start_cluster()."""
 
     def __init__(self, config: ClusterConfig, tokenizer, workers: list[Worker], resources: ClusterResources,
-                 template: WorkerTemplate) -> None:
-        """workers: the start group's, in bundle (and KV-plane rank) order."""
+                 template: WorkerTemplate, slots: tuple[BundleSlot, ...] = ()) -> None:
+        """workers: the start group's, in bundle (and KV-plane rank) order. slots: where each sits (empty:
+        bundle i of the start group; tensor-parallel workers: a group of their own each, owned)."""
         self.model_name = config.served_name
         self.max_model_len = min(w.info.max_model_len for w in workers)
         self._tokenizer, self._config, self._resources = tokenizer, config, resources
-        self._set = WorkerSet([(w, i, BundleSlot(resources.placement_group, i, False)) for i, w in enumerate(workers)])
+        slots = slots or tuple(BundleSlot(resources.placement_group, i, False) for i in range(len(workers)))
+        self._set = WorkerSet([(w, i, slot) for i, (w, slot) in enumerate(zip(workers, slots))])
         self._workers = self._set.workers  # a live view: every started worker by name
         self._replicas, self._decode_role = config.replicas, config.decode_role
         decode_blocks = {w.info.name: w.info.total_blocks for w in workers if w.info.role == config.decode_role}
@@ -218,8 +220,9 @@ class Coordinator:
                 pass
 
     def _watch_health(self) -> None:
-        """Starts the health monitor on the running loop (first use, or the caller's loop changed)."""
-        if self._monitor is None or not self._monitor.on_running_loop():
+        """Starts the health monitor on the running loop (first use, or the caller's loop changed; none once shut
+        down)."""
+        if not self._closed and (self._monitor is None or not self._monitor.on_running_loop()):
             stall = self._config.worker_stall_timeout_s
             self._monitor = HealthMonitor(self._workers, self.is_alive, self._declare_lost, stall,
                                           interval_s=min(5.0, stall / 3))
@@ -254,14 +257,14 @@ class Coordinator:
             return
         self._closed = True
         self.scaling.close()
+        if self._monitor is not None:  # a worker that stops in order (its step thread ended) is not lost
+            self._monitor.stop()
         # Decode workers first: their receivers let go of the prefill workers' pools they mapped (ipc)
         # before those workers exit, so no process ends while another still holds its memory.
         alive = [w for name, w in self._workers.items() if self.is_alive(name)]
         for group in ([w for w in alive if w.info.role != "prefill"], [w for w in alive if w.info.role == "prefill"]):
             await stop_actors([w.actor for w in group], self._config.worker_stop_timeout_s)
         self._set.stop_pumps()  # the stopped workers already ended every request
-        if self._monitor is not None:
-            self._monitor.stop()
         await asyncio.to_thread(release_cluster, [w.actor for w in self._workers.values()], self._resources,
                                 groups=tuple(self._set.owned_groups()))
 

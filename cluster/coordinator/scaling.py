@@ -122,7 +122,7 @@ class Scaling:
         if high is None and delta > 0:   # free start-group bundles of the role are reused, the rest are new
             held = self._set.held_slots()
             new = max(0, delta - self._set.held_bundles(free=True).count(role))
-            bundles = {r: self._template.bundle(r) for r in self.roles}
+            bundles = {r: self._template.group_bundle(r) for r in self.roles}  # a TP worker's ranks together
             try:
                 await asyncio.to_thread(room_for_added, self._config.placement_strategy, role, new, held, bundles)
             except PlacementInfeasible as error:
@@ -167,7 +167,7 @@ class Scaling:
         held, count = [slot for _, slot in self._set.held_slots()], sum(m.slot is None for m in members)
         placed = iter(await asyncio.to_thread(place_added_bundles, role, self._template.bundle(role),
                                               self._config.placement_strategy, held, count,
-                                              self._config.worker_start_timeout_s))
+                                              self._config.worker_start_timeout_s, self._template.tp_size(role)))
         return [m.slot or next(placed) for m in members]
 
     def _peer_ranks(self, role: str) -> tuple[int, ...]:

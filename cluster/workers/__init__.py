@@ -9,7 +9,9 @@ reserve a placement group, start the actors and wait for their engines, and rele
 Ray call of the release bounded (`bounded.py`). A local Ray started here runs in a `RayHost` process of
 its own session (`ray_host.py`), so signals to the serve process's group do not reach it and it stops
 when the serve process is gone. `worker_template.py` keeps how to build any worker of a started cluster and
-`added_worker.py` starts (or releases) one while it serves. `startup_heap.py` freezes a serving process's
-start-up objects out of Python's full collections once it has started (each actor, the serve process).
+`added_worker.py` starts (or releases) one while it serves. `tp_group.py`: a worker that is a tensor-parallel
+group (its actor rank 0, the other ranks actors it starts in its own STRICT_PACK placement group).
+`startup_heap.py` freezes a serving process's start-up objects out of Python's full collections once it has
+started (each actor, the serve process).
 Nothing here routes requests; that is `cluster.coordinator`.
 """

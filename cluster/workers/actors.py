@@ -1,7 +1,8 @@
 """Thin Ray actor wrappers around PrefillWorker and DecodeWorker (placement: cluster/workers/placement.py).
 
 An actor builds its engine in its own process (on the GPU Ray gave it, or on CPU with a fixed thread
-count), wraps the plain worker, and turns its calls into async actor methods: a prefill is one awaited
+count; a tensor-parallel worker's actor is rank 0 of its group and starts the other ranks: tp_group.py), wraps the
+plain worker, and turns its calls into async actor methods: a prefill is one awaited
 call returning the PrefillReport; a decode worker's expect() calls and events travel on its direct channel
 (open_channel, cluster/workers/decode_channel.py), past Ray. Everything that crosses a process is a typed
 dataclass.
@@ -46,7 +47,7 @@ class EngineSpec:
     model: str | None
     dtype: str
     device: str              # "cpu" or "cuda" (the one GPU Ray gave the actor)
-    engine: EngineConfig
+    engine: EngineConfig     # tensor_parallel_size > 1: the worker is a group of that many ranks (tp_group.py)
     cpu_threads: int
     tokenizer: str | None = None  # a Hugging Face tokenizer directory instead of the model's own
 
@@ -67,15 +68,32 @@ class WorkerInfo:
     kv_address: ReceiverAddress | None  # decode workers: where prefill workers send KV
     node_ip: str = ""                    # the address of the Ray node it runs on
     torch_threads: int = 0               # the intra-op threads its engine's torch runs with
+    rank_pids: tuple[int, ...] = ()      # a tensor-parallel worker: every rank's pid, rank 0 (pid) first
 
 
-def _build_engine(spec: EngineSpec):
+def _build_engine(spec: EngineSpec, worker_name: str):
+    """The worker's engine, built in its process; on a GPU its Triton kernels compile into a cache directory of the
+    worker's own (engine/core/warmup.py triton_cache_dir: a restarted worker finds them compiled)."""
     import torch
 
     from engine.builder import build_engine
+    from engine.core.warmup import use_triton_cache_dir
     _log_engine_info()
     torch.set_num_threads(spec.cpu_threads)
+    if spec.device != "cpu":
+        use_triton_cache_dir(worker_name)
+    if spec.engine.tensor_parallel_size > 1:  # rank 0 of a group: its followers are actors it starts
+        from cluster.workers.tp_group import build_group_engine
+        return build_group_engine(spec)
     return build_engine(spec.model, spec.engine, dtype=spec.dtype, device=spec.device, tokenizer=spec.tokenizer)
+
+
+def _group_step_failure(engine):
+    """A tensor-parallel worker's reaction to a failed step (its end: tp_group.py); None for one rank."""
+    if engine.tp_leader is None:
+        return None
+    from cluster.workers.tp_group import step_failure_exit
+    return step_failure_exit(engine)
 
 
 def _log_engine_info() -> None:
@@ -94,9 +112,10 @@ def _info(name: str, role: str, engine, kv_address: ReceiverAddress | None) -> W
     import torch
     context = ray.get_runtime_context()
     gpu_ids = tuple(str(i) for i in context.get_accelerator_ids().get("GPU", []))
+    ranks = tuple(engine.tp_leader.pids()) if engine.tp_leader is not None else ()
     return WorkerInfo(name, role, str(engine.device), context.get_node_id(), os.getpid(), gpu_ids,
                       engine.max_model_len, engine.config.block_size, engine.num_total_blocks, kv_address,
-                      ray.util.get_node_ip_address(), torch.get_num_threads())
+                      ray.util.get_node_ip_address(), torch.get_num_threads(), ranks)
 
 
 class _WorkerActor:
@@ -172,7 +191,7 @@ class PrefillActor(_WorkerActor):
     """A PrefillWorker in a Ray actor process."""
 
     def __init__(self, spec: EngineSpec, config: PrefillWorkerConfig) -> None:
-        engine = _build_engine(spec)
+        engine = _build_engine(spec, config.name)
         self._worker = PrefillWorker(engine, config)
         self._calls = PrefillCalls(self._worker)
         self._info = _info(config.name, "prefill", engine, None)
@@ -205,9 +224,9 @@ class DecodeActor(_WorkerActor):
     replica (a worker of transport "none" that prefills every prompt itself)."""
 
     def __init__(self, spec: EngineSpec, config: DecodeWorkerConfig, role: str = "decode") -> None:
-        engine = _build_engine(spec)
+        engine = _build_engine(spec, config.name)
         config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
-        self._worker = DecodeWorker(engine, config)
+        self._worker = DecodeWorker(engine, config, on_step_failure=_group_step_failure(engine))
         self._info = _info(config.name, role, engine, self._worker.address)
         self._channel = ChannelServer(self._worker.expect)
         freeze_startup_heap()

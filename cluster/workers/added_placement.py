@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import ray
 
 from cluster.workers.added_worker import BundleSlot
-from cluster.workers.placement import node_name, place_bundles
-from cluster.workers.placement_check import PlacementInfeasible, check_placement, fits, show
+from cluster.workers.placement import alive_node_resources, node_name, place_bundles
+from cluster.workers.placement_check import PlacementInfeasible, check_group_room, check_placement, fits, show
 
 NODE_ID_LABEL = "ray.io/node-id"   # every Ray node's own label (ray.util.placement_group.NODE_ID_LABEL_KEY)
 
@@ -145,19 +145,24 @@ def bundle_nodes(slots: list[BundleSlot]) -> list[str | None]:
 
 
 def place_added_bundles(role: str, bundle: dict, strategy: str, held: list[BundleSlot], count: int,
-                        timeout_s: float) -> list[BundleSlot]:
+                        timeout_s: float, ranks: int = 1) -> list[BundleSlot]:
     """`count` one-bundle groups for added workers of `role`, placed one after another by `strategy` beside
     the `held` bundles; each an owned BundleSlot. Waits at most timeout_s for each; on any failure removes
     the groups it placed before the error propagates: PlacementInfeasible when no alive node can ever hold
-    `bundle`, RuntimeError (with the rule) when Ray did not place one in time."""
+    `bundle`, RuntimeError (with the rule) when Ray did not place one in time. ranks > 1: each worker is a
+    tensor-parallel group, its group `ranks` bundles STRICT_PACKed on one node (the node chosen by the same
+    rule; the slot is bundle 0, rank 0's)."""
     placed: list[BundleSlot] = []
+    group_bundle = {key: amount * ranks for key, amount in bundle.items()}
+    if ranks > 1:
+        check_group_room(role, ranks, bundle, alive_node_resources())
     try:
         for _ in range(count):
             nodes = alive_nodes()
-            where = added_placement(strategy, bundle, [n for n in bundle_nodes([*held, *placed]) if n], nodes)
+            where = added_placement(strategy, group_bundle, [n for n in bundle_nodes([*held, *placed]) if n], nodes)
             try:
-                group = place_bundles([(role, bundle)], where.group_strategy, timeout_s,
-                                      label_selector=where.label_selector, soft_target=where.soft_target)
+                group = place_bundles([(role, bundle)] * ranks, where.group_strategy if ranks == 1 else "STRICT_PACK",
+                                      timeout_s, label_selector=where.label_selector, soft_target=where.soft_target)
             except RuntimeError as error:
                 raise RuntimeError(f"{error}; an added worker goes by {where.rule}") from None
             placed.append(BundleSlot(group, 0, owned=True))

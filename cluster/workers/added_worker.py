@@ -53,7 +53,7 @@ def start_added_worker(template: WorkerTemplate, role: str, name: str, rank: int
     try:
         actor_class, args = template.actor_args(role, name, rank, peer_ranks)
         actor = start_actor(actor_class, slot.group, slot.index, template.gpus, template.cpu_threads,
-                            template.spec, *args)
+                            template.spec_for(role), *args)
         info: WorkerInfo = ray.get(actor.info.remote(), timeout=timeout_s)
     except BaseException:
         release_added_worker(actor, slot)

@@ -54,7 +54,10 @@ class ClusterConfig:
     so the role runs only on nodes that have them (a node pool per phase; cluster/workers/placement_check.py).
     bounds: how many workers of each role may serve while workers are added and drained (the start counts must be
     within them). drain_timeout_s: how long a draining worker's requests may run before the ones left migrate to the
-    other workers (cluster/coordinator/scaling.py)."""
+    other workers (cluster/coordinator/scaling.py). prefill_tp / decode_tp: the tensor-parallel size of each prefill
+    / decode worker (replica): a worker of size N is a group of N ranks, one Ray actor each, with a GPU (or
+    cpu_threads_per_worker CPUs) per rank, its bundles STRICT_PACKed on one node (cluster/workers/tp_group.py);
+    the coordinator sees one worker. Disaggregated workers stay at 1 until KV moves between TP layouts."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -84,6 +87,8 @@ class ClusterConfig:
     kv_streaming: str = "layer"
     bounds: WorkerBounds = field(default_factory=WorkerBounds)
     drain_timeout_s: float = 300.0
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         check_streaming_mode(self.kv_streaming)
@@ -121,6 +126,26 @@ class ClusterConfig:
         self.bounds.check_start(self.num_prefill_workers, self.num_decode_workers)
         if not self.drain_timeout_s > 0:
             raise ValueError("drain_timeout_s must be > 0")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        for name in ("prefill_tp", "decode_tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.engine.tensor_parallel_size != 1:
+            raise ValueError("a cluster's workers take their tensor-parallel size from prefill_tp / decode_tp "
+                             "(--prefill-tp, --decode-tp, --tp), not from engine.tensor_parallel_size")
+        if self.replicas and self.prefill_tp != 1:
+            raise ValueError("--prefill-tp is the size of disaggregated prefill workers; colocated replicas have "
+                             "none: give each replica's tensor-parallel size with --tp N")
+        if not self.replicas and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ValueError(f"--prefill-tp {self.prefill_tp} / --decode-tp {self.decode_tp}: disaggregated "
+                             "tensor-parallel workers need KV moved between TP layouts, which is not built yet "
+                             "(issue 29, item 3); serve a tensor-parallel model with colocated replicas: "
+                             "--replicas N --tp T")
+        if self.tensor_parallel and self.shares_gpu:
+            raise ValueError("a tensor-parallel worker takes one GPU per rank: --gpus-per-worker must be 1")
 
     def _check_gpu_share(self) -> None:
         if not 0 < self.gpus_per_worker <= 1:
@@ -153,16 +178,31 @@ class ClusterConfig:
     def num_workers(self) -> int:
         return self.num_prefill_workers + self.num_decode_workers
 
+    def tp_size(self, role: str) -> int:
+        """The ranks of each worker of `role` ("prefill", "decode" or "replica")."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether any worker is a tensor-parallel group (then each worker has a placement group of its own)."""
+        return max(self.prefill_tp, self.decode_tp) > 1
+
+    @property
+    def num_ranks(self) -> int:
+        """The processes (one bundle each) the workers at start take: a worker of TP size N counts N."""
+        return self.num_prefill_workers * self.prefill_tp + self.num_decode_workers * self.decode_tp
+
     def thread_share(self, host_cores: int, workers_on_host: bool) -> ClusterConfig:
         """This config with cpu_threads_per_worker decided: as given, else the host's cores shared evenly among the
         workers it starts with (at least one thread each; a lone replica gets them all). With workers_on_host
         (a local Ray), ValueError when the given count asks for more threads than the host has cores."""
-        threads = self.cpu_threads_per_worker
+        threads, ranks = self.cpu_threads_per_worker, self.num_ranks
         if threads is None:
-            threads = max(1, host_cores // self.num_workers)
-        elif workers_on_host and threads * self.num_workers > host_cores:
-            raise ValueError(f"{self.num_workers} workers x {threads} CPU threads is more than this host's "
-                             f"{host_cores} cores: give --cpu-threads at most {max(1, host_cores // self.num_workers)}")
+            threads = max(1, host_cores // ranks)
+        elif workers_on_host and threads * ranks > host_cores:
+            what = f"{ranks} worker ranks (tensor-parallel ranks)" if self.tensor_parallel else f"{ranks} workers"
+            raise ValueError(f"{what} x {threads} CPU threads is more than this host's {host_cores} cores: give "
+                             f"--cpu-threads at most {max(1, host_cores // ranks)}")
         return dataclasses.replace(self, cpu_threads_per_worker=threads)
 
     @property
@@ -171,6 +211,12 @@ class ClusterConfig:
         a role has none): what a local Ray started for it gets logical CPUs for."""
         prefill = (self.bounds.max_prefill or self.num_prefill_workers) if self.num_prefill_workers else 0
         return prefill + (self.bounds.max_decode or self.num_decode_workers)
+
+    @property
+    def most_ranks(self) -> int:
+        """most_workers in processes: a worker of TP size N counts N."""
+        prefill = (self.bounds.max_prefill or self.num_prefill_workers) if self.num_prefill_workers else 0
+        return prefill * self.prefill_tp + (self.bounds.max_decode or self.num_decode_workers) * self.decode_tp
 
     @property
     def max_live_per_worker(self) -> int:

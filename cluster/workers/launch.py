@@ -3,10 +3,13 @@ replicas: decode worker actors without a KV receiver), loaded and ready.
 
     launched = launch_workers(ClusterConfig(num_prefill_workers=1, num_decode_workers=2))
     ... launched.workers: (WorkerInfo, actor handle) per worker, prefill workers first ...
-    release_cluster([actor for _, actor in launched.workers], launched.resources)
+    release_cluster([actor for _, actor in launched.workers], launched.resources,
+                    groups=tuple(slot.group for slot in launched.slots if slot.owned))
 
-Blocking (it waits for every worker's engine to load). cluster.coordinator.start_cluster calls it and puts
-a Coordinator over the workers.
+With tensor-parallel workers (ClusterConfig.prefill_tp / decode_tp > 1) each worker has a STRICT_PACK placement
+group of its own (launched.slots, owned; resources.placement_group is None) and starts its other ranks itself
+(cluster/workers/tp_group.py). Blocking (it waits for every worker's engine to load).
+cluster.coordinator.start_cluster calls it and puts a Coordinator over the workers.
 """
 from __future__ import annotations
 
@@ -21,10 +24,13 @@ import ray
 import torch
 
 from cluster.workers.actors import EngineSpec, WorkerInfo
+from cluster.workers.added_placement import place_added_bundles
+from cluster.workers.added_worker import BundleSlot
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.host_memory import cpu_kv_share
-from cluster.workers.placement import ClusterResources, place_bundles, release_cluster, release_ray, start_actor
-from cluster.workers.placement_check import worker_bundles
+from cluster.workers.placement import (ClusterResources, alive_node_resources, place_bundles, release_cluster,
+                                       release_ray, start_actor)
+from cluster.workers.placement_check import check_group_room, check_placement
 from cluster.workers.ray_host import RayHost, RayHostConfig, start_local_ray
 from cluster.workers.worker_template import WorkerTemplate, worker_template
 from decode_worker.no_receiver import NO_TRANSPORT
@@ -42,6 +48,7 @@ class LaunchedWorkers:
     resources: ClusterResources
     model: str                                 # the model as the workers load it (resolve_model: a path or "tiny")
     template: WorkerTemplate                   # how to build more workers of this cluster while it serves
+    slots: tuple[BundleSlot, ...] = ()         # where each worker sits (same order as workers)
 
 
 def connect_ray(address: str | None, config: ClusterConfig,
@@ -57,18 +64,23 @@ def connect_ray(address: str | None, config: ClusterConfig,
     if address is not None:
         ray.init(address=address, include_dashboard=False, _node_ip_address=node_ip_address)
         return True, None
-    num_cpus = max(os.cpu_count() or 1, config.most_workers * config.cpu_threads_per_worker)
+    num_cpus = max(os.cpu_count() or 1, config.most_ranks * config.cpu_threads_per_worker)
     host = start_local_ray(RayHostConfig(num_cpus=num_cpus, start_timeout_s=config.worker_start_timeout_s))
     return True, host
 
 
 def resolve_device(config: ClusterConfig) -> str:
-    """cpu or cuda for every worker: auto takes GPUs when the cluster has a share for every worker."""
+    """cpu or cuda for every worker: auto takes GPUs when the cluster has a share for every worker (every rank of
+    a tensor-parallel worker: with some GPUs but too few for them, ValueError rather than the CPU)."""
     gpus = ray.cluster_resources().get("GPU", 0)
-    needed = max(1, math.ceil(config.num_workers * config.gpus_per_worker - 1e-9))
+    needed = max(1, math.ceil(config.num_ranks * config.gpus_per_worker - 1e-9))
     if config.device == "cuda" and gpus < needed:
+        workers = f"{config.num_ranks} worker ranks" if config.tensor_parallel else f"{config.num_workers} workers"
         raise ValueError(f"device cuda needs {needed} GPUs in the Ray cluster "
-                         f"({config.num_workers} workers x {config.gpus_per_worker:g}), it has {gpus:g}")
+                         f"({workers} x {config.gpus_per_worker:g}), it has {gpus:g}")
+    if config.device == "auto" and config.tensor_parallel and 0 < gpus < needed:
+        raise ValueError(f"{config.num_ranks} tensor-parallel worker ranks need {needed} GPUs (one per rank), the Ray "
+                         f"cluster has {gpus:g}: give a smaller tensor-parallel size, or --device cpu")
     if config.device == "auto":
         return "cuda" if gpus >= needed else "cpu"
     return config.device
@@ -113,7 +125,7 @@ def initial_workers(config: ClusterConfig) -> list[tuple[str, str, int, tuple[in
 
 def with_cpu_kv_share(config: ClusterConfig) -> ClusterConfig:
     """config with every CPU worker's KV pool sized for this host (cluster/workers/host_memory.py), logged."""
-    share = cpu_kv_share(config.engine.kv_cache_memory, config.most_workers)
+    share = cpu_kv_share(config.engine.kv_cache_memory, config.most_ranks)  # each rank holds a pool
     logger.info("%s", share.describe())
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine,
                                                                   kv_cache_memory=share.bytes_per_engine))
@@ -127,31 +139,30 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
     host_cores = os.cpu_count() or 1
     workers_on_host = address is None and not ray.is_initialized()
     config = config.thread_share(host_cores, workers_on_host=workers_on_host)
-    logger.info("workers: %d x %d CPU threads (this host: %d cores)", config.num_workers,
+    ranks = f" in {config.num_ranks} tensor-parallel ranks" if config.tensor_parallel else ""
+    logger.info("workers: %d%s x %d CPU threads (this host: %d cores)", config.num_workers, ranks,
                 config.cpu_threads_per_worker, host_cores)
     owns_ray, host = connect_ray(address, config, node_ip_address)
-    group = None
+    group, slots = None, []
     actors: list = []
     try:
         device = resolve_device(config)
         transport = NO_TRANSPORT if config.replicas else resolve_cluster_transport(config, device)
-        gpus = config.gpus_per_worker if device == "cuda" else 0.0
         if device == "cpu" and workers_on_host and config.engine.num_kv_blocks is None:
             config = with_cpu_kv_share(config)
-        bundles = worker_bundles([("prefill", config.num_prefill_workers, config.prefill_resources),
-                                  (config.decode_role, config.num_decode_workers, config.decode_resources)],
-                                 config.cpu_threads_per_worker, gpus)
-        group = place_bundles(bundles, config.placement_strategy, config.worker_start_timeout_s)
         model = resolve_model(config.model)
-        spec = engine_spec(config, model, device)
-        template = worker_template(config, spec, transport)
-        for index, (role, name, rank, peers) in enumerate(initial_workers(config)):
+        template = worker_template(config, engine_spec(config, model, device), transport)
+        workers = initial_workers(config)
+        group, slots = place_workers(config, template, [role for role, *_ in workers])
+        for slot, (role, name, rank, peers) in zip(slots, workers):
             actor_class, args = template.actor_args(role, name, rank, peers)
-            actors.append(start_actor(actor_class, group, index, gpus, template.cpu_threads, spec, *args))
+            actors.append(start_actor(actor_class, slot.group, slot.index, template.gpus, template.cpu_threads,
+                                      template.spec_for(role), *args))
         infos: list[WorkerInfo] = ray.get([a.info.remote() for a in actors], timeout=config.worker_start_timeout_s)
     except BaseException:
-        if group is not None:
-            release_cluster(actors, ClusterResources(group, owns_ray, host))
+        owned = tuple(slot.group for slot in slots if slot.owned)
+        if group is not None or owned:
+            release_cluster(actors, ClusterResources(group, owns_ray, host), groups=owned)
         else:
             release_ray(owns_ray, host)
         raise
@@ -159,4 +170,31 @@ def launch_workers(config: ClusterConfig, address: str | None = None,
         logger.info("%s: %s on node %s (%s; pid %d, GPUs %s, %d torch threads), %d KV blocks, transport %s",
                     info.name, info.device, info.node_id[:12], info.node_ip, info.pid,
                     ",".join(info.accelerator_ids) or "none", info.torch_threads, info.total_blocks, transport)
-    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, owns_ray, host), model, template)
+    return LaunchedWorkers(tuple(zip(infos, actors)), ClusterResources(group, owns_ray, host), model, template,
+                           tuple(slots))
+
+
+def place_workers(config: ClusterConfig, template: WorkerTemplate, roles: list[str]) -> tuple[object, list[BundleSlot]]:
+    """(the start placement group or None, each worker's slot) for workers of `roles` (in start order). Without
+    tensor parallelism: one group, a bundle per worker, by the cluster's strategy. With it: a STRICT_PACK group
+    of its own per worker (a bundle per rank, rank 0's the slot), placed one after another by the strategy as
+    added workers are (added_placement.py); PlacementInfeasible first when a worker's ranks fit no node or all
+    of them do not fit the cluster."""
+    if not config.tensor_parallel:
+        bundles = [(role, template.bundle(role)) for role in roles]  # placement_check.worker_bundles' shapes
+        group = place_bundles(bundles, config.placement_strategy, config.worker_start_timeout_s)
+        return group, [BundleSlot(group, index, False) for index in range(len(roles))]
+    nodes = alive_node_resources()
+    for role in dict.fromkeys(roles):
+        check_group_room(role, template.tp_size(role), template.bundle(role), nodes)
+    check_placement([(role, template.group_bundle(role)) for role in roles], config.placement_strategy, nodes)
+    slots: list[BundleSlot] = []
+    try:
+        for role in roles:
+            slots += place_added_bundles(role, template.bundle(role), config.placement_strategy, slots, 1,
+                                         config.worker_start_timeout_s, ranks=template.tp_size(role))
+    except BaseException:
+        for slot in slots:
+            ray.util.remove_placement_group(slot.group)
+        raise
+    return None, slots

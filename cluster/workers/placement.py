@@ -22,7 +22,8 @@ RELEASE_TIMEOUT_S = 3.0  # per step of release_cluster that talks to Ray
 
 @dataclass(frozen=True)
 class ClusterResources:
-    """What start_cluster set up and shutdown() releases: the placement group, whether start_cluster called
+    """What start_cluster set up and shutdown() releases: the placement group (None when every worker has one
+    of its own: tensor-parallel workers, whose groups the coordinator's worker set holds), whether start_cluster called
     ray.init (then shutdown() calls ray.shutdown(), which
     disconnects this process), and the RayHost of the local Ray it started (None when it joined a
     cluster or used this process's Ray session; shutdown() stops it, which ends that Ray)."""
@@ -127,7 +128,8 @@ def release_cluster(actors: list, resources: ClusterResources, timeout_s: float 
             except Exception:  # already gone
                 pass
         for group in (resources.placement_group, *groups):
-            remove_placement_group(group)
+            if group is not None:  # None: the workers are tensor-parallel groups, each in a group of its own
+                remove_placement_group(group)
 
     if resources.ray_host is None and not run_bounded(kill_and_remove, timeout_s):
         logger.warning("Ray did not release the workers within %.0fs; going on", timeout_s)

@@ -81,6 +81,21 @@ def check_placement(bundles: list[tuple[str, dict]], strategy: str, nodes: dict[
         raise PlacementInfeasible(f"{len(bundles)} workers need more than the Ray cluster has: {need}{where}")
 
 
+def check_group_room(role: str, ranks: int, bundle: dict, nodes: dict[str, dict]) -> None:
+    """PlacementInfeasible when no node of `nodes` (name -> total resources) can hold a worker of `role` that is a
+    tensor-parallel group of `ranks` ranks: its bundles (one per rank) go on one node together (STRICT_PACK)."""
+    total = {key: amount * ranks for key, amount in bundle.items()}
+    if any(fits(total, res) for res in nodes.values()):
+        return
+    keys = sorted(total)
+    device = "GPUs" if bundle.get("GPU") else "CPUs"
+    raise PlacementInfeasible(
+        f"a {role} worker of tensor-parallel size {ranks} runs its {ranks} ranks on one node (one bundle each, "
+        f"{show(bundle, keys)}): it needs {show(total, keys)} on one node, more {device} than any node has "
+        f"({_missing(total, nodes)}); give a smaller tensor-parallel size or fewer CPU threads per rank; nodes: "
+        + (", ".join(f"{name} {show(res, keys)}" for name, res in nodes.items()) or "none alive"))
+
+
 def _check_spread(bundles: list[tuple[str, dict]], nodes: dict[str, dict], where: str) -> None:
     """STRICT_SPREAD: every bundle on a node of its own, per role and all together."""
     rule = "STRICT_SPREAD puts every worker on a node of its own: "

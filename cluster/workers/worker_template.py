@@ -3,6 +3,7 @@
     template = worker_template(config, spec, transport)
     actor_class, args = template.actor_args("decode", "decode-3", rank=7, peer_ranks=(0, 1))
     bundle = template.bundle("decode")                  # {CPU: threads[, GPU: share]} + the role's resources
+    spec = template.spec_for("decode")                  # the engine a decode worker builds (its TP size in it)
 
 It keeps what every worker of one cluster shares: the engine spec, the concrete KV transport, the
 cluster's KV secret (every transport: gRPC streams carry it, gloo/nccl/ipc control connections prove it)
@@ -35,7 +36,8 @@ class WorkerTemplate:
     replicas). gpus / cpu_threads: each worker's bundle and threads. transfer: the senders' config (with the
     cluster secret); receiver_transfer: the decode workers' (their gRPC receiver takes as many streams as
     the most prefill workers may send at once). namespace: the rank transports' (gloo/nccl/ipc) namespace of
-    this cluster, None for the others."""
+    this cluster, None for the others. prefill_tp / decode_tp: the ranks of each worker of the role (a worker of
+    more than one is a tensor-parallel group: one bundle per rank, in a placement group of its own)."""
 
     spec: EngineSpec
     transport: str
@@ -51,6 +53,23 @@ class WorkerTemplate:
     decode_resources: dict[str, float] = field(default_factory=dict)
     kv_streaming: str = "layer"
     decode_prefix_reuse: bool = True
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    def tp_size(self, role: str) -> int:
+        """The ranks (bundles, actors) of one worker of `role`."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def spec_for(self, role: str) -> EngineSpec:
+        """The engine a worker of `role` builds: spec with the role's tensor-parallel size."""
+        size = self.tp_size(role)
+        if size == self.spec.engine.tensor_parallel_size:
+            return self.spec
+        return dataclasses.replace(self.spec, engine=dataclasses.replace(self.spec.engine, tensor_parallel_size=size))
+
+    def group_bundle(self, role: str) -> dict[str, float]:
+        """What one worker of `role` takes on its node: its bundle times its ranks (all on one node)."""
+        return {key: amount * self.tp_size(role) for key, amount in self.bundle(role).items()}
 
     @property
     def ranked(self) -> bool:
@@ -96,7 +115,7 @@ def worker_template(config: ClusterConfig, spec: EngineSpec, transport: str) -> 
         return WorkerTemplate(spec, NO_TRANSPORT, config.decode_role, _worker_gpus(config, spec),
                               config.cpu_threads_per_worker, config.transfer, config.transfer, None,
                               config.max_live_per_decode_worker, config.expect_timeout_s,
-                              decode_resources=dict(config.decode_resources))
+                              decode_resources=dict(config.decode_resources), decode_tp=config.decode_tp)
     transfer = dataclasses.replace(config.transfer, cluster_secret=secrets.token_hex(32))
     senders = max(config.num_prefill_workers, config.bounds.max_prefill or 0)
     receiver_transfer = dataclasses.replace(
@@ -106,7 +125,7 @@ def worker_template(config: ClusterConfig, spec: EngineSpec, transport: str) -> 
                           config.cpu_threads_per_worker, transfer, receiver_transfer, namespace,
                           config.max_live_per_decode_worker, config.expect_timeout_s,
                           dict(config.prefill_resources), dict(config.decode_resources), config.kv_streaming,
-                          config.decode_prefix_reuse)
+                          config.decode_prefix_reuse, config.prefill_tp, config.decode_tp)
 
 
 def _worker_gpus(config: ClusterConfig, spec: EngineSpec) -> float:

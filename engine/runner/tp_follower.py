@@ -3,8 +3,10 @@ sends (engine/parallel/step_message.py), the same forward and the same logits ca
 rank 0's). It schedules nothing and samples nothing: its KV pool's blocks are the ones rank 0's allocator hands
 out, with this rank's KV heads (TPLayout.kv_heads) in them.
 
-follower_main is the process's entry point (spawned by engine/runner/tp_leader.py). It ends on rank 0's STOP
-message, on any error (logged), or when rank 0's process is gone (a watchdog thread: no rank outlives it).
+follower_main is the rank's entry point: of a process tp_leader.py spawned, or of a Ray actor of a serving worker's
+group (cluster/workers/tp_group.py; FollowerSpec.leader_is_parent False: rank 0 is another process of the same
+node, not the parent). It ends on rank 0's STOP message, on any error (logged), or when rank 0's process is gone
+(a watchdog thread: no rank outlives it).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from engine.runner.model_runner import run_forward
 from engine.sampling.prompt_logprobs import ROWS_PER_SLICE
 
 logger = logging.getLogger("tandem.engine.tp")
-PARENT_POLL_S = 0.5
+PARENT_POLL_S = 0.2
+LEADER_EXIT_WAIT_S = 2.0  # a broken group: how long rank 0's process may take to be gone (then: the store removed)
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,29 @@ class FollowerSpec:
     rank: int
     rendezvous: Rendezvous
     num_threads: int          # torch's intra-op threads (CPU: the cores divided among the ranks)
-    parent_pid: int
+    parent_pid: int           # rank 0's process
     max_positions: int
+    leader_is_parent: bool = True  # False: rank 0 is not this process's parent (a Ray actor of the group)
+
+
+def leader_alive(spec: FollowerSpec) -> bool:
+    """Whether rank 0's process still runs (the ranks of a group share a host, so its pid is visible here)."""
+    if spec.leader_is_parent:
+        return os.getppid() == spec.parent_pid
+    try:  # Linux: a killed rank 0 may stay a zombie until its parent (Ray's raylet) reaps it
+        with open(f"/proc/{spec.parent_pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(spec.parent_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 def status_key(rendezvous: Rendezvous, what: str, rank: int) -> str:
@@ -104,18 +128,18 @@ def build_follower_runner(spec: FollowerSpec, model: CausalLM, group: TPGroup, k
 
 def follower_main(spec: FollowerSpec) -> None:
     """A follower process: connect, load this rank's shard, report ready (or the error), then run steps."""
-    _watch_parent(spec.parent_pid, spec.rendezvous.store_path)
+    _watch_parent(spec)
     torch.set_num_threads(spec.num_threads)
     rendezvous, size = spec.rendezvous, spec.config.tensor_parallel_size
     store = open_store(rendezvous)
-    store.set(status_key(rendezvous, "alive", spec.rank), b"1")
+    store.set(status_key(rendezvous, "alive", spec.rank), str(os.getpid()).encode())  # the value: this pid
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         keep_freed_host_memory()
     try:
-        group = connect_group(store, rendezvous, spec.rank, size, device, lambda: os.getppid() == spec.parent_pid)
+        group = connect_group(store, rendezvous, spec.rank, size, device, lambda: leader_alive(spec))
         layout = tp_layout(spec.model_config, spec.rank, size)
         model = load_shard(spec.model, spec.model_config, TPShard(layout, group), spec.dtype, device,
                            spec.max_positions)
@@ -131,20 +155,27 @@ def follower_main(spec: FollowerSpec) -> None:
         runner.close()
     except RuntimeError as exc:  # rank 0's group is gone (its engine dropped unclosed, or its process died)
         logger.warning("tensor-parallel rank %d stops: rank 0 is gone (%s)", spec.rank, str(exc).splitlines()[0])
+        _wait_leader_gone(spec, LEADER_EXIT_WAIT_S)  # its sockets close before its process is gone
     except BaseException:  # noqa: BLE001 - a failed step: nothing to run for any more
         logger.error("tensor-parallel rank %d stops: %s", spec.rank, traceback.format_exc())
     finally:
-        if os.getppid() != spec.parent_pid:  # rank 0 died: nobody else removes the group's store directory
+        if not leader_alive(spec):  # rank 0 died: nobody else removes the group's store directory
             remove_store(rendezvous.store_path)
 
 
-def _watch_parent(parent_pid: int, store_path: str) -> None:
+def _wait_leader_gone(spec: FollowerSpec, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while leader_alive(spec) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _watch_parent(spec: FollowerSpec) -> None:
     """Exit at once when rank 0's process is gone (killed: it could not send STOP or remove the group's store
     directory, which this rank then removes)."""
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while leader_alive(spec):
             time.sleep(PARENT_POLL_S)
-        remove_store(store_path)
+        remove_store(spec.rendezvous.store_path)
         os._exit(1)
 
     threading.Thread(target=watch, name="tandem-tp-parent-watch", daemon=True).start()

@@ -1,7 +1,12 @@
-"""TPLeader: rank 0's side of a tensor-parallel group, in the engine's process. It starts the follower processes
-(ranks 1..N-1, engine/runner/tp_follower.py), connects the group, and then, for each step, sends the step's inputs
-as one message (StepChannel) before rank 0 runs its own forward. close() stops every follower: STOP, then a
-bounded wait, then a kill; a failed start kills them at once. Nothing of the group outlives the engine.
+"""TPLeader: rank 0's side of a tensor-parallel group, in the engine's process. It starts the follower ranks
+(1..N-1, engine/runner/tp_follower.py) through a FollowerLauncher, connects the group, and then, for each step,
+sends the step's inputs as one message (StepChannel) before rank 0 runs its own forward. close() stops every
+follower: STOP, then a bounded wait, then a kill; a failed start kills them at once. Nothing of the group outlives
+the engine.
+
+Launchers: ProcessLauncher (the default: spawned child processes, the cores or GPUs of this host divided among
+the ranks) and, for a serving worker on Ray, cluster/workers/tp_group.py (one Ray actor per rank in the worker's
+placement group, each with its own GPU or CPU share). The engine imports no Ray: it sees FollowerRanks only.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -30,6 +36,64 @@ STOP_WAIT_S = 10.0
 POLL_S = 0.05
 
 
+class FollowerRanks(Protocol):
+    """The started follower ranks of one group (1..N-1), as a launcher runs them."""
+
+    def exited(self, rank: int) -> str | None:
+        """None while follower `rank` runs; once it ended, how (exit code, error)."""
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait at most timeout_s for every follower to end, then kill those left; returns once all are gone.
+        A follower ending after this was called is expected (not a loss). Idempotent."""
+
+
+class FollowerLauncher(Protocol):
+    """Starts a group's followers. own_resources: each follower gets a device (GPU, or CPU share) of its own
+    from the launcher (spec.device and spec.num_threads are then the launcher's to set): rank 0 neither divides
+    its cores nor checks this host's GPU count, and the followers, not its children, watch it by pid."""
+
+    own_resources: bool
+
+    def start(self, specs: list[FollowerSpec]) -> FollowerRanks:
+        """Start one follower per spec (ranks 1..N-1; returns at once). Raises with nothing left running."""
+
+
+class ProcessRanks:
+    """FollowerRanks of spawned child processes (`processes`: rank 1 first)."""
+
+    def __init__(self, processes: list) -> None:
+        self.processes = processes
+
+    def exited(self, rank: int) -> str | None:
+        process = self.processes[rank - 1]
+        return None if process.is_alive() else f"exited (code {process.exitcode})"
+
+    def stop(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill(self.processes)
+
+
+class ProcessLauncher:
+    """The default launcher: each follower a spawned child process of this one (daemon)."""
+
+    own_resources = False
+
+    def start(self, specs: list[FollowerSpec]) -> ProcessRanks:
+        context, processes = mp.get_context("spawn"), []
+        try:
+            for spec in specs:
+                process = context.Process(target=follower_main, args=(spec,), daemon=True,
+                                          name=f"tandem-tp-rank{spec.rank}")
+                process.start()
+                processes.append(process)
+        except BaseException:
+            _kill(processes)
+            raise
+        return ProcessRanks(processes)
+
+
 class CopyRecordingKVCache(KVCache):
     """Rank 0's KV pool: block copies (forks) are done here and queued for the followers' next step."""
 
@@ -45,50 +109,60 @@ class CopyRecordingKVCache(KVCache):
 class TPLeader:
     """Rank 0 of a group of config.tensor_parallel_size ranks. Use start(); close() when the engine closes."""
 
-    def __init__(self, group: TPGroup, store, processes: list, rendezvous: Rendezvous, saved_threads: int) -> None:
-        self.group, self.store, self.processes, self.rendezvous = group, store, processes, rendezvous
+    def __init__(self, group: TPGroup, store, followers: FollowerRanks, rendezvous: Rendezvous,
+                 saved_threads: int) -> None:
+        self.group, self.store, self.followers, self.rendezvous = group, store, followers, rendezvous
         self.channel = StepChannel(group)
         self.shard = None
         self._copies: tuple[list[int], list[int]] = ([], [])
         self._saved_threads = saved_threads
         self._closed = False
 
+    @property
+    def processes(self) -> list:
+        """The follower processes of the default launcher (rank 1 first); [] for another launcher's ranks."""
+        return getattr(self.followers, "processes", [])
+
     @classmethod
     def start(cls, model: str, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
-              device: torch.device, max_positions: int) -> "TPLeader":
-        """Spawn the followers and connect the group (rank 0 = this process). On CPU the cores are divided among
-        the ranks (torch's threads here too, restored by close). Any failure: the followers are killed, raised."""
-        size = config.tensor_parallel_size
+              device: torch.device, max_positions: int, launcher: FollowerLauncher | None = None) -> "TPLeader":
+        """Start the followers (launcher: ProcessLauncher by default) and connect the group (rank 0 = this
+        process). With the default launcher on CPU the cores are divided among the ranks (torch's threads here
+        too, restored by close). Any failure: the followers are killed, raised."""
+        size, launcher = config.tensor_parallel_size, launcher or ProcessLauncher()
         rendezvous = _rendezvous(private_store_path(), model_config, config, dtype, device)
         store = open_store(rendezvous)
         saved = torch.get_num_threads()
-        threads = max(1, saved // size) if device.type == "cpu" else saved
-        context, processes = mp.get_context("spawn"), []
+        threads = max(1, saved // size) if device.type == "cpu" and not launcher.own_resources else saved
+        followers = None
         try:
-            for rank in range(1, size):
-                rank_device = "cpu" if device.type == "cpu" else f"cuda:{(device.index or 0) + rank}"
-                spec = FollowerSpec(model, model_config, config, dtype, rank_device, rank, rendezvous, threads,
-                                    os.getpid(), max_positions)
-                process = context.Process(target=follower_main, args=(spec,), daemon=True, name=f"tandem-tp-rank{rank}")
-                process.start()
-                processes.append(process)
-            _wait_for(store, rendezvous, processes, "alive", CONNECT_TIMEOUT_S)
-            group = connect_group(store, rendezvous, 0, size, device, lambda: all(p.is_alive() for p in processes))
+            specs = [FollowerSpec(model, model_config, config, dtype, _rank_device(device, rank), rank, rendezvous,
+                                  threads, os.getpid(), max_positions, leader_is_parent=not launcher.own_resources)
+                     for rank in range(1, size)]
+            followers = launcher.start(specs)
+            _wait_for(store, rendezvous, followers, size, "alive", CONNECT_TIMEOUT_S)
+            group = connect_group(store, rendezvous, 0, size, device,
+                                  lambda: all(followers.exited(r) is None for r in range(1, size)))
         except BaseException:
-            _kill(processes)
+            if followers is not None:
+                followers.stop(0.0)
             _remove_files(rendezvous)
             raise
         torch.set_num_threads(threads)
-        leader = cls(group, store, processes, rendezvous, saved)
+        leader = cls(group, store, followers, rendezvous, saved)
         leader.shard = TPShard(tp_layout(model_config, 0, size), group)
-        logger.info("tensor parallel: %d ranks (pids %s), %d threads each", size,
-                    [os.getpid()] + [p.pid for p in processes], threads)
+        logger.info("tensor parallel: %d ranks (pids %s), %d threads each", size, leader.pids(), threads)
         return leader
+
+    def pids(self) -> list[int]:
+        """Every rank's process id, rank 0 (this process) first (each follower reported its own)."""
+        return [os.getpid()] + [int(self.store.get(status_key(self.rendezvous, "alive", rank)).decode())
+                                for rank in range(1, self.group.size)]
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Block until every follower loaded its shard; ValueError with a follower's error (or death) otherwise.
         Every rank has mapped the shared memory file by then: its name is removed (nothing left to clean up)."""
-        _wait_for(self.store, self.rendezvous, self.processes, "ready", timeout_s)
+        _wait_for(self.store, self.rendezvous, self.followers, self.group.size, "ready", timeout_s)
         _remove_shared_file(self.rendezvous)
 
     def kv_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, prefix_caching: bool) -> KVCache:
@@ -110,7 +184,7 @@ class TPLeader:
     def abort(self) -> None:
         """A failed start: kill the followers at once (they may be inside a collective), restore the threads."""
         self._closed = True
-        _kill(self.processes)
+        self.followers.stop(0.0)
         _remove_files(self.rendezvous)
         torch.set_num_threads(self._saved_threads)
 
@@ -121,33 +195,37 @@ class TPLeader:
             return
         self._closed = True
         try:
-            if all(p.is_alive() for p in self.processes):
+            if all(self.followers.exited(rank) is None for rank in range(1, self.group.size)):
                 self.channel.send_stop()
         except Exception as exc:  # noqa: BLE001 - a follower already gone: the kill below still runs
             logger.warning("tensor parallel: STOP not delivered (%s); killing the followers", exc)
-        deadline = time.monotonic() + STOP_WAIT_S
-        for process in self.processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-        _kill(self.processes)
+        self.followers.stop(STOP_WAIT_S)
         _remove_files(self.rendezvous)
         torch.set_num_threads(self._saved_threads)
 
 
-def _wait_for(store, rendezvous: Rendezvous, processes: list, what: str, timeout_s: float) -> None:
-    """Until every follower set its `what` key; ValueError when one set its error key, died, or the time ran out."""
-    pending, deadline = {p: rank for rank, p in enumerate(processes, start=1)}, time.monotonic() + timeout_s
+def _wait_for(store, rendezvous: Rendezvous, followers: FollowerRanks, size: int, what: str,
+              timeout_s: float) -> None:
+    """Until every follower set its `what` key; ValueError when one set its error key, ended, or the time ran out."""
+    pending, deadline = set(range(1, size)), time.monotonic() + timeout_s
     while pending:
-        for process, rank in list(pending.items()):
+        for rank in sorted(pending):
             if store.check([status_key(rendezvous, "error", rank)]):
                 error = store.get(status_key(rendezvous, "error", rank)).decode()
                 raise ValueError(f"tensor-parallel rank {rank} failed to start:\n{error}")
             if store.check([status_key(rendezvous, what, rank)]):
-                del pending[process]
-            elif not process.is_alive():
-                raise ValueError(f"tensor-parallel rank {rank} exited (code {process.exitcode}) before it was {what}")
+                pending.discard(rank)
+            elif (how := followers.exited(rank)) is not None:
+                raise ValueError(f"tensor-parallel rank {rank} {how} before it was {what}")
         if pending and time.monotonic() > deadline:
-            raise ValueError(f"tensor-parallel ranks {sorted(pending.values())} not {what} after {timeout_s:.0f} s")
+            raise ValueError(f"tensor-parallel ranks {sorted(pending)} not {what} after {timeout_s:.0f} s")
         time.sleep(POLL_S if pending else 0)
+
+
+def _rank_device(device: torch.device, rank: int) -> str:
+    """Where the default launcher's follower `rank` runs: the CPU, or the GPU rank places after rank 0's. A
+    launcher of its own resources sets its followers' devices itself."""
+    return "cpu" if device.type == "cpu" else f"cuda:{(device.index or 0) + rank}"
 
 
 def _rendezvous(store_path: str, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,

@@ -77,18 +77,18 @@ def test_the_step_log_summary_splits_decode_only_steps_from_steps_with_prompts()
     assert "gaps between steps p50 250.0 ms" in summary
 
 
-def test_tandem_serve_bounds_the_prompt_tokens_of_steps_beside_decodes_on_cpu_by_default():
+def test_tandem_serve_bounds_the_prompt_tokens_of_steps_beside_decodes_by_default():
     import argparse
 
     from cluster.serve import add_arguments
-    from cluster.serve_flags import SERVING_CPU_PREFILL_BOUND, engine_config_from_args
+    from cluster.serve_flags import SERVING_PREFILL_BOUND, engine_config_from_args
     parser = argparse.ArgumentParser()
     add_arguments(parser)
 
     def bound(*flags: str) -> int:
         return engine_config_from_args(parser.parse_args(list(flags))).max_prefill_tokens_while_decoding
 
-    assert bound("--device", "cpu") == SERVING_CPU_PREFILL_BOUND
-    assert bound("--device", "cuda") == 0  # the workers' GPUs: a step costs about the same whatever it carries
+    assert bound("--device", "cpu") == SERVING_PREFILL_BOUND
+    assert bound("--device", "cuda") == SERVING_PREFILL_BOUND  # decodes keep flowing beside a long prompt there too
     assert bound("--device", "cpu", "--max-prefill-tokens-while-decoding", "0") == 0
     assert bound("--device", "cpu", "--max-prefill-tokens-while-decoding", "128") == 128
