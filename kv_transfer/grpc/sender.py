@@ -93,6 +93,8 @@ class GrpcSender(KVSender):
                 request.request_id, outgoing.manifest.total_nbytes, time.monotonic() - started)
         except KVTransferError as exc:
             result = exc
+        except asyncio.CancelledError:  # this task cancelled (the sender's loop stopping): free and settle anyway
+            result = KVTransferError(TransferStatus.CANCELLED, "the sender stopped", request.request_id)
         except Exception as exc:
             result = KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", request.request_id)
         release_send_blocks(request, self.pool.free)
@@ -132,6 +134,8 @@ class GrpcSender(KVSender):
                 await self._write_runs(call, outgoing, final, first_checksum)
                 await call.done_writing()
                 ack = await final
+            if ack.status == tandem_pb2.KV_OK:  # a cancel while this waits is a cancel like any other
+                await _settled_with(call, rid)
         except KVTransferError:  # a streamed layer or tail that will not come: the receiver frees on the cancel
             call.cancel()
             raise
@@ -147,7 +151,6 @@ class GrpcSender(KVSender):
                 await asyncio.wait([first_checksum])
         if ack.status != tandem_pb2.KV_OK:
             raise KVTransferError(TransferStatus(ack.status), ack.error or "receiver reported failure", rid)
-        await _settled_with(call, rid)
 
     async def _opened(self, call, target: str, rid: str) -> None:
         """On the first stream to a target (and after one that failed), waits for the receiver's first

@@ -56,3 +56,32 @@ def test_a_final_ack_cancelled_under_the_receiver_fails_on_both_sides(pair, monk
     got = receiver.wait(20)
     assert isinstance(got, ReceivedKV) and blocks_bytes(receiver_pool.kv, got.block_ids) == expected
     receiver_pool.free(got.block_ids)
+
+
+def test_a_cancel_while_the_sender_waits_for_the_call_to_end_settles_at_once(pair, monkeypatch):
+    """The sender cancelled between the receiver's OK final ack and the call's end (a request cancelled at that
+    moment: seen once under a loaded test run, where the transfer then stayed in flight with its blocks held):
+    the handle settles CANCELLED at once and the sender's blocks are freed; the receiver's outcome is whatever
+    its side saw, its blocks freed either way."""
+    import asyncio
+    import threading
+
+    sender, sender_pool, receiver, receiver_pool = pair
+    write_final = receiver._write_final
+    acked = threading.Event()
+
+    async def written_then_held(context, final):
+        await write_final(context, final)
+        acked.set()
+        await asyncio.sleep(2)  # the call stays open: the sender is waiting for its status
+
+    monkeypatch.setattr(receiver, "_write_final", written_then_held)
+    handle, _ = _send(sender, sender_pool, receiver, "C", seed=3)
+    assert acked.wait(20)
+    handle.cancel()
+    with pytest.raises(KVTransferError) as failed:
+        handle.result(5)
+    assert failed.value.status == TransferStatus.CANCELLED, failed.value
+    outcome = receiver.wait(20)
+    if isinstance(outcome, ReceivedKV):
+        receiver_pool.free(outcome.block_ids)
