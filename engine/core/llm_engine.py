@@ -80,10 +80,10 @@ class LLMEngine(KVHandoff):
                                   step_sender=None if tp_leader is None else tp_leader.send_step, io=io)
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device, io)
-        self.pipeline = StepPipeline(self.runner, self.scheduler, self.kv_cache, config.async_scheduling_on(device.type))
+        overlap = config.async_scheduling_on(device.type)
+        self.pipeline = StepPipeline(self.runner, self.scheduler, self.kv_cache, overlap)
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, sampler)  # structured outputs
-        self.stats = EngineStats()
-        self.step_log = StepLog()  # the last steps: what each held and cost
+        self.stats, self.step_log = EngineStats(), StepLog()  # counters; the last steps: what each held and cost
         self._live = LiveRequests()
         self._closed = False
         if config.warmup or (config.warmup is None and device.type == "cuda"):

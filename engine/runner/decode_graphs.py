@@ -81,7 +81,8 @@ def staged_layout(size: int, num_updates: int = UPDATE_CAPACITY) -> tuple[dict[s
     """The graphs' input fields for a batch padded to `size` rows, then room for num_updates table updates."""
     return layout([("input_ids", np.int64, size), ("positions", np.int64, size), ("slots", np.int64, size),
                    ("seq_lens", np.int32, size), ("table_rows", np.int64, size), ("sample_rows", np.int64, size),
-                   ("feed_rows", np.int64, size), ("feed_from", np.int64, size), ("update_rows", np.int64, num_updates), ("update_cols", np.int64, num_updates),
+                   ("feed_rows", np.int64, size), ("feed_from", np.int64, size),
+                   ("update_rows", np.int64, num_updates), ("update_cols", np.int64, num_updates),
                    ("update_blocks", np.int32, num_updates)])
 
 
