@@ -28,8 +28,8 @@ from cluster.serve import config_from_args
 from decode_worker import DecodeEnded, DecodeStatus, DecodeWorker, DecodeWorkerConfig, ExpectedRequest
 from decode_worker.no_receiver import NO_TRANSPORT
 from engine import LLM, EngineConfig, SamplingParams
-from tests.support.cluster_rig import (POOL_BYTES, cluster_config, collect, greedy, request, running_cluster,
-                                       wait_until_idle)
+from tests.support.cluster_rig import (POOL_BYTES, cluster_config, collect, greedy, kill_under_load, request,
+                                       running_cluster, wait_until_idle)
 from tests.support.engine_checks import random_prompts
 from tests.support.serve_process import descendants, live_processes
 
@@ -228,19 +228,8 @@ def test_a_killed_replicas_requests_migrate_token_for_token(replicas, in_process
     expected = expected_tokens(in_process, prompts, params)
     victim = replicas.workers["replica-1"]
 
-    async def run():
-        first_chunks: asyncio.Queue = asyncio.Queue()
-        runs = [asyncio.ensure_future(collect(replicas, request(f"k{i}", p, params), first_chunks))
-                for i, p in enumerate(prompts)]
-        for _ in prompts:
-            await asyncio.wait_for(first_chunks.get(), 60)
-        os.kill(victim.pid, signal.SIGKILL)
-        results = await asyncio.gather(*runs)
-        health = await replicas.health()
-        await wait_until_idle(replicas)
-        return results, health
-
-    results, health = asyncio.run(run())
+    generations = [request(f"k{i}", p, params) for i, p in enumerate(prompts)]
+    results, health = asyncio.run(kill_under_load(replicas, generations, lambda: os.kill(victim.pid, signal.SIGKILL)))
     assert [tokens for tokens, _ in results] == expected
     assert [last.timing.decode_worker for _, last in results] == ["replica-0"] * 4
     assert sorted(last.timing.migrations for _, last in results) == [0, 0, 1, 1]

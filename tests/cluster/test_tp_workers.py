@@ -26,7 +26,8 @@ from cluster.serve import config_from_args
 from cluster.workers.cluster_config import ClusterConfig
 from cluster.workers.placement_check import PlacementInfeasible, check_group_room
 from engine import EngineConfig
-from tests.support.cluster_rig import POOL_BYTES, collect, greedy, request, running_cluster, wait_until_idle
+from tests.support.cluster_rig import (POOL_BYTES, collect, greedy, kill_under_load, request, running_cluster,
+                                      wait_until_idle)
 from tests.support.engine_checks import random_prompts
 from tests.support.fake_nodes import alive_actors
 from tests.support.serve_process import descendants, live_processes
@@ -193,19 +194,9 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_requests_migrate(replic
     expected = hf_greedy(checkpoint, prompts, 120)
     victim = replicas.workers["replica-1"]
 
-    async def run():
-        first_chunks: asyncio.Queue = asyncio.Queue()
-        runs = [asyncio.ensure_future(collect(replicas, request(f"k{i}", p, greedy(120)), first_chunks))
-                for i, p in enumerate(prompts)]
-        for _ in prompts:
-            await asyncio.wait_for(first_chunks.get(), 60)
-        os.kill(victim.rank_pids[1], signal.SIGKILL)
-        results = await asyncio.gather(*runs)
-        health = await replicas.health()
-        await wait_until_idle(replicas)
-        return results, health
-
-    results, health = asyncio.run(run())
+    generations = [request(f"k{i}", p, greedy(120)) for i, p in enumerate(prompts)]
+    results, health = asyncio.run(kill_under_load(replicas, generations,
+                                                  lambda: os.kill(victim.rank_pids[1], signal.SIGKILL)))
     assert [tokens for tokens, _ in results] == expected
     assert [last.timing.decode_worker for _, last in results] == ["replica-0"] * 4
     assert sorted(last.timing.migrations for _, last in results) == [0, 0, 1, 1]

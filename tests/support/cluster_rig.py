@@ -80,3 +80,17 @@ async def wait_until_idle(coordinator, timeout_s: float = 15.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"workers still hold requests or blocks: {stats}")
         await asyncio.sleep(0.05)
+
+
+async def kill_under_load(coordinator, requests: list[GenerationRequest], kill) -> tuple[list, object]:
+    """Streams `requests`, calls kill() once each has its first chunk, waits for them all and for the workers to
+    be idle; returns (each request's (tokens, last chunk), the coordinator's health right after)."""
+    first_chunks: asyncio.Queue = asyncio.Queue()
+    runs = [asyncio.ensure_future(collect(coordinator, generation, first_chunks)) for generation in requests]
+    for _ in requests:
+        await asyncio.wait_for(first_chunks.get(), 60)
+    kill()
+    results = await asyncio.gather(*runs)
+    health = await coordinator.health()
+    await wait_until_idle(coordinator)
+    return results, health
