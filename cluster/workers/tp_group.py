@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.parallel.group import remove_store
+from engine.parallel.group_files import remove_group_files
 from engine.runner.tp_follower import FollowerSpec, follower_main
 
 logger = logging.getLogger("tandem.cluster.tp_group")
@@ -143,16 +143,16 @@ def build_group_engine(spec, on_lost=exit_worker):
     """The engine of a tensor-parallel worker (spec: cluster/workers/actors.py EngineSpec, with
     engine.tensor_parallel_size > 1), this actor being rank 0 and its followers TPRankActors. ValueError (no
     rank left running) when the model does not split or a rank fails to start (its error, not this actor's
-    exit: on_lost(reason) applies from the moment the engine is built, after the group's store is removed)."""
-    armed: list[str] = []  # the group's store path, once the engine is built
+    exit: on_lost(reason) applies from the moment the engine is built, after the group's files are removed)."""
+    armed: list = []  # the group's rendezvous, once the engine is built
 
     def lost(rank: int, how: str) -> None:
-        if armed:  # rank 0 ends now: nobody else would remove the group's store directory
-            remove_store(armed[0])
+        if armed:  # rank 0 ends now: nobody else would remove the group's files
+            remove_group_files(armed[0])
             on_lost(f"its rank {rank} {how}")
 
     engine = _build(spec, lost)
-    armed.append(engine.tp_leader.rendezvous.store_path)
+    armed.append(engine.tp_leader.rendezvous)
     followers = engine.tp_leader.followers
     for rank in range(1, engine.config.tensor_parallel_size):  # one that ended before the arming
         if (how := followers.exited(rank)) is not None:
@@ -163,10 +163,10 @@ def build_group_engine(spec, on_lost=exit_worker):
 def step_failure_exit(engine, on_lost=exit_worker):
     """The decode worker's on_step_failure for a group engine: a failed step (a rank died under a collective) is
     the worker's end, as a lost rank is."""
-    store_path = engine.tp_leader.rendezvous.store_path
+    rendezvous = engine.tp_leader.rendezvous
 
     def failed(error: BaseException) -> None:
-        remove_store(store_path)
+        remove_group_files(rendezvous)
         on_lost(f"an engine step failed: {error}")
 
     return failed

@@ -13,8 +13,6 @@ gather / broadcast), so NCCL runs it unchanged.
 """
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -102,16 +100,6 @@ def connect_group(store: dist.Store, rendezvous: Rendezvous, rank: int, size: in
     options._timeout = COLLECTIVE_TIMEOUT
     nccl = dist.ProcessGroupNCCL(dist.PrefixStore(f"{rendezvous.namespace}/device", store), rank, size, options)
     return TPGroup(rank, size, device, nccl, control)
-
-
-def private_store_path() -> str:
-    """A new FileStore path in a directory only this user can open (mkdtemp: mode 0700); the caller removes
-    the directory (remove_store) when the group is gone."""
-    return str(Path(tempfile.mkdtemp(prefix="tandem-tp-")) / "store")
-
-
-def remove_store(store_path: str) -> None:
-    shutil.rmtree(Path(store_path).parent, ignore_errors=True)
 
 
 def open_store(rendezvous: Rendezvous) -> dist.FileStore:

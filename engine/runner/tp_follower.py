@@ -26,7 +26,8 @@ from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.model.causal_lm import CausalLM
 from engine.model.tp_layers import TPShard
 from engine.model.tp_weights import load_shard
-from engine.parallel.group import Rendezvous, TPGroup, connect_group, open_store, remove_store
+from engine.parallel.group import Rendezvous, TPGroup, connect_group, open_store
+from engine.parallel.group_files import process_alive, remove_group_files
 from engine.parallel.layout import tp_layout
 from engine.parallel.step_message import StepChannel, StepInputs
 from engine.runner.decode_graphs import DecodeGraphs, decode_graphs_for
@@ -61,20 +62,7 @@ def leader_alive(spec: FollowerSpec) -> bool:
     """Whether rank 0's process still runs (the ranks of a group share a host, so its pid is visible here)."""
     if spec.leader_is_parent:
         return os.getppid() == spec.parent_pid
-    try:  # Linux: a killed rank 0 may stay a zombie until its parent (Ray's raylet) reaps it
-        with open(f"/proc/{spec.parent_pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(spec.parent_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
+    return process_alive(spec.parent_pid)  # a killed rank 0 may stay a zombie until Ray's raylet reaps it
 
 
 def status_key(rendezvous: Rendezvous, what: str, rank: int) -> str:
@@ -159,8 +147,8 @@ def follower_main(spec: FollowerSpec) -> None:
     except BaseException:  # noqa: BLE001 - a failed step: nothing to run for any more
         logger.error("tensor-parallel rank %d stops: %s", spec.rank, traceback.format_exc())
     finally:
-        if not leader_alive(spec):  # rank 0 died: nobody else removes the group's store directory
-            remove_store(rendezvous.store_path)
+        if not leader_alive(spec):  # rank 0 died: nobody else removes the group's files
+            remove_group_files(rendezvous)
 
 
 def _wait_leader_gone(spec: FollowerSpec, timeout_s: float) -> None:
@@ -170,12 +158,12 @@ def _wait_leader_gone(spec: FollowerSpec, timeout_s: float) -> None:
 
 
 def _watch_parent(spec: FollowerSpec) -> None:
-    """Exit at once when rank 0's process is gone (killed: it could not send STOP or remove the group's store
-    directory, which this rank then removes)."""
+    """Exit at once when rank 0's process is gone (killed: it could not send STOP or remove the group's files,
+    which this rank then removes)."""
     def watch() -> None:
         while leader_alive(spec):
             time.sleep(PARENT_POLL_S)
-        remove_store(spec.rendezvous.store_path)
+        remove_group_files(spec.rendezvous)
         os._exit(1)
 
     threading.Thread(target=watch, name="tandem-tp-parent-watch", daemon=True).start()

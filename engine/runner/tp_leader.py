@@ -24,8 +24,8 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.model.tp_layers import TPShard
-from engine.parallel.group import (CONNECT_TIMEOUT_S, Rendezvous, TPGroup, connect_group, open_store,
-                                   private_store_path, remove_store)
+from engine.parallel.group import CONNECT_TIMEOUT_S, Rendezvous, TPGroup, connect_group, open_store
+from engine.parallel.group_files import private_store_path, remove_group_files, remove_stale_group_files
 from engine.parallel.host_reduce import MAX_SLOT_BYTES, create_file, shared_memory_dir
 from engine.parallel.layout import tp_layout
 from engine.parallel.step_message import StepChannel, StepInputs
@@ -130,6 +130,7 @@ class TPLeader:
         process). With the default launcher on CPU the cores are divided among the ranks (torch's threads here
         too, restored by close). Any failure: the followers are killed, raised."""
         size, launcher = config.tensor_parallel_size, launcher or ProcessLauncher()
+        remove_stale_group_files()
         rendezvous = _rendezvous(private_store_path(), model_config, config, dtype, device)
         store = open_store(rendezvous)
         saved = torch.get_num_threads()
@@ -146,7 +147,7 @@ class TPLeader:
         except BaseException:
             if followers is not None:
                 followers.stop(0.0)
-            _remove_files(rendezvous)
+            remove_group_files(rendezvous)
             raise
         torch.set_num_threads(threads)
         leader = cls(group, store, followers, rendezvous, saved)
@@ -185,7 +186,7 @@ class TPLeader:
         """A failed start: kill the followers at once (they may be inside a collective), restore the threads."""
         self._closed = True
         self.followers.stop(0.0)
-        _remove_files(self.rendezvous)
+        remove_group_files(self.rendezvous)
         torch.set_num_threads(self._saved_threads)
 
     def close(self) -> None:
@@ -200,7 +201,7 @@ class TPLeader:
         except Exception as exc:  # noqa: BLE001 - a follower already gone: the kill below still runs
             logger.warning("tensor parallel: STOP not delivered (%s); killing the followers", exc)
         self.followers.stop(STOP_WAIT_S)
-        _remove_files(self.rendezvous)
+        remove_group_files(self.rendezvous)
         torch.set_num_threads(self._saved_threads)
 
 
@@ -232,7 +233,7 @@ def _rendezvous(store_path: str, model_config: ModelConfig, config: EngineConfig
                 device: torch.device) -> Rendezvous:
     """The group's rendezvous; on CPU with the shared memory file of its all-reduces (created here), whose slot
     holds a step's largest all-reduce: max_num_batched_tokens x hidden_size (capped; larger ones use gloo)."""
-    namespace = f"tp-{uuid.uuid4().hex[:12]}"
+    namespace = f"tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     if device.type != "cpu" or config.tp_cpu_all_reduce == "gloo":
         return Rendezvous(store_path, namespace)
     element = torch.tensor([], dtype=dtype).element_size()
@@ -245,12 +246,6 @@ def _rendezvous(store_path: str, model_config: ModelConfig, config: EngineConfig
 def _remove_shared_file(rendezvous: Rendezvous) -> None:
     if rendezvous.shm_path:
         Path(rendezvous.shm_path).unlink(missing_ok=True)
-
-
-def _remove_files(rendezvous: Rendezvous) -> None:
-    """Everything the group left on disk: the shared memory file and the store's private directory."""
-    _remove_shared_file(rendezvous)
-    remove_store(rendezvous.store_path)
 
 
 def _kill(processes: list) -> None:

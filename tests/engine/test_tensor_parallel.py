@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core.tp_engine import check_tp_start
 from engine.model.default_model import default_model_config
-from engine.parallel.host_reduce import shared_memory_dir
+from engine.parallel.group_files import group_files_of, process_alive
 from engine.model.tp_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.gguf_files import write_gguf
@@ -39,9 +39,9 @@ def _assert_followers_stopped(processes: list) -> None:
 
 
 def _assert_nothing_left() -> None:
-    """No follower process, no shared memory file of a group's all-reduces."""
+    """No follower process, no shared memory file or store directory of a group this process led."""
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("tandem-tp-rank")]
-    assert not list(shared_memory_dir().glob("tandem-tp-*"))
+    assert not group_files_of(os.getpid())
 
 
 # llama: 4 query / 2 KV heads; qwen2: qkv bias, tied embeddings; qwen3: q/k norms and 1 KV head (fewer than the
@@ -152,23 +152,15 @@ def test_followers_exit_when_rank_0_is_killed():
                              env={**os.environ, "PYTHONPATH": str(repo)})
     try:
         followers = json.loads(rank0.stdout.readline())
-        assert followers and all(_running(pid) for pid in followers)
+        assert followers and all(process_alive(pid) for pid in followers) and group_files_of(rank0.pid)
     finally:
         rank0.send_signal(signal.SIGKILL)
         rank0.wait()
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_running(pid) for pid in followers):
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in followers):
         time.sleep(0.1)
-    assert not [pid for pid in followers if _running(pid)]
-
-
-def _running(pid: int) -> bool:
-    """pid is a live process (not gone, not a zombie waiting to be reaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
+    assert not [pid for pid in followers if process_alive(pid)]
+    assert not group_files_of(rank0.pid)  # the followers removed what the killed rank 0 could not
 
 
 def test_more_ranks_than_gpus_is_a_value_error(monkeypatch):

@@ -10,7 +10,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from engine.parallel.group import Rendezvous, connect_group, open_store, private_store_path, remove_store
+from engine.parallel.group import Rendezvous, connect_group, open_store
+from engine.parallel.group_files import private_store_path, remove_store
 
 RANK_TIMEOUT_S = 120.0
 
