@@ -90,8 +90,8 @@ def add_tp_arguments(group) -> None:
                             "of N ranks, one GPU (or --cpu-threads CPUs) each, on one node (default 1)")
     for role in ("prefill", "decode"):
         group.add_argument(f"--{role}-tp", type=int, default=None,
-                           help=f"disaggregated: the tensor-parallel size of each {role} worker (default 1; above 1 "
-                                "needs KV moved between TP layouts, not built yet: refused)")
+                           help=f"disaggregated: the tensor-parallel size of each {role} worker (default 1); the KV "
+                                "moves between the two layouts through each group's rank 0")
 
 
 def tp_sizes_from_args(args: argparse.Namespace, mode: str) -> dict[str, int]:

@@ -38,7 +38,7 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.step_watch import StepHealth, StepWatch
 from engine.runner.openmp_pools import start_stepping_thread
 from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, TransferStatus, create_receiver
-from kv_transfer.engine_pool import admit_received, engine_pool_view
+from kv_transfer.engine_pool import admit_received, drop_delivered, land_delivered, receiver_pool
 
 logger = logging.getLogger("tandem.decode_worker")
 
@@ -53,15 +53,16 @@ class DecodeWorker:
         self.name, self._engine, self._config = config.name, engine, config
         self._on_step_failure = on_step_failure
         max_live = min(config.max_live_requests, engine.config.max_num_seqs)  # transferred requests count too
-        # A replica's reservations only bound admission (no KV is handed to it): they come from the pool itself,
-        # so a tensor-parallel engine, whose KV hand-off is refused, serves as a replica too.
+        # A replica's reservations only bound admission (no KV is handed to it): they come from the pool itself.
         reserve = engine.kv_cache.allocator.allocate if config.transport == NO_TRANSPORT else engine.reserve_blocks
         self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
                                            reserve, engine.free_blocks, max_live, config.headroom_blocks,
                                            engine.pin_cached_prefix if config.prefix_reuse else None)
-        self._receiver = NoReceiver() if config.transport == NO_TRANSPORT else create_receiver(
-            config.transfer, engine_pool_view(engine, allocate_for=self._blocks_for_transfer), config.transport,
-            rendezvous=config.rendezvous, peers=config.peer_ranks, host=config.host)
+        pool, self._staging = (None, None) if config.transport == NO_TRANSPORT else \
+            receiver_pool(engine, self._blocks_for_transfer)  # a tensor-parallel engine's: a staging pool
+        self._receiver = NoReceiver() if pool is None else create_receiver(
+            config.transfer, pool, config.transport, rendezvous=config.rendezvous, peers=config.peer_ranks,
+            host=config.host)
         self._commands: queue.Queue = queue.Queue()
         self._receiver.deliver_to(lambda outcome: self._commands.put(Delivered(outcome)))
         self._waiting = WaitingRequests(config.expect_timeout_s)  # accepted, KV not admitted yet
@@ -220,12 +221,12 @@ class DecodeWorker:
                 self._end(outcome.request_id, waiting.emit, status, message)
             return
         if waiting is None:  # cancelled or timed out meanwhile: nobody wants these blocks
-            self._engine.free_blocks(outcome.block_ids)
+            drop_delivered(self._engine, outcome, self._staging)
             return
         request = waiting.request
         cached = self._admission.take_pinned(request.request_id)  # the sequence owns these pins from here on
         try:  # on failure admit_received frees the blocks (received and cached) itself
-            delta = admit_received(self._engine, outcome, request.prompt_token_ids, request.params,
+            delta = admit_received(self._engine, land_delivered(outcome, self._staging), request.prompt_token_ids, request.params,
                                    arrival_time=time.perf_counter(), num_resumed_tokens=request.num_resumed_tokens,
                                    cached_block_ids=cached)
         except ValueError as error:

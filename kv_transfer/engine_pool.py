@@ -9,17 +9,22 @@ Decode side (the thread that steps the engine):
     for outcome in receiver.poll():
         if isinstance(outcome, ReceivedKV):
             first = admit_received(engine, outcome, prompt_token_ids, params)   # the engine owns the blocks
+A tensor-parallel engine (engine.tp_leader set) moves its KV through a full-head staging pool on rank 0
+(kv_transfer/group_pool.py): sender_pool / receiver_pool give the view and the staging (None for one rank),
+ship_prefilled stages the blocks out, land_delivered / drop_delivered take a delivery in or free it.
 Decoder-side prefix reuse: the decode side pins the prompt's cached leading blocks first
 (engine.pin_cached_prefix), the prefill side ships with prefix_blocks = their count (only the rest travels),
 and admit_received(..., cached_block_ids=pins) puts the pins before the received blocks.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
 from kv_transfer.config import ReceiverAddress
 from kv_transfer.connector import KVSender
+from kv_transfer.group_pool import GroupStaging
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, SendRequest, TransferHandle
 from kv_transfer.token_logprobs import FirstTokenLogprobs
@@ -55,6 +60,38 @@ def engine_pool_view(engine: PagedEngine,
     return KVPoolView(engine.kv_cache.kv, engine.reserve_blocks, engine.free_blocks, allocate_for)
 
 
+def sender_pool(engine: PagedEngine) -> tuple[KVPoolView, GroupStaging | None]:
+    """The pool a prefill worker's KVSender reads: the engine's own, or a tensor-parallel engine's staging pool."""
+    if getattr(engine, "tp_leader", None) is None:
+        return engine_pool_view(engine), None
+    staging = GroupStaging(engine)
+    return staging.sender_view(), staging
+
+
+def receiver_pool(engine: PagedEngine, allocate_for: Callable[[str, int], list[int] | None] | None = None
+                  ) -> tuple[KVPoolView, GroupStaging | None]:
+    """The pool a decode worker's KVReceiver lands in: the engine's own (engine_pool_view), or a tensor-parallel
+    engine's staging pool whose blocks are paired with engine blocks from allocate_for (group_pool.py)."""
+    if getattr(engine, "tp_leader", None) is None:
+        return engine_pool_view(engine, allocate_for), None
+    staging = GroupStaging(engine)
+    return staging.receiver_view(allocate_for), staging
+
+
+def land_delivered(received: ReceivedKV, staging: GroupStaging | None) -> ReceivedKV:
+    """A delivery in the engine's own blocks: as is for one rank; a group's staging blocks written into their
+    engine blocks (every rank its heads; a collective: on the thread that steps the engine)."""
+    return received if staging is None else staging.land(received)
+
+
+def drop_delivered(engine: PagedEngine, received: ReceivedKV, staging: GroupStaging | None) -> None:
+    """Free a delivery nobody waits for (its engine blocks, and a group's staging blocks)."""
+    if staging is None:
+        engine.free_blocks(received.block_ids)
+    else:
+        staging.discard(received)
+
+
 def take_prefilled(engine: PagedEngine, request_id: str, first_logprobs: Any = None,
                    prefix_blocks: int = 0) -> SendRequest:
     """Takes a finished prefill-only request out of the engine and describes its KV for a transfer.
@@ -84,16 +121,22 @@ def take_prefilled(engine: PagedEngine, request_id: str, first_logprobs: Any = N
 
 
 def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress, request_id: str,
-                   first_logprobs: Any = None, prefix_blocks: int = 0) -> TransferHandle:
+                   first_logprobs: Any = None, prefix_blocks: int = 0,
+                   staging: GroupStaging | None = None) -> TransferHandle:
     """take_prefilled + sender.send: the request leaves the engine and its blocks go to the transfer,
     which frees them exactly once when it ends (handle resolved or failed); the first prefix_blocks, which
-    the receiver holds already, do not travel (freed at once). If send() itself raises (e.g. a bad peer
-    address) the blocks are freed here before the exception propagates."""
+    the receiver holds already, do not travel (freed at once). staging (a tensor-parallel engine's, from
+    sender_pool): the blocks' KV is staged out first and the transfer sends and frees the staging blocks. If
+    staging or send() raises (no staging room, a bad peer address) every block is freed here before the exception
+    propagates."""
     request = take_prefilled(engine, request_id, first_logprobs, prefix_blocks)
+    free = engine.free_blocks
+    if staging is not None:  # stage_out frees the engine blocks, whatever happens
+        request, free = dataclasses.replace(request, block_ids=tuple(staging.stage_out(request.block_ids))), staging.free
     try:
         return sender.send(peer, request)
     except BaseException:
-        engine.free_blocks(request.block_ids)
+        free(request.block_ids)
         raise
 
 

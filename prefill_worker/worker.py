@@ -23,7 +23,7 @@ from engine.core.step_watch import StepHealth, StepWatch
 from engine.outputs import StepDelta
 from engine.runner.openmp_pools import start_stepping_thread
 from kv_transfer import KVTransferError, ReceiverAddress, TransferHandle, create_sender
-from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
+from kv_transfer.engine_pool import sender_pool, ship_prefilled
 from prefill_worker.commands import Cancel, Live, Stop, Submit, TransferDone
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.layer_streaming import LayerStreaming
@@ -38,12 +38,12 @@ class PrefillWorker:
 
     def __init__(self, engine: LLMEngine, config: PrefillWorkerConfig) -> None:
         self.name, self._engine, self._config = config.name, engine, config
-        self._sender = create_sender(config.transfer, engine_pool_view(engine), config.transport,
-                                     config.rendezvous)
+        pool, self._staging = sender_pool(engine)  # a tensor-parallel engine's: a full-head staging pool
+        self._sender = create_sender(config.transfer, pool, config.transport, config.rendezvous)
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, Live] = {}
         self._slots = TransferSlots(config.transfer_slots_per_peer)
-        streams = config.kv_streaming == "layer" and config.transport != "ipc"
+        streams = config.kv_streaming == "layer" and config.transport != "ipc" and self._staging is None
         self._streaming = LayerStreaming(engine, self._sender, self._slots, self._live, self._watch_transfer) \
             if streams else None
         self._stopped = threading.Event()
@@ -215,7 +215,8 @@ class PrefillWorker:
             live.report = dataclasses.replace(live.report, transfer_started=time.time())
             try:
                 live.handle = ship_prefilled(self._engine, self._sender, live.task.decode_address, request_id,
-                                             live.report.first_logprobs, live.task.decode_cached_blocks)
+                                             live.report.first_logprobs, live.task.decode_cached_blocks,
+                                             self._staging)
             except Exception as error:  # ship_prefilled freed the blocks
                 self._resolve(request_id, PrefillStatus.TRANSFER_FAILED, f"send failed: {error}")
                 request_id = self._slots.release(live.task.decode_address)

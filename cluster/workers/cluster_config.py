@@ -139,11 +139,6 @@ class ClusterConfig:
         if self.replicas and self.prefill_tp != 1:
             raise ValueError("--prefill-tp is the size of disaggregated prefill workers; colocated replicas have "
                              "none: give each replica's tensor-parallel size with --tp N")
-        if not self.replicas and max(self.prefill_tp, self.decode_tp) > 1:
-            raise ValueError(f"--prefill-tp {self.prefill_tp} / --decode-tp {self.decode_tp}: disaggregated "
-                             "tensor-parallel workers need KV moved between TP layouts, which is not built yet "
-                             "(issue 29, item 3); serve a tensor-parallel model with colocated replicas: "
-                             "--replicas N --tp T")
         if self.tensor_parallel and self.shares_gpu:
             raise ValueError("a tensor-parallel worker takes one GPU per rank: --gpus-per-worker must be 1")
 

@@ -3,7 +3,9 @@
 A decode worker reserves blocks for incoming KV (reserve_blocks) and pins the cached prefix it already holds
 (pin_cached_prefix), then admits the request with LLMEngine.add_prefilled_request or gives the blocks back
 (free_blocks). A prefill worker's prefill-only request keeps its blocks after its first token until the
-transfer takes them (take_prefilled_blocks) or it is dropped (release_prefilled).
+transfer takes them (take_prefilled_blocks) or it is dropped (release_prefilled). A tensor-parallel engine's block
+ids name the same blocks on every rank (each holding its KV heads); its KV leaves and lands through rank 0
+(engine/runner/group_kv.py, kv_transfer/group_pool.py).
 """
 from __future__ import annotations
 
@@ -22,23 +24,14 @@ class KVHandoff:
     kv_cache: KVCache | None
     _live: LiveRequests
     _closed: bool
-    tp_leader: object | None
 
     def _check_open(self) -> None:
         raise NotImplementedError
-
-    def _check_single_rank(self) -> None:
-        """A tensor-parallel engine's KV lies on every rank, each holding its KV heads: moving it between engines
-        (between TP layouts) is not built yet, so its blocks are not handed off."""
-        if self.tp_leader is not None:
-            raise ValueError("KV hand-off is not supported with tensor_parallel_size > 1 yet (each rank holds its "
-                             "own KV heads; moving KV between TP layouts is issue 29, item 3)")
 
     def reserve_blocks(self, num_blocks: int) -> list[int] | None:
         """Allocate blocks for incoming KV (decode side of a transfer); None when the pool is short.
         Safe to call from a transfer thread while another thread steps the engine."""
         self._check_open()
-        self._check_single_rank()
         return self.kv_cache.allocator.allocate(num_blocks)
 
     def pin_cached_prefix(self, token_ids: Seq[int]) -> list[int]:
@@ -74,7 +67,6 @@ class KVHandoff:
         """Hand a prefill-only result's blocks to the caller (a KV transfer), which must free them
         with free_blocks() once the receiver acknowledged. The request leaves the engine."""
         self._check_open()
-        self._check_single_rank()
         seq = self._prefilled(request_id)
         if seq is None:
             raise ValueError(f"request {request_id!r} has no prefilled KV blocks to hand over")

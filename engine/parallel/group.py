@@ -61,10 +61,20 @@ class TPGroup:
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: every rank's x ([..., d] each) concatenated on the last dim, rank order ([..., size * d]);
         the others get None. Logits go to where sampling runs, and nowhere else."""
+        parts = self.gather(x)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's x (same shape on every rank), in rank order; the others get None."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
         self._device_group.gather(parts, x, 0).wait()
-        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+        return parts if self.rank == 0 else None
+
+    def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x (on the group's device, contiguous) into every rank's x, in place; returns x."""
+        self._device_group.broadcast(x, 0).wait()
+        return x
 
     def broadcast_control_(self, buffer: torch.Tensor, idle: bool = False) -> torch.Tensor:
         """Rank 0's host `buffer` into every rank's (same shape and dtype), in place. idle: the caller may wait

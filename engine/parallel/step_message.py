@@ -4,7 +4,9 @@ which a follower builds the same batch tensors (build_step_tensors) and runs the
 
 Layout (int32 words): header [kind, T, N, width, S, R, C, total] then input_ids [T], num_computed [N],
 num_new [N], block_tables [N * width], sample_rows [S], prompt_rows [R], copy sources [C], copy targets [C].
-kind STOP ends a follower. Every step of at most INLINE_WORDS words (decode steps of 256 sequences with up to
+kind STOP ends a follower. Kinds KV_GATHER / KV_SCATTER (a KVMove: header [kind, n, C, 0, ..., total], block ids
+[n], copies [C] [C]) move KV blocks between the ranks' pools and one full-head tensor on rank 0
+(engine/runner/group_kv.py). Every step of at most INLINE_WORDS words (decode steps of 256 sequences with up to
 60 blocks each, prefill steps of ~15k tokens) is one broadcast; a larger one sends the words past INLINE_WORDS
 in a second broadcast, announced by `total` in the first.
 """
@@ -17,7 +19,7 @@ import torch
 
 from engine.parallel.group import TPGroup
 
-STEP, STOP = 1, 2
+STEP, STOP, KV_GATHER, KV_SCATTER = 1, 2, 3, 4
 HEADER_WORDS = 8
 INLINE_WORDS = 16384  # 64 KiB: one broadcast of this size costs ~0.1 ms over loopback gloo
 
@@ -33,6 +35,30 @@ class StepInputs:
     sample_rows: list[int]        # [S] batch rows that go through the LM head to be sampled
     prompt_rows: list[int]        # [R] batch rows that give prompt logprobs (in ROWS_PER_SLICE slices)
     copies: tuple[list[int], list[int]] = field(default=((), ()))  # [C] KV blocks copied (source, target)
+
+
+@dataclass(frozen=True)
+class KVMove:
+    """Rank 0 moves KV blocks across its group (engine/runner/group_kv.py): KV_GATHER, every rank sends its heads
+    of block_ids to rank 0; KV_SCATTER, rank 0 sends every rank a full-head tensor of block_ids' KV, each rank
+    writes its own heads into block_ids."""
+
+    kind: int
+    block_ids: list[int]  # [n] ids in every rank's pool (the ranks' pools share block ids)
+    copies: tuple[list[int], list[int]] = field(default=((), ()))  # [C] block copies queued before it, applied first
+
+
+def pack_kv_move(move: KVMove) -> np.ndarray:
+    sources, targets = move.copies
+    total = HEADER_WORDS + len(move.block_ids) + 2 * len(sources)
+    header = [move.kind, len(move.block_ids), len(sources)] + [0] * (HEADER_WORDS - 4) + [total]
+    return np.asarray(header + list(move.block_ids) + list(sources) + list(targets), dtype=np.int32)
+
+
+def unpack_kv_move(words: np.ndarray) -> KVMove:
+    num_blocks, num_copies = int(words[1]), int(words[2])
+    ids, sources, targets = np.split(words[HEADER_WORDS:], np.cumsum([num_blocks, num_copies]))
+    return KVMove(int(words[0]), ids.tolist(), (sources.tolist(), targets[:num_copies].tolist()))
 
 
 def pack(step: StepInputs) -> np.ndarray:
@@ -69,11 +95,14 @@ class StepChannel:
     def send(self, step: StepInputs) -> None:
         self._send_words(pack(step))
 
+    def send_kv_move(self, move: KVMove) -> None:
+        self._send_words(pack_kv_move(move))
+
     def send_stop(self) -> None:
         self._send_words(np.array([STOP] + [0] * (HEADER_WORDS - 2) + [HEADER_WORDS], dtype=np.int32))
 
-    def receive(self) -> StepInputs | None:
-        """The next step rank 0 sent, or None for STOP. Waits as long as rank 0 is idle."""
+    def receive(self) -> StepInputs | KVMove | None:
+        """The next message rank 0 sent (a step or a KV move), or None for STOP. Waits as long as rank 0 is idle."""
         inline = self.buffer.numel()
         words = self.group.broadcast_control_(self.buffer, idle=True).numpy()
         if words[0] == STOP:
@@ -82,6 +111,8 @@ class StepChannel:
         if total > inline:
             rest = self.group.broadcast_control_(torch.empty(total - inline, dtype=torch.int32))
             words = np.concatenate([words, rest.numpy()])
+        if words[0] in (KV_GATHER, KV_SCATTER):
+            return unpack_kv_move(words[:total])
         return unpack(words[:total])
 
     def _send_words(self, words: np.ndarray) -> None:

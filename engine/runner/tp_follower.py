@@ -29,7 +29,8 @@ from engine.model.tp_weights import load_shard
 from engine.parallel.group import Rendezvous, TPGroup, connect_group, open_store
 from engine.parallel.group_files import process_alive, remove_group_files
 from engine.parallel.layout import tp_layout
-from engine.parallel.step_message import StepChannel, StepInputs
+from engine.runner.group_kv import run_kv_move
+from engine.parallel.step_message import KVMove, StepChannel, StepInputs
 from engine.runner.decode_graphs import DecodeGraphs, decode_graphs_for
 from engine.runner.host_malloc import keep_freed_host_memory
 from engine.runner.memory_plan import plan_memory
@@ -138,8 +139,11 @@ def follower_main(spec: FollowerSpec) -> None:
     try:
         runner = build_follower_runner(spec, model, group, layout.kv_heads, device)
         channel = StepChannel(group)
-        while (step := channel.receive()) is not None:
-            runner.run(step)
+        while (message := channel.receive()) is not None:
+            if isinstance(message, KVMove):
+                run_kv_move(message, group, runner.kv_cache, spec.model_config)
+            else:
+                runner.run(message)
         runner.close()
     except RuntimeError as exc:  # rank 0's group is gone (its engine dropped unclosed, or its process died)
         logger.warning("tensor-parallel rank %d stops: rank 0 is gone (%s)", spec.rank, str(exc).splitlines()[0])

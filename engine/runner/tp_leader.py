@@ -27,6 +27,7 @@ from engine.model.tp_layers import TPShard
 from engine.parallel.group import CONNECT_TIMEOUT_S, Rendezvous, TPGroup, connect_group, open_store
 from engine.parallel.group_files import private_store_path, remove_group_files, remove_stale_group_files
 from engine.parallel.host_reduce import MAX_SLOT_BYTES, create_file, shared_memory_dir
+from engine.runner.group_kv import gather_kv_heads, scatter_kv_heads
 from engine.parallel.layout import tp_layout
 from engine.parallel.step_message import StepChannel, StepInputs
 from engine.runner.tp_follower import FollowerSpec, follower_main, status_key
@@ -113,7 +114,7 @@ class TPLeader:
                  saved_threads: int) -> None:
         self.group, self.store, self.followers, self.rendezvous = group, store, followers, rendezvous
         self.channel = StepChannel(group)
-        self.shard = None
+        self.shard = self.model_config = self.pool = None  # set by start() / kv_cache()
         self._copies: tuple[list[int], list[int]] = ([], [])
         self._saved_threads = saved_threads
         self._closed = False
@@ -151,7 +152,7 @@ class TPLeader:
             raise
         torch.set_num_threads(threads)
         leader = cls(group, store, followers, rendezvous, saved)
-        leader.shard = TPShard(tp_layout(model_config, 0, size), group)
+        leader.shard, leader.model_config = TPShard(tp_layout(model_config, 0, size), group), model_config
         logger.info("tensor parallel: %d ranks (pids %s), %d threads each", size, leader.pids(), threads)
         return leader
 
@@ -169,8 +170,20 @@ class TPLeader:
     def kv_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, prefix_caching: bool) -> KVCache:
         """Rank 0's pool: its KV heads (TPLayout.kv_heads), as many blocks as every rank can hold (the smallest
         num_blocks of any rank: one collective, every rank), block copies forwarded to the followers."""
-        return CopyRecordingKVCache(spec, self.group.min_int(num_blocks), device, prefix_caching,
-                                    head_range=self.shard.layout.kv_heads, leader=self)
+        self.pool = CopyRecordingKVCache(spec, self.group.min_int(num_blocks), device, prefix_caching,
+                                         head_range=self.shard.layout.kv_heads, leader=self)
+        return self.pool
+
+    def gather_kv_heads(self, block_ids: list[int]) -> torch.Tensor:
+        """The KV of block_ids with every head of the model, from every rank's pool (engine/runner/group_kv.py:
+        [L, 2, n, block_size, num_kv_heads, head_dim]). Call it on the thread that steps the engine."""
+        copies, self._copies = self._copies, ([], [])
+        return gather_kv_heads(self.channel, self.pool, self.model_config, block_ids, copies)
+
+    def scatter_kv_heads(self, block_ids: list[int], full: torch.Tensor) -> None:
+        """Write full's heads into block_ids of every rank's pool, each rank its own. On the stepping thread."""
+        copies, self._copies = self._copies, ([], [])
+        scatter_kv_heads(self.channel, self.pool, block_ids, full, copies)
 
     def queue_copies(self, sources: list[int], targets: list[int]) -> None:
         self._copies[0].extend(sources)

@@ -88,11 +88,12 @@ def test_tp_flags():
     cluster = serve_cluster_config(config)
     assert (cluster.decode_tp, cluster.num_ranks, cluster.tensor_parallel) == (2, 4, True)
     assert config_from_args(parser.parse_args(["--tp", "2"])).decode_tp == 2   # the engine in this process
+    disagg = serve_cluster_config(config_from_args(parser.parse_args(
+        ["--prefill-workers", "1", "--decode-workers", "2", "--prefill-tp", "2", "--decode-tp", "1"])))
+    assert (disagg.prefill_tp, disagg.decode_tp, disagg.num_ranks) == (2, 1, 4)
     for flags, match in ((["--replicas", "2", "--prefill-tp", "2"], "--prefill-tp sizes disaggregated workers"),
                          (["--replicas", "2", "--decode-tp", "2"], "colocated serving .* takes --tp N"),
                          (["--prefill-workers", "1", "--tp", "2"], "--tp N sizes colocated engines"),
-                         (["--prefill-workers", "1", "--prefill-tp", "2"], "not built yet"),
-                         (["--prefill-workers", "1", "--decode-tp", "2"], "not built yet"),
                          (["--replicas", "2", "--tp", "0"], "--tp must be >= 1"),
                          (["--replicas", "2", "--tp", "2", "--gpus-per-worker", "0.5"], "one GPU per rank")):
         with pytest.raises(ValueError, match=match):

@@ -1,0 +1,74 @@
+"""KV blocks between a tensor-parallel group's ranks and one full-head tensor on rank 0.
+
+Each rank's pool holds the KV heads of its layout (engine/parallel/layout.py: kv_heads), under the same block ids
+on every rank. A KV transfer from or to a group goes through rank 0 (kv_transfer/group_pool.py): before a prefill
+group ships a request, `gather_kv_heads` assembles the blocks' full heads on rank 0; when a decode group admits
+one, `scatter_kv_heads` writes each rank's heads of a full-head tensor into its own blocks. Both are collectives:
+rank 0 announces them with one KVMove on the step channel (engine/parallel/step_message.py) and its followers,
+which run rank 0's messages in order, take part (`run_kv_move`). Heads replicated on several ranks (fewer KV heads
+than ranks) are taken from the first rank that holds them and written to every rank that holds them.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv.kv_cache import KVCache
+from engine.parallel.group import TPGroup
+from engine.parallel.layout import tp_layout
+from engine.parallel.step_message import KV_GATHER, KV_SCATTER, KVMove, StepChannel
+
+
+def full_head_shape(kv_cache: KVCache, num_kv_heads: int, num_blocks: int) -> tuple[int, ...]:
+    """[L, 2, num_blocks, block_size, num_kv_heads, head_dim]: num_blocks blocks of the model's every KV head."""
+    layers, _, _, block_size, _, head_dim = kv_cache.kv.shape
+    return (layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def gather_kv_heads(channel: StepChannel, kv_cache: KVCache, model_config: ModelConfig, block_ids: list[int],
+                    copies: tuple[list[int], list[int]] = ((), ())) -> torch.Tensor:
+    """Rank 0: the KV of block_ids with every head of the model, [L, 2, n, block_size, num_kv_heads, head_dim], on
+    the group's device. copies: block copies rank 0 made since its last message, which the followers make first.
+    Reads every rank's pool, changes none (but the copies)."""
+    group = channel.group
+    channel.send_kv_move(KVMove(KV_GATHER, list(block_ids), copies))
+    parts = group.gather(_read_blocks(kv_cache, block_ids))  # size x [L, 2, n, bs, h, D]
+    full = torch.empty(full_head_shape(kv_cache, model_config.num_kv_heads, len(block_ids)),
+                       dtype=kv_cache.kv.dtype, device=kv_cache.kv.device)
+    for rank in reversed(range(group.size)):  # rank order wins for replicated heads: the first holder last
+        lo, hi = tp_layout(model_config, rank, group.size).kv_heads
+        full[..., lo:hi, :] = parts[rank]
+    return full
+
+
+def scatter_kv_heads(channel: StepChannel, kv_cache: KVCache, block_ids: list[int], full: torch.Tensor,
+                     copies: tuple[list[int], list[int]] = ((), ())) -> None:
+    """Rank 0: write full ([L, 2, n, block_size, num_kv_heads, head_dim], n = len(block_ids)) into block_ids of
+    every rank's pool, each rank its own heads (copies as gather_kv_heads). Changes only those blocks."""
+    channel.send_kv_move(KVMove(KV_SCATTER, list(block_ids), copies))
+    channel.group.broadcast_(full.to(kv_cache.kv.device).contiguous())
+    _write_blocks(kv_cache, block_ids, full)
+
+
+def run_kv_move(move: KVMove, group: TPGroup, kv_cache: KVCache, model_config: ModelConfig) -> None:
+    """A follower's part of rank 0's gather_kv_heads / scatter_kv_heads."""
+    if move.copies[0]:
+        kv_cache.copy_blocks(list(move.copies[0]), list(move.copies[1]))
+    if move.kind == KV_GATHER:
+        group.gather(_read_blocks(kv_cache, move.block_ids))
+        return
+    full = torch.empty(full_head_shape(kv_cache, model_config.num_kv_heads, len(move.block_ids)),
+                       dtype=kv_cache.kv.dtype, device=kv_cache.kv.device)
+    group.broadcast_(full)
+    _write_blocks(kv_cache, move.block_ids, full)
+
+
+def _read_blocks(kv_cache: KVCache, block_ids: list[int]) -> torch.Tensor:
+    ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.kv.device)
+    return kv_cache.kv.index_select(2, ids)  # [L, 2, n, bs, h, D]
+
+
+def _write_blocks(kv_cache: KVCache, block_ids: list[int], full: torch.Tensor) -> None:
+    lo, hi = kv_cache.head_range
+    ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.kv.device)
+    kv_cache.kv.index_copy_(2, ids, full[..., lo:hi, :].to(kv_cache.kv.device))  # [L, 2, n, bs, h, D]

@@ -1,0 +1,129 @@
+"""KV between tensor-parallel layouts, with real engines in this process and a real gRPC pair on 127.0.0.1: a prefill
+group of A ranks ships through its full-head staging pool, a decode group of B ranks lands in its own and scatters
+each rank its heads (kv_transfer/group_pool.py). For (A, B) = (2, 1), (1, 2), (2, 2) the decode side's greedy tokens
+equal transformers, with decoder-side prefix reuse; a failed transfer, a delivery nobody waits for and a full staging
+pool free everything; at the end every engine block and every staging block is free on both sides."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from kv_transfer import ReceivedKV, TransferConfig, create_receiver, create_sender
+from kv_transfer.engine_pool import (admit_received, drop_delivered, land_delivered, receiver_pool, sender_pool,
+                                     ship_prefilled)
+from kv_transfer.group_pool import GroupStaging
+from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+FIRST = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)  # the prefill keeps the KV
+VOCAB = 300
+OPTIONS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 << 20)
+
+
+class Pair:
+    """A prefill engine and a decode engine joined by a gRPC sender and receiver, as the workers join them."""
+
+    def __init__(self, path: str, prefill_tp: int, decode_tp: int) -> None:
+        self.prefill = LLM(path, tensor_parallel_size=prefill_tp, **OPTIONS)
+        self.decode = LLM(path, tensor_parallel_size=decode_tp, **OPTIONS)
+        config = TransferConfig(transport="grpc", kv_transfer_timeout_s=20, connect_timeout_s=30)
+        send_view, self.send_staging = sender_pool(self.prefill.engine)
+        receive_view, self.receive_staging = receiver_pool(self.decode.engine)
+        self.sender = create_sender(config, send_view, "grpc")
+        self.receiver = create_receiver(config, receive_view, "grpc")
+
+    def prefill_one(self, rid: str, prompt: list[int]) -> None:
+        engine = self.prefill.engine
+        engine.add_request(rid, prompt, FIRST, prefill_only=True)
+        while not any(d.kv_block_ids is not None and d.request_id == rid for d in engine.step()):
+            pass
+
+    def ship(self, rid: str, prefix_blocks: int = 0):
+        return ship_prefilled(self.prefill.engine, self.sender, self.receiver.address, rid,
+                              prefix_blocks=prefix_blocks, staging=self.send_staging)
+
+    def receive(self) -> ReceivedKV:
+        outcome = self.receiver.wait(30)
+        assert isinstance(outcome, ReceivedKV), outcome
+        return outcome
+
+    def decode_all(self, admitted: dict[str, tuple]) -> dict[str, list[int]]:
+        """Admit each (outcome, prompt, cached blocks) and decode them all; their tokens, first included."""
+        engine, tokens = self.decode.engine, {}
+        for rid, (outcome, prompt, cached) in admitted.items():
+            delta = admit_received(engine, land_delivered(outcome, self.receive_staging), prompt, GREEDY,
+                                   cached_block_ids=cached)
+            tokens[rid] = list(delta.new_token_ids)
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens[delta.request_id] += delta.new_token_ids
+        return tokens
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+        for staging in (self.send_staging, self.receive_staging):
+            if staging is not None:
+                assert staging.num_free == staging.kv.shape[2], "a staging block leaked"
+        for llm in (self.prefill, self.decode):
+            assert_all_blocks_free(llm)
+            llm.close()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))  # 4 query / 2 KV heads: one KV head per rank at TP=2
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
+def test_greedy_across_layouts_equals_transformers_with_prefix_reuse(prefill_tp, decode_tp, ckpt, hf_greedy):
+    prompts = random_prompts([1, 9, 30, 70], VOCAB, seed=21)
+    again = prompts[3][:48] + random_prompts([11], VOCAB, seed=22)[0]  # 6 blocks the decode side holds
+    expected = hf_greedy(ckpt, prompts + [again], MAX_TOKENS)
+    pair = Pair(ckpt, prefill_tp, decode_tp)
+    try:
+        admitted = {}
+        for i, prompt in enumerate(prompts):
+            pair.prefill_one(f"r{i}", prompt)
+            handle = pair.ship(f"r{i}")
+            admitted[f"r{i}"] = (pair.receive(), prompt, ())
+            handle.result(30)  # raises if the transfer failed
+        tokens = pair.decode_all(admitted)
+        assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:4]
+        cached = pair.decode.engine.pin_cached_prefix(again)  # the decode side's prefix cache holds r3's blocks
+        assert len(cached) == 6
+        pair.prefill_one("again", again)
+        handle = pair.ship("again", prefix_blocks=len(cached))
+        outcome = pair.receive()
+        assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
+        handle.result(30)
+        assert pair.decode_all({"again": (outcome, again, cached)})["again"] == expected[4]
+    finally:
+        pair.close()
+
+
+def test_a_delivery_nobody_waits_for_and_a_full_staging_pool_free_everything(ckpt):
+    pair = Pair(ckpt, 2, 2)
+    try:
+        prompt = random_prompts([40], VOCAB, seed=23)[0]
+        pair.prefill_one("dropped", prompt)
+        handle = pair.ship("dropped")
+        outcome = pair.receive()
+        assert pair.receive_staging.num_free < pair.receive_staging.kv.shape[2]
+        drop_delivered(pair.decode.engine, outcome, pair.receive_staging)
+        handle.result(30)
+        staging: GroupStaging = pair.send_staging
+        held = staging.allocate(staging.num_free - 2)  # 2 staging blocks left, 5 needed
+        pair.prefill_one("no-room", prompt)
+        with pytest.raises(ValueError, match="staging pool has 2 free blocks, 5 needed"):
+            pair.ship("no-room")
+        staging.free(held)
+        deadline = time.monotonic() + 10
+        while pair.prefill.engine.num_free_blocks != pair.prefill.engine.num_total_blocks:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        pair.close()
