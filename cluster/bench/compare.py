@@ -2,6 +2,7 @@
 
     tandem bench compare --workers 2   # 48 mixed requests (20% of 1536 tokens, the rest 64) x rates 4, 8:
                                        # colocated-2 vs disagg-1p1d on the same 2 workers' worth of hardware
+    tandem bench compare --gpus 4 --prefill-tp 2 --tp 2   # colocated-2-tp2 vs disagg-1p2d-ptp2: 4 GPUs each
 
 For each mode (cluster/bench/compare_modes.py) it starts `tandem serve` as a subprocess, sends the
 warm-up requests, runs the workload once per request rate through the streaming HTTP API (the
@@ -44,13 +45,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--transport", default="auto", choices=["auto", "nccl", "gloo", "grpc"])
-    parser.add_argument("--workers", type=int, default=None,
-                        help="equal hardware: compare colocated-W (W replicas) with every disagg split of W "
-                             "workers (2: disagg-1p1d; 4: 1p3d, 2p2d, 3p1d); each worker gets cores/W threads "
-                             "or a GPU (default: 4 with 4 GPUs or 8 cores, else 2)")
+    parser.add_argument("--workers", "--gpus", type=int, default=None, dest="workers",
+                        help="equal hardware: compare colocated-(G/T) replicas with the disagg splits that use all "
+                             "G devices (TP=1: 2: disagg-1p1d; 4: 1p3d, 2p2d, 3p1d); each rank gets cores/G "
+                             "threads or a GPU (default: 4 with 4 GPUs or 8 cores, else 2)")
+    parser.add_argument("--prefill-tp", type=int, default=None,
+                        help="with --gpus/--workers: ranks (GPUs) of each prefill worker (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=None,
+                        help="with --gpus/--workers: ranks (GPUs) of each decode worker (default 1)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="with --gpus/--workers: ranks (GPUs) of each colocated replica (default 1)")
     parser.add_argument("--modes", default=None,
-                        help="comma-separated, instead of --workers' set: colocated-<N>, disagg-<P>p<D>d, "
-                             "disagg-<P>p<D>d-local<N>, colocated / colocated-chunked (one in-process engine)")
+                        help="comma-separated, instead of --workers' set: colocated-<N>[-tp<T>], "
+                             "disagg-<P>p<D>d[-ptp<A>][-dtp<B>], disagg-<P>p<D>d-local<N>, colocated / "
+                             "colocated-chunked (one in-process engine)")
     parser.add_argument("--request-rates", default="4,8", help="comma-separated req/s, 'inf' = all at once")
     parser.add_argument("--chunk-size", type=int, default=256, help="prefill chunk of colocated-chunked")
     parser.add_argument("--long-prefill-threshold", type=int, default=256,
@@ -89,12 +97,20 @@ def _num_gpus(device: str) -> int:
 
 
 def _mode_names(args: argparse.Namespace, num_gpus: int) -> list[str]:
+    """--modes, or the equal-hardware set of --gpus/--workers devices at the TP sizes given. ValueError names
+    the flag (a TP size below 1 or not dividing the devices: cluster/plan/deployment.check_tp_sizes)."""
+    sizes = {"--prefill-tp": args.prefill_tp, "--decode-tp": args.decode_tp, "--tp": args.tp}
     if args.modes is not None:
         if args.workers is not None:
             raise ValueError("give --workers (its equal-hardware set of modes) or --modes, not both")
+        given = [flag for flag, size in sizes.items() if size is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: with --modes the TP sizes go in the mode names "
+                             "(colocated-2-tp2, disagg-1p2d-ptp2, disagg-1p1d-ptp2-dtp2)")
         return parse_modes(args.modes)
     import os
-    return default_mode_names(args.workers or default_workers(num_gpus, os.cpu_count() or 1))
+    devices = args.workers or default_workers(num_gpus, os.cpu_count() or 1)
+    return default_mode_names(devices, *(1 if size is None else size for size in sizes.values()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,7 +178,7 @@ def _run_mode(mode, args, rates, samples, warmups, slos, results_dir: Path, repe
             _, results, duration = asyncio.run(run)
             pool_whole = _wait_for_whole_pool(server)
             run = ModeRun(mode.name, rate, compute_metrics(results, duration, slos), results, pool_whole,
-                          mode.hardware, repeat)
+                          mode.hardware, repeat, mode.devices)
             print(f"[{tag}] rate {rate:g}: {run.summary_line()}", flush=True)
             runs.append(run)
     return runs

@@ -23,14 +23,15 @@ from cluster.bench.serve_report import RunSettings, result_json
 GOAL_ITL_P99_RATIO = 0.5
 GOAL_TTFT_MEDIAN_RATIO = 1.25
 BASELINE = "colocated"
-_REPLICAS = re.compile(r"^colocated-\d+$")
+_REPLICAS = re.compile(r"^colocated-\d+(-tp\d+)?$")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModeRun:
     """One mode at one request rate: its metrics, the raw per-request results (for the plots),
     whether the server's KV pool was whole after the run (None: not reported), the hardware the mode got
-    (compare_modes.ServingMode.hardware) and the round it ran in (0-based, `--repeats`)."""
+    (compare_modes.ServingMode.hardware), the round it ran in (0-based, `--repeats`) and the devices its workers
+    took (ServingMode.devices: GPUs, one per rank, or CPU rank shares; 0: the in-process engine)."""
 
     mode: str
     rate: float
@@ -39,6 +40,7 @@ class ModeRun:
     pool_whole: bool | None
     hardware: str = ""
     repeat: int = 0
+    devices: int = 0
 
     def summary_line(self) -> str:
         m = self.metrics
@@ -54,10 +56,10 @@ def _rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-_TABLE_HEADER = ("| mode | hardware | rate | ok / failed | req/s | goodput | out tok/s | TTFT p50 / p99 ms | "
+_TABLE_HEADER = ("| mode | hardware | GPUs | rate | ok / failed | req/s | goodput | out tok/s | TTFT p50 / p99 ms | "
                  "TPOT p50 / p99 ms | ITL p99 ms | transfer p50 / p99 ms | exposed p50 / p99 ms | "
                  "exposed % of TTFT p50 | KV pool whole |\n"
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 
 
 def _table_row(run: ModeRun, rounds: int = 1) -> str:
@@ -68,8 +70,8 @@ def _table_row(run: ModeRun, rounds: int = 1) -> str:
     exposed = f"{d.transfer_exposed_ms_p50:.1f} / {d.transfer_exposed_ms_p99:.1f}" if disagg else "-"
     share = f"{100 * d.transfer_share_of_ttft_p50:.1f}%" if disagg else "-"
     mode = f"{run.mode} #{run.repeat + 1}" if rounds > 1 else run.mode
-    return (f"| {mode} | {run.hardware or '-'} | {_rate(run.rate)} | {m.completed} / {m.failed} | "
-            f"{m.request_throughput:.2f} | "
+    return (f"| {mode} | {run.hardware or '-'} | {run.devices or '-'} | {_rate(run.rate)} | "
+            f"{m.completed} / {m.failed} | {m.request_throughput:.2f} | "
             f"{goodput} | {m.output_throughput:.1f} | {m.ttft.median:.1f} / {m.ttft.p99:.1f} | "
             f"{m.tpot.median:.1f} / {m.tpot.p99:.1f} | {m.itl.p99:.1f} | {transfer} | {exposed} | {share} | "
             f"{_yes_no(run.pool_whole)} |")
@@ -149,6 +151,7 @@ def format_markdown(runs: list[ModeRun], command: str = "") -> str:
         parts.append("")
     same = "same run" if rounds == 1 else f"{rounds} rounds, each mode once per round, ratios within a round"
     parts += [f"Goal (disaggregated vs {goal_baseline(runs) or 'colocated'}, {same}):", *goal_lines(runs), ""]
+    parts += [devices_line(runs), ""]
     parts += multiturn_markdown(runs)
     parts.append("Latencies are measured at the HTTP client (vLLM's definitions); transfer = the server's "
                  "tandem_timing.transfer_ms (first byte -> ack; layer-streamed, mostly under the prefill), exposed "
@@ -157,12 +160,24 @@ def format_markdown(runs: list[ModeRun], command: str = "") -> str:
     return "\n".join(parts) + "\n"
 
 
+def devices_line(runs: list[ModeRun]) -> str:
+    """Whether the Ray modes ran on an equal device count (the GPUs column; CPU: rank shares of the cores)."""
+    counts = {run.mode: run.devices for run in runs if run.devices}
+    if not counts:
+        return "GPUs: only the in-process engine ran (one GPU, or every core)."
+    if len(set(counts.values())) == 1:
+        return f"GPUs: every Ray mode used {next(iter(counts.values()))} (GPUs, one per rank; on CPU rank shares)."
+    used = ", ".join(f"{mode} {count}" for mode, count in counts.items())
+    return f"GPUs: NOT equal hardware, the modes used different device counts ({used})."
+
+
 def runs_json(runs: list[ModeRun], flags: dict) -> dict:
     """{"flags": ..., "runs": [{"mode", "repeat", "request_rate", "pool_whole", **vLLM-style result keys}],
     "ratios": [{..., each ratio's median over the rounds, "rounds": each ratio per round}]}."""
     entries = []
     for run in runs:
-        entry = {"mode": run.mode, "repeat": run.repeat, "hardware": run.hardware, "pool_whole": run.pool_whole}
+        entry = {"mode": run.mode, "repeat": run.repeat, "hardware": run.hardware, "gpus": run.devices,
+                 "pool_whole": run.pool_whole}
         entry.update(result_json(run.metrics, RunSettings(run.rate, flags.get("max_concurrency"),
                                                           flags.get("burstiness", 1.0))))
         entries.append(entry)

@@ -8,8 +8,8 @@ inter-token latency (vLLM's TPOT, which its goodput and DistServe's use), so `ta
 
 A deployment meets the SLOs when at least `attainment` of its requests meet both. The recommendation is the
 deployment with the highest goodput among those that meet them (within GOODPUT_TIE of the best counts as a
-tie, broken by the lower p99 TTFT); when none does, the closest is the one with the most requests meeting
-both (ties again by p99 TTFT).
+tie, broken by the fewer devices, then the lower p99 TTFT); when none does, the closest is the one with the most
+requests meeting both (ties again by devices, then p99 TTFT).
 """
 from __future__ import annotations
 
@@ -93,7 +93,12 @@ def recommend(predictions: list[Prediction], slos: Slos) -> Recommendation:
     if meeting:
         best = max(p.goodput for p in meeting)
         tied = [p for p in meeting if p.goodput >= best * (1 - GOODPUT_TIE)]
-        return Recommendation(min(tied, key=lambda p: p.metrics.ttft.p99), True)
+        return Recommendation(min(tied, key=_tie_break), True)
     most = max(p.attainment for p in predictions)
     tied = [p for p in predictions if p.attainment >= most - 1e-12]
-    return Recommendation(min(tied, key=lambda p: p.metrics.ttft.p99), False)
+    return Recommendation(min(tied, key=_tie_break), False)
+
+
+def _tie_break(prediction: Prediction) -> tuple[int, float]:
+    """Of tied deployments: the one on fewer devices (a split may leave some idle), then the lower p99 TTFT."""
+    return prediction.deployment.num_devices, prediction.metrics.ttft.p99

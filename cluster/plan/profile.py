@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from cluster.plan.host_model import ServingCosts
 from cluster.plan.step_model import StepTimeModel, StepWork, fit_outliers, fit_step_model
+from cluster.plan.tp_model import TpCost
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 
@@ -71,7 +72,8 @@ class MeasuredStep:
 class EngineProfile:
     """What was measured and on what: the planner's only input about the hardware besides the transfer.
     `serving`: the serving path's costs per kind of deployment ("colocated", "disaggregated"), once
-    `tandem plan --calibrate` has measured them."""
+    `tandem plan --calibrate` has measured them. `tp_costs`: what TP groups' collectives cost (tp_model.py), as
+    measured or given when the profile was saved."""
 
     model: str
     device: str
@@ -82,6 +84,7 @@ class EngineProfile:
     bytes_per_block: int
     steps: tuple[MeasuredStep, ...] = field(repr=False)
     serving: dict[str, ServingCosts] = field(default_factory=dict, repr=False, compare=False)
+    tp_costs: tuple[TpCost, ...] = field(default=(), repr=False, compare=False)
 
     def fit(self) -> StepTimeModel:
         return fit_step_model([s.work for s in self.steps], [s.seconds for s in self.steps])
@@ -96,7 +99,8 @@ class EngineProfile:
         steps = [{"phase": s.phase, "point": s.point, "prefill_chunks": [list(c) for c in s.work.prefill_chunks],
                   "decode_contexts": list(s.work.decode_contexts), "seconds": s.seconds} for s in self.steps]
         serving = {kind: costs.as_dict() for kind, costs in self.serving.items()}
-        return {**head, "steps": steps, **({"serving": serving} if serving else {})}
+        tp = {"tp_costs": [cost.as_dict() for cost in self.tp_costs]} if self.tp_costs else {}
+        return {**head, "steps": steps, **({"serving": serving} if serving else {}), **tp}
 
     @classmethod
     def from_dict(cls, data: dict) -> "EngineProfile":
@@ -104,9 +108,10 @@ class EngineProfile:
         try:
             steps = tuple(MeasuredStep(s["phase"], s["point"], _work(s), float(s["seconds"])) for s in data["steps"])
             serving = {str(kind): ServingCosts.from_dict(costs) for kind, costs in data.get("serving", {}).items()}
+            tp_costs = tuple(TpCost.from_dict(cost) for cost in data.get("tp_costs", ()))
             return cls(str(data["model"]), str(data["device"]), str(data["dtype"]), int(data["cpu_threads"]),
                        int(data["max_model_len"]), int(data["block_size"]), int(data["bytes_per_block"]), steps,
-                       serving)
+                       serving, tp_costs)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"not a saved `tandem plan` profile ({type(error).__name__}: {error})") from None
 

@@ -5,13 +5,15 @@ import math
 import statistics
 from collections import defaultdict
 
+from cluster.plan.deployment import Deployment
 from cluster.plan.predict import Prediction, Recommendation, Slos
 from cluster.plan.profile import EngineProfile
 from cluster.plan.simulator import ServingShape
 from cluster.plan.step_model import OUTLIER_RATIO, StepTimeModel, StepWork
+from cluster.plan.tp_model import TpCost
 
-_HEADER = (f"{'deployment':<14} {'goodput':>8} {'meet SLOs':>9} {'req/s':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
-           f"{'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} {'KV ms':>6}")
+_HEADER = (f"{'deployment':<24} {{unit:>13}} {'goodput':>8} {'meet SLOs':>9} {'req/s':>6} {'TTFT p50':>9} "
+           f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>9} {'KV ms':>6}")
 
 
 def format_profile(profile: EngineProfile, model: StepTimeModel) -> str:
@@ -60,20 +62,42 @@ def format_serving(shapes: dict[str, ServingShape], calibrated: dict) -> str:
     return "\n".join(lines)
 
 
-def format_table(predictions: list[Prediction], recommendation: Recommendation, slos: Slos) -> str:
-    """One row per deployment (ms, goodput in req/s), the recommendation or why there is none."""
-    rows = [_HEADER]
+def format_tp(devices: int, unit: str, costs: tuple[TpCost, ...], sizes: tuple[int, ...]) -> str:
+    """The budget, and per TP size the deployments use, what its collectives add to a step and from where."""
+    lines = [f"budget: {devices} {unit}; a worker of TP size T takes T of them"]
+    for cost in costs:
+        if cost.tp in sizes:
+            lines.append(f"TP={cost.tp} step: compute / {cost.tp} + {cost.step_s * 1e3:.3f} ms + "
+                         f"{cost.token_s * 1e6:.2f} us per token row ({cost.source})")
+    return "\n".join(lines)
+
+
+def gpus_column(deployment: Deployment) -> str:
+    """Devices per role: '2P+2D=4' (prefill + decode workers' devices = all), '4' (the replicas')."""
+    d = deployment
+    if d.is_disaggregated:
+        return f"{d.prefill_devices}P+{d.decode_devices}D={d.num_devices}"
+    return f"{d.num_devices}"
+
+
+def format_table(predictions: list[Prediction], recommendation: Recommendation, slos: Slos,
+                 unit: str = "devices") -> str:
+    """One row per deployment (its GPUs per role, ms, goodput in req/s), the recommendation or why there is
+    none."""
+    rows = [_HEADER.format(unit=unit)]
     for p in predictions:
         m = p.metrics
         mark = " *" if p is recommendation.prediction else ""
-        rows.append(f"{p.deployment.name + mark:<14} {p.goodput:8.2f} {p.attainment:8.0%} {m.request_throughput:6.2f} "
+        rows.append(f"{p.deployment.name + mark:<24} {gpus_column(p.deployment):>13} {p.goodput:8.2f} "
+                    f"{p.attainment:8.0%} {m.request_throughput:6.2f} "
                     f"{m.ttft.median:9.1f} {m.ttft.p99:9.1f} {m.itl.median:8.1f} {m.itl.p99:8.1f} "
                     f"{m.tpot.median:9.1f} {p.mean_transfer_ms:6.1f}")
     best = recommendation.prediction
     target = (f"TTFT <= {slos.ttft_ms:g} ms and ITL (mean per request) <= {slos.itl_ms:g} ms for "
               f"{slos.attainment:.0%} of requests")
     if recommendation.meets_slos:
-        rows.append(f"recommendation: {best.deployment.name} ({best.goodput:.2f} req/s within the SLOs: {target})")
+        rows.append(f"recommendation: {best.deployment.name} on {best.deployment.num_devices} {unit} "
+                    f"({best.goodput:.2f} req/s within the SLOs: {target})")
     else:
         rows.append(f"no deployment meets the SLOs ({target}); the closest is {best.deployment.name}: "
                     f"{best.attainment:.0%} of requests within them, TTFT p99 {best.metrics.ttft.p99:.1f} ms, "
@@ -93,8 +117,10 @@ def plan_json(predictions: list[Prediction], recommendation: Recommendation, slo
 def _prediction_json(p: Prediction) -> dict:
     m = p.metrics
     finite = lambda v: v if math.isfinite(v) else None  # noqa: E731
-    return {"name": p.deployment.name, "prefill_workers": p.deployment.num_prefill,
-            "decode_workers": p.deployment.num_decode, "disaggregated": p.deployment.is_disaggregated,
+    d = p.deployment
+    return {"name": d.name, "prefill_workers": d.num_prefill, "decode_workers": d.num_decode,
+            "prefill_tp": d.prefill_tp, "decode_tp": d.decode_tp, "prefill_gpus": d.prefill_devices,
+            "decode_gpus": d.decode_devices, "gpus": d.num_devices, "disaggregated": d.is_disaggregated,
             "goodput": finite(p.goodput), "slo_attainment": p.attainment,
             "request_throughput": finite(m.request_throughput), "duration_s": m.duration,
             "ttft_p50_ms": m.ttft.median, "ttft_p99_ms": m.ttft.p99, "itl_p50_ms": m.itl.median,

@@ -1,7 +1,8 @@
 """A discrete-event simulation of one deployment serving a workload, driven by the profiled step times.
 
 Every worker is a SimEngine (cluster/plan/engine_sim.py) whose steps take StepTimeModel.seconds of what
-they compute; a request that arrives during a step joins the next one, as in a real worker's step loop.
+they compute (a tensor-parallel worker's: TpStepModel's, cluster/plan/tp_model.py); a request that arrives during
+a step joins the next one, as in a real worker's step loop.
 
     disaggregated  arrival (+ overhead) -> the coordinator's routing (decode worker with the least KV claimed,
                    then fewest requests; prefill worker with the fewest queued prompt tokens) -> prefill worker
@@ -37,6 +38,7 @@ from cluster.plan.deployment import Deployment
 from cluster.plan.engine_sim import EngineLimits, SimEngine, SimSequence, step_work
 from cluster.plan.host_model import CoreSharing, HostModel, ServingCosts
 from cluster.plan.step_model import StepTimeModel
+from cluster.plan.tp_model import TpCost, TpStepModel, group_model
 from cluster.plan.transfer_model import TransferModel
 
 
@@ -53,7 +55,9 @@ class SimRequest:
 class ServingShape:
     """How the workers of every deployment run: their engines' limits, the KV transfer, what the serving path
     outside the engines costs (`costs`: CPU per request, token and step, and the fixed times before every first
-    token and in every step) and the host's cores all of it runs on (`host`: how they are shared)."""
+    token and in every step), the host's cores all of it runs on (`host`: how they are shared; a worker of T ranks
+    steps on T x host.worker_threads threads) and what TP groups' collectives cost (`tp_costs`: cluster/plan/
+    tp_model.py; one per TP size > 1 a deployment uses)."""
 
     prefill_limits: EngineLimits     # prefill workers
     decode_limits: EngineLimits      # decode workers
@@ -61,6 +65,7 @@ class ServingShape:
     transfer: TransferModel
     costs: ServingCosts = field(default_factory=ServingCosts)
     host: HostModel = field(default_factory=HostModel)
+    tp_costs: tuple[TpCost, ...] = ()
 
     def __post_init__(self) -> None:
         if self.costs.baseline_cores >= self.host.cores:
@@ -77,8 +82,8 @@ class RequestTrace:
 
 
 class _Worker:
-    def __init__(self, index: int, limits: EngineLimits) -> None:
-        self.index = index
+    def __init__(self, index: int, limits: EngineLimits, model: TpStepModel, threads: int) -> None:
+        self.index, self.model, self.threads = index, model, threads  # threads: of its step, every rank's
         self.engine = SimEngine(limits)
         self.busy = False
         self.live: dict[int, SimSequence] = {}  # requests routed here and not finished
@@ -89,10 +94,13 @@ class _Simulation:
     def __init__(self, deployment: Deployment, requests: list[SimRequest], model: StepTimeModel,
                  shape: ServingShape) -> None:
         self.deployment, self.requests, self.model, self.shape = deployment, requests, model, shape
-        disagg = deployment.is_disaggregated
-        self.prefill = [_Worker(i, shape.prefill_limits) for i in range(deployment.num_prefill)]
-        self.decode = [_Worker(i, shape.decode_limits if disagg else shape.replica_limits)
-                       for i in range(deployment.num_decode)]
+        limits = shape.decode_limits if deployment.is_disaggregated else shape.replica_limits
+        prefill, decode = (group_model(model, tp, shape.tp_costs)
+                           for tp in (deployment.prefill_tp, deployment.decode_tp))
+        threads = shape.host.worker_threads
+        self.prefill = [_Worker(i, shape.prefill_limits, prefill, threads * deployment.prefill_tp)
+                        for i in range(deployment.num_prefill)]
+        self.decode = [_Worker(i, limits, decode, threads * deployment.decode_tp) for i in range(deployment.num_decode)]
         self.token_times: list[list[float]] = [[] for _ in requests]
         self.decode_of: dict[int, _Worker] = {}     # request -> its decode worker (disaggregated)
         self.transfers: dict[tuple[int, int], deque] = {}  # (prefill, decode) -> KV to ship, the first in flight
@@ -173,8 +181,8 @@ class _Simulation:
             return
         chunks = worker.engine.schedule()
         worker.busy = True
-        seconds = self.model.seconds(step_work(chunks)) + self.shape.costs.step_overhead_s * self._spread()
-        self._run_on_host(now, seconds, self.shape.host.worker_threads, self._end_step, (worker, chunks))
+        seconds = worker.model.seconds(step_work(chunks)) + self.shape.costs.step_overhead_s * self._spread()
+        self._run_on_host(now, seconds, worker.threads, self._end_step, (worker, chunks))
 
     def _spread(self) -> float:
         """A draw of the step overhead's factor: lognormal with mean 1 and sigma ServingCosts.step_overhead_sigma

@@ -8,9 +8,10 @@ import subprocess
 
 import pytest
 
-from cluster.bench.compare import parse_rates
+from cluster.bench.compare import _mode_names, add_arguments, parse_rates
 from cluster.bench.compare_modes import ModeSettings, default_mode_names, default_workers, parse_modes, serving_mode
-from cluster.bench.compare_report import ModeRun, format_markdown, goal_baseline, goal_lines, ratio_rows, runs_json
+from cluster.bench.compare_report import (ModeRun, devices_line, format_markdown, goal_baseline, goal_lines, ratio_rows,
+                                          runs_json)
 from cluster.bench.serve_metrics import RequestResult, compute_metrics
 from tests.support.serve_process import TANDEM
 
@@ -71,12 +72,72 @@ def test_mode_and_rate_lists_are_validated():
     assert (default_workers(0, 2), default_workers(0, 8), default_workers(2, 64), default_workers(4, 2)) == (2, 4, 2, 4)
 
 
+def test_tp_modes_serve_tp_groups_and_count_their_gpus():
+    """A mode's TP sizes become `tandem serve`'s --tp / --prefill-tp / --decode-tp; its devices are P x A + D x B
+    (one GPU or one CPU thread share per rank)."""
+    assert parse_modes("colocated-2-tp2,disagg-1p2d-ptp2,disagg-1p1d-ptp2-dtp2-local64,disagg-2p1d-dtp2-noreuse") \
+        == ["colocated-2-tp2", "disagg-1p2d-ptp2", "disagg-1p1d-ptp2-dtp2-local64", "disagg-2p1d-dtp2-noreuse"]
+    for bad in ("colocated-2-tp0", "disagg-1p1d-ptp0", "disagg-1p1d-dtp2-ptp2", "colocated-tp2"):
+        with pytest.raises(ValueError):
+            parse_modes(bad)
+    replicas = serving_mode("colocated-2-tp2", SETTINGS)
+    flags = replicas.serve_flags
+    assert flags[flags.index("--replicas") + 1] == "2" and flags[flags.index("--tp") + 1] == "2"
+    assert replicas.devices == 4 and flags[flags.index("--cpu-threads") + 1] == "1"
+    assert replicas.hardware == "4 ranks x 1 thread: 2 replicas x TP2"
+    split = serving_mode("disagg-1p2d-ptp2-local64", SETTINGS)
+    flags = split.serve_flags
+    assert flags[flags.index("--prefill-tp") + 1] == "2" and "--decode-tp" not in flags and "--tp" not in flags
+    assert flags[flags.index("--local-prefill-tokens") + 1] == "64" and split.devices == 4
+    assert serving_mode("disagg-1p1d", SETTINGS).devices == 2 and serving_mode("colocated", SETTINGS).devices == 0
+    gpus = lambda n: dataclasses.replace(SETTINGS, num_gpus=n)  # noqa: E731
+    wide = serving_mode("disagg-1p1d-ptp2-dtp2", gpus(4))
+    assert wide.hardware == "4 GPUs, 1 per rank: 1 prefill x TP2 + 1 decode x TP2" and wide.devices == 4
+    with pytest.raises(ValueError, match=r"needs 4 GPUs \(one per rank\)"):
+        serving_mode("colocated-2-tp2", gpus(1))  # a TP group takes whole GPUs: no shared one
+
+
+def _compare_args(*flags: str):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_tp_sizes_make_an_equal_gpu_set_of_modes_and_bad_ones_name_the_flag():
+    assert default_mode_names(4, 2, 1, 2) == ["colocated-2-tp2", "disagg-1p2d-ptp2"]
+    assert default_mode_names(8, 2, 2, 2) == ["colocated-4-tp2", "disagg-1p3d-ptp2-dtp2", "disagg-2p2d-ptp2-dtp2",
+                                              "disagg-3p1d-ptp2-dtp2"]
+    assert _mode_names(_compare_args("--gpus", "4", "--prefill-tp", "2", "--tp", "2"), 0) == \
+        ["colocated-2-tp2", "disagg-1p2d-ptp2"]
+    for flags, message in ((["--gpus", "4", "--prefill-tp", "3"], "--prefill-tp 3 does not divide the budget of 4"),
+                           (["--workers", "4", "--decode-tp", "0"], "--decode-tp must be an integer >= 1, got 0"),
+                           (["--gpus", "4", "--tp", "-1"], "--tp must be an integer >= 1, got -1"),
+                           (["--gpus", "6", "--prefill-tp", "2", "--decode-tp", "3"], "uses every device"),
+                           (["--modes", "colocated-2", "--tp", "2"], "--tp: with --modes the TP sizes go in the mode")):
+        with pytest.raises(ValueError, match=message):
+            _mode_names(_compare_args(*flags), 0)
+
+
+def test_the_report_says_how_many_gpus_each_mode_used():
+    equal = [_run("colocated-2", 0.1, 0.1), _run("disagg-1p1d", 0.1, 0.05)]
+    assert devices_line(equal) == "GPUs: every Ray mode used 2 (GPUs, one per rank; on CPU rank shares)."
+    unequal = equal + [dataclasses.replace(_run("disagg-1p2d-ptp2", 0.1, 0.05), devices=4)]
+    assert "NOT equal hardware" in devices_line(unequal) and "disagg-1p2d-ptp2 4" in devices_line(unequal)
+    markdown = format_markdown(unequal)
+    assert "| disagg-1p2d-ptp2 | 2 workers x 1 thread | 4 | 4 |" in markdown and "NOT equal hardware" in markdown
+    assert [run["gpus"] for run in runs_json(unequal, {})["runs"]] == [2, 2, 4]
+    assert goal_baseline([_run("colocated-2-tp2", 0.1, 0.1), _run("disagg-1p2d-ptp2", 0.1, 0.05)]) == \
+        "colocated-2-tp2"
+
+
 def _run(mode: str, ttft: float, gap: float) -> ModeRun:
     """Two requests sent at 0 whose first token comes after `ttft` s, then tokens every `gap` s."""
     results = [RequestResult(True, 8, 0.0, (ttft, ttft + gap, ttft + 2 * gap), (1, 1, 1),
                              timing={"queue_ms": 1.0, "prefill_ms": 2.0, "transfer_ms": 3.0 if "disagg" in mode else 0})
                for _ in range(2)]
-    return ModeRun(mode, 4.0, compute_metrics(results, duration=1.0), results, True, "2 workers x 1 thread")
+    return ModeRun(mode, 4.0, compute_metrics(results, duration=1.0), results, True, "2 workers x 1 thread",
+                   devices=0 if mode in ("colocated", "colocated-chunked") else 2)
 
 
 def test_ratios_and_the_goal_verdict():
@@ -90,7 +151,8 @@ def test_ratios_and_the_goal_verdict():
     slower = [runs[0], _run("disagg-1p1d", ttft=0.200, gap=0.150)]
     assert goal_lines(slower)[0].count("NOT met") == 2
     markdown = format_markdown(runs, "tandem bench compare")
-    assert markdown.count("\n| colocated") == 2 and "\n| disagg-1p1d | 2 workers x 1 thread | 4 | 2 / 0 |" in markdown
+    assert markdown.count("\n| colocated") == 2
+    assert "\n| disagg-1p1d | 2 workers x 1 thread | 2 | 4 | 2 / 0 |" in markdown
     assert "| 3.0 / 3.0 |" in markdown
     document = runs_json(runs, {"burstiness": 1.0})
     assert [run["mode"] for run in document["runs"]] == ["colocated", "colocated-chunked", "disagg-1p1d"]

@@ -119,7 +119,40 @@ def test_calibrated_serving_costs_in_the_profile_slow_the_prediction_on_shared_c
     assert unshared["ttft_p50_ms"] > bare["ttft_p50_ms"] + 3.0 - 1e-6
 
 
+def test_tp_sizes_split_the_gpus_and_a_saved_profile_keeps_their_cost(profiled, tmp_path, capsys):
+    """--gpus 4 with prefill TP=2 and replicas of TP=2: colocated-2-tp2 and disagg-1p2d-ptp2, each on 4 devices;
+    the given --tp-cost is printed, in the JSON, and kept by --save-profile for a later --load-profile."""
+    _, _, profile = profiled
+    saved = tmp_path / "tp-profile.json"
+    saved.write_text(json.dumps({**json.loads(profile.read_text()),
+                                 "tp_costs": [{"tp": 2, "step_ms": 0.2, "token_us": 1.0, "source": "saved"}]}))
+    common = ["--device", "cpu", "--gpus", "4", "--prefill-tp", "2", "--tp", "2", "--cpu-threads", "1",
+              "--ttft-slo-ms", "2000", "--itl-slo-ms", "500", *WORKLOAD, *TRANSFER, "--json"]
+    results = {}
+    for name, flags in (("given", ["--load-profile", str(profile), "--tp-cost", "2:0.5:2"]),
+                        ("loaded", ["--load-profile", str(saved)])):
+        assert plan(*common, *flags) in (0, 2)
+        out, err = capsys.readouterr()
+        results[name] = json.loads(out)
+        assert "budget: 4 devices" in err and "TP=2 step: compute / 2 +" in err
+        assert "2P+2D=4" in err  # the disaggregated split's devices per role
+    given, loaded = results["given"], results["loaded"]
+    assert [d["name"] for d in given["deployments"]] == ["colocated-2-tp2", "disagg-1p2d-ptp2"]
+    assert [(d["gpus"], d["prefill_gpus"], d["decode_gpus"]) for d in given["deployments"]] == [(4, 0, 4), (4, 2, 2)]
+    assert given["devices"] == 4 and (given["prefill_tp"], given["decode_tp"], given["replica_tp"]) == (2, 1, 2)
+    assert given["tp_costs"] == [{"tp": 2, "step_ms": pytest.approx(0.5), "token_us": pytest.approx(2.0),
+                                  "source": "given: --tp-cost 2:0.5:2"}]
+    assert loaded["tp_costs"][0]["source"] == "saved"
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--request-rate", "4", "--workers", "4", "--prefill-tp", "3"], "--prefill-tp 3 does not divide the budget of 4"),
+    (["--request-rate", "4", "--gpus", "6", "--tp", "4"], "--tp 4 does not divide the budget of 6"),
+    (["--request-rate", "4", "--gpus", "4", "--decode-tp", "0"], "--decode-tp must be an integer >= 1, got 0"),
+    (["--request-rate", "4", "--gpus", "4", "--tp", "-2"], "--tp must be an integer >= 1, got -2"),
+    (["--request-rate", "4", "--gpus", "4", "--prefill-tp", "2", "--decode-tp", "4"], "is more than the 4 devices"),
+    (["--request-rate", "4", "--gpus", "4", "--tp-cost", "2:0.5"], "--tp-cost '2:0.5': give T:STEP_MS:TOKEN_US"),
+    (["--request-rate", "4", "--gpus", "4", "--tp-cost", "2:0:0", "--tp-cost", "2:1:1"], "--tp-cost gives TP=2 twice"),
     (["--workload-json", "{tmp}/not.json"], "not JSON"),
     (["--workload-json", "{tmp}/compare.json"], "not a `tandem bench serve` result (no completed"),
     (["--workload-json", "{tmp}/missing.json"], "cannot read it"),

@@ -149,7 +149,7 @@ def test_a_replicas_decodes_wait_for_the_prefill_chunks_that_share_their_steps()
 def test_deployments_are_every_split_of_the_workers_and_colocated_replicas():
     assert [d.name for d in deployments_for(4)] == ["colocated-4", "disagg-1p3d", "disagg-2p2d", "disagg-3p1d"]
     assert [d.name for d in deployments_for(1)] == ["colocated-1"]
-    with pytest.raises(ValueError, match="--workers must be >= 1"):
+    with pytest.raises(ValueError, match="--workers must be >= 1"):  # --gpus/--workers
         deployments_for(0)
 
 
