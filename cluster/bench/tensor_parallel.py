@@ -8,7 +8,9 @@ each round each engine runs a decode phase
 prompt). TP=1 runs on --threads torch threads, each TP rank on --threads / N, so both use the same cores. Medians
 over the rounds; the ratio TP / TP=1 is what is reported. On a CPU a TP step cannot be faster: the ranks share
 the cores, and the all-reduces (two per layer, one for the embedding) and the logits gather are the extra cost.
-Issue 29's bound: TP=2 costs at most 2x a TP=1 step; the last line says whether this run kept it.
+Issue 29's bound: TP=2 costs at most 2x a TP=1 step; the last line says whether this run kept it. The KV
+hand-off row: reading and writing back the full-head KV of one --prefill-tokens prompt's blocks, as a transfer
+does (TP=1: its own pool; TP=N: gathered to and scattered from rank 0, engine/runner/group_kv.py), not a step.
 """
 from __future__ import annotations
 
@@ -90,6 +92,41 @@ def measure(engines: dict, args: argparse.Namespace) -> dict:
     return results
 
 
+def handoff_ms(engine, tokens: int) -> tuple[float, int]:
+    """ms to gather and scatter back the full-head KV of `tokens` tokens' blocks, and its bytes: a single rank's
+    own pool (index_select / index_copy), a group's through rank 0. The blocks' contents are left as they were."""
+    import torch
+
+    blocks = engine.reserve_blocks(-(-tokens // engine.config.block_size))
+    try:
+        leader, kv = engine.tp_leader, engine.kv_cache.kv
+        ids = torch.tensor(blocks, dtype=torch.long)
+        start = time.perf_counter()
+        if leader is None:
+            full = kv.index_select(2, ids)  # [L, 2, n, bs, H, D]
+            kv.index_copy_(2, ids, full)
+        else:
+            full = leader.gather_kv_heads(blocks)
+            leader.scatter_kv_heads(blocks, full)
+        return (time.perf_counter() - start) * 1e3, full.numel() * full.element_size()
+    finally:
+        engine.free_blocks(blocks)
+
+
+def measure_handoff(engines: dict, args: argparse.Namespace) -> dict:
+    """{label: (ms per round, bytes)}: handoff_ms of a --prefill-tokens prompt, rounds alternating (one warm-up)."""
+    import torch
+
+    results = {label: ([], 0) for label in engines}
+    for round_index in range(args.rounds + 1):
+        for label, (llm, threads) in engines.items():
+            torch.set_num_threads(threads)
+            ms, nbytes = handoff_ms(llm.engine, args.prefill_tokens)
+            if round_index:
+                results[label] = (results[label][0] + [ms], nbytes)
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -111,12 +148,13 @@ def run(args: argparse.Namespace) -> int:
                 llm = stack.enter_context(LLM(model, tensor_parallel_size=args.tp, tp_cpu_all_reduce=reduce, **options))
                 engines[f"TP={args.tp}{suffix}"] = (llm, args.threads // args.tp)
             results = measure(engines, args)
+            handoff = measure_handoff(engines, args)
         torch.set_num_threads(args.threads)
-    report(results, args, (load_before, os.getloadavg()[0]))
+    report(results, args, (load_before, os.getloadavg()[0]), handoff)
     return 0
 
 
-def report(results: dict, args: argparse.Namespace, load: tuple[float, float]) -> None:
+def report(results: dict, args: argparse.Namespace, load: tuple[float, float], handoff: dict | None = None) -> None:
     """The table; load: the 1-minute load average before and after (the run itself adds ~2; above the core count
     before it, other processes shared the cores: a multi-threaded TP=1 step suffers most, the ratios flatter TP)."""
     median = statistics.median
@@ -133,6 +171,11 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float]) -
         for label, ratio in zip(labels[1:], ratios):
             worst[label] = max(worst.get(label, 0.0), ratio)
         print(f"{name:<30}" + "".join(f"{t:>14.2f}" for t in times) + "".join(f"{r:>15.2f}x" for r in ratios))
+    if handoff:
+        times = [median(handoff[label][0]) for label in labels]
+        mib = handoff[labels[0]][1] / (1 << 20)
+        print(f"{f'KV hand-off ({mib:.1f} MiB)':<30}" + "".join(f"{t:>14.2f}" for t in times)
+              + "".join(f"{t / times[0]:>15.2f}x" for t in times[1:]) + "   (gather + scatter, not a step)")
     for label, ratio in worst.items():
         verdict = "within" if ratio <= 2.0 else "OVER"
         print(f"{label} costs at most {ratio:.2f}x a TP=1 step: {verdict} issue 29's bound of 2x")
