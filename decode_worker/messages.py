@@ -102,3 +102,5 @@ class DecodeStats:
     total_blocks: int
     promised_blocks: int    # prompt blocks promised to expected requests
     dropped_connections: int = 0  # peers its listeners (KV receiver, decode channel) dropped: no secret, ...
+    staging_free: int = 0   # a tensor-parallel worker's full-head staging blocks (kv_transfer/group_pool.py)
+    staging_total: int = 0

@@ -281,7 +281,7 @@ class DecodeWorker:
         """After the step thread ended: free what was delivered, end what was accepted meanwhile."""
         for command in commands:
             if isinstance(command, Delivered) and isinstance(command.outcome, ReceivedKV):
-                self._engine.free_blocks(command.outcome.block_ids)
+                drop_delivered(self._engine, command.outcome, self._staging)
             elif isinstance(command, Expect):
                 self._end(command.request.request_id, command.emit, DecodeStatus.SHUTDOWN, "the decode worker stopped")
 
@@ -289,7 +289,8 @@ class DecodeWorker:
         engine = self._engine
         return DecodeStats(self.name, len(self._running), len(self._waiting), engine.num_live_requests,
                            engine.num_free_blocks, engine.num_total_blocks, self._admission.promised_blocks,
-                           sum(self._receiver.dropped_connections.values()))
+                           sum(self._receiver.dropped_connections.values()),
+                           *((self._staging.num_free, self._staging.num_blocks) if self._staging else ()))
 
 
 def _safe_emit(emit: EmitEvent, event: DecodeEvent) -> None:

@@ -58,6 +58,10 @@ class GroupStaging:
         self._engine_block_of: dict[int, int] = {}  # decode side: staging block -> the engine block it lands in
 
     @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[2]
+
+    @property
     def num_free(self) -> int:
         with self._lock:
             return len(self._free)

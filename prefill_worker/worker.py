@@ -281,7 +281,7 @@ class PrefillWorker:
                 command.future.set_result(_failed(report, PrefillStatus.CANCELLED, message))
 
     def _snapshot(self) -> PrefillStats:
-        return collect_stats(self.name, self._engine, self._live.items())
+        return collect_stats(self.name, self._engine, self._live.items(), self._staging)
 
 
 def _failed(report: PrefillReport, status: PrefillStatus, error: str) -> PrefillReport:

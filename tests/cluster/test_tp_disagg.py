@@ -37,13 +37,16 @@ def two_waves(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return wave1, [wave1[1][:32] + tails[0], wave1[3][:32] + tails[1]]
 
 
-def serve_waves(coordinator, waves: list[list[list[int]]], max_tokens: int) -> list[list]:
+def serve_waves(coordinator, waves: list[list[list[int]]], max_tokens: int, groups: list[str]) -> list[list]:
+    """Each wave's results; then every worker idle with its pool whole, and `groups` (the TP workers) with their
+    staging pools whole too."""
     async def run():
         results = []
         for number, prompts in enumerate(waves):
             results.append(await asyncio.gather(*(collect(coordinator, request(f"w{number}-{i}", p, greedy(max_tokens)))
                                                   for i, p in enumerate(prompts))))
-        await wait_until_idle(coordinator)  # every worker: no request, every block free
+        stats = await wait_until_idle(coordinator)  # every worker: no request, every block free (staging too)
+        assert all(stats[name].staging_total > 0 for name in groups)
         return results
 
     return asyncio.run(run())
@@ -59,7 +62,7 @@ def test_a_prefill_group_of_2_ranks_hands_kv_to_a_single_rank_decode_worker(chec
     with running_cluster(disagg_config(checkpoint, prefill_tp=2, decode_tp=1, decode_workers=1,
                                        transport="grpc")) as coordinator:
         assert len(coordinator.workers["prefill-0"].rank_pids) == 2
-        first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6)
+        first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6, groups=["prefill-0"])
     assert [tokens for tokens, _ in first] == hf_greedy(checkpoint, wave1, 6)
     assert [tokens for tokens, _ in second] == hf_greedy(checkpoint, wave2, 6)
     assert [last.timing.decode_cached_tokens for _, last in second] == [32, 32]
@@ -70,7 +73,7 @@ def test_decode_groups_of_2_ranks_take_kv_from_one_rank_and_a_killed_rank_migrat
     prompts = random_prompts([20, 21, 22, 23], VOCAB, seed=42)
     with running_cluster(disagg_config(checkpoint, prefill_tp=1, decode_tp=2, decode_workers=2,
                                        transport="gloo")) as coordinator:
-        first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6)
+        first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6, groups=["decode-0", "decode-1"])
         victim = coordinator.workers["decode-1"]
         assert len(victim.rank_pids) == 2
         generations = [request(f"k{i}", p, greedy(100)) for i, p in enumerate(prompts)]

@@ -67,7 +67,7 @@ class Pair:
         self.receiver.close()
         for staging in (self.send_staging, self.receive_staging):
             if staging is not None:
-                assert staging.num_free == staging.kv.shape[2], "a staging block leaked"
+                assert staging.num_free == staging.num_blocks, "a staging block leaked"
         for llm in (self.prefill, self.decode):
             assert_all_blocks_free(llm)
             llm.close()

@@ -65,9 +65,10 @@ async def collect(backend, generation: GenerationRequest,
 
 
 def is_idle(stats) -> bool:
-    """A worker holds no request and no block."""
+    """A worker holds no request and no block (of its engine, nor of a tensor-parallel worker's staging pool)."""
     busy = getattr(stats, "running", 0) + getattr(stats, "waiting", 0) + getattr(stats, "live_requests", 0)
-    return busy == 0 and stats.engine_requests == 0 and stats.free_blocks == stats.total_blocks
+    return busy == 0 and stats.engine_requests == 0 and stats.free_blocks == stats.total_blocks \
+        and stats.staging_free == stats.staging_total
 
 
 async def wait_until_idle(coordinator, timeout_s: float = 15.0) -> dict:
