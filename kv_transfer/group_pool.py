@@ -15,8 +15,10 @@ of blocks with every head of the model on rank 0's device:
 Manifests describe the model's full heads, so a prefill group of A ranks, a decode group of B ranks and single-rank
 workers all exchange KV, over every transport: each decode rank ends with exactly the heads it owns. The staging pool
 is sized in blocks (staging_blocks: enough for STAGED_REQUESTS requests of the engine's longest length by default);
-a transfer that finds it full is refused as one that finds the engine full (REJECTED_NO_BLOCKS on the decode side).
-On a GPU it takes memory beside the engine's pool (the headroom gpu_memory_utilization leaves).
+a transfer that finds it full waits for blocks to come back (up to STAGING_WAIT_S: the transfers in flight free
+them, and a delivery's are freed when the step thread lands it), which is the backpressure of a group's hand-off;
+past that it is refused as one that finds the engine full (REJECTED_NO_BLOCKS on the decode side). On a GPU the
+pool takes memory beside the engine's (the headroom gpu_memory_utilization leaves).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV
 
 STAGED_REQUESTS = 4
+STAGING_WAIT_S = 30.0
 
 
 def staging_blocks(engine: Any, requests: int = STAGED_REQUESTS) -> int:
@@ -53,7 +56,8 @@ class GroupStaging:
         # [L, 2, num_blocks, block_size, num_kv_heads (all of the model's), head_dim]
         self.kv = torch.zeros((layers, 2, num_blocks, block_size, engine.model_config.num_kv_heads, head_dim),
                               dtype=kv.dtype, device=kv.device)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self.wait_s = STAGING_WAIT_S
         self._free = list(range(num_blocks - 1, -1, -1))
         self._engine_block_of: dict[int, int] = {}  # decode side: staging block -> the engine block it lands in
 
@@ -66,10 +70,12 @@ class GroupStaging:
         with self._lock:
             return len(self._free)
 
-    def allocate(self, num_blocks: int) -> list[int] | None:
-        """num_blocks staging blocks, or None (nothing taken) when fewer are free."""
+    def allocate(self, num_blocks: int, wait_s: float = 0.0) -> list[int] | None:
+        """num_blocks staging blocks, waiting up to wait_s for others to be freed; None (nothing taken) when fewer
+        are free by then, or at once when the pool is smaller than num_blocks."""
         with self._lock:
-            if num_blocks > len(self._free):
+            if num_blocks > self.num_blocks or not self._lock.wait_for(lambda: len(self._free) >= num_blocks,
+                                                                         wait_s):
                 return None
             return [self._free.pop() for _ in range(num_blocks)]
 
@@ -78,6 +84,7 @@ class GroupStaging:
         with self._lock:
             paired = [self._engine_block_of.pop(b) for b in block_ids if b in self._engine_block_of]
             self._free.extend(block_ids)
+            self._lock.notify_all()
         if paired:
             self.engine.free_blocks(paired)
 
@@ -91,7 +98,7 @@ class GroupStaging:
         def paired(engine_blocks: list[int] | None) -> list[int] | None:
             if engine_blocks is None:
                 return None
-            staged = self.allocate(len(engine_blocks))
+            staged = self.allocate(len(engine_blocks), self.wait_s)
             if staged is None:
                 self.engine.free_blocks(engine_blocks)
                 return None
@@ -104,8 +111,9 @@ class GroupStaging:
 
     def stage_out(self, engine_blocks: Sequence[int]) -> list[int]:
         """Prefill side: copy engine_blocks' KV (every rank's heads) into new staging blocks and return them; the
-        engine blocks are freed either way. ValueError when the staging pool has no room (nothing else changes)."""
-        staged = self.allocate(len(engine_blocks))
+        engine blocks are freed either way. Waits up to wait_s for room (transfers in flight free theirs);
+        ValueError when there is none by then (nothing else changes)."""
+        staged = self.allocate(len(engine_blocks), self.wait_s)
         try:
             if staged is None:
                 raise ValueError(f"the tensor-parallel staging pool has {self.num_free} free blocks, "

@@ -2,9 +2,10 @@
 group of A ranks ships through its full-head staging pool, a decode group of B ranks lands in its own and scatters
 each rank its heads (kv_transfer/group_pool.py). For (A, B) = (2, 1), (1, 2), (2, 2) the decode side's greedy tokens
 equal transformers, with decoder-side prefix reuse; a failed transfer, a delivery nobody waits for and a full staging
-pool free everything; at the end every engine block and every staging block is free on both sides."""
+pool free everything (a full one first waits for a transfer in flight to free blocks); at the end every engine block and every staging block is free on both sides."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -118,9 +119,16 @@ def test_a_delivery_nobody_waits_for_and_a_full_staging_pool_free_everything(ckp
         staging: GroupStaging = pair.send_staging
         held = staging.allocate(staging.num_free - 2)  # 2 staging blocks left, 5 needed
         pair.prefill_one("no-room", prompt)
+        staging.wait_s = 0.2
         with pytest.raises(ValueError, match="staging pool has 2 free blocks, 5 needed"):
             pair.ship("no-room")
-        staging.free(held)
+        pair.prefill_one("waits", prompt)  # a transfer in flight frees 3 blocks while the next waits for them
+        staging.wait_s = 20.0
+        threading.Timer(0.3, staging.free, [held[:3]]).start()
+        handle = pair.ship("waits")
+        drop_delivered(pair.decode.engine, pair.receive(), pair.receive_staging)
+        handle.result(30)
+        staging.free(held[3:])
         deadline = time.monotonic() + 10
         while pair.prefill.engine.num_free_blocks != pair.prefill.engine.num_total_blocks:
             assert time.monotonic() < deadline
