@@ -1,8 +1,9 @@
 """KV between tensor-parallel layouts, with real engines in this process and a real gRPC pair on 127.0.0.1: a prefill
 group of A ranks ships through its full-head staging pool, a decode group of B ranks lands in its own and scatters
 each rank its heads (kv_transfer/group_pool.py). For (A, B) = (2, 1), (1, 2), (2, 2) the decode side's greedy tokens
-equal transformers, with decoder-side prefix reuse; a failed transfer, a delivery nobody waits for and a full staging
-pool free everything (a full one first waits for a transfer in flight to free blocks); at the end every engine block and every staging block is free on both sides."""
+equal transformers, with decoder-side prefix reuse; a delivery nobody waits for and a staging pool too full to ship
+free everything (a full pool first waits for a transfer in flight to free blocks); at the end every engine block
+and every staging block is free on both sides."""
 from __future__ import annotations
 
 import threading
