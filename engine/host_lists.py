@@ -1,7 +1,11 @@
-"""Small host lists onto the device without a host sync (shared by the sampler and its processors), and a device
-tensor's copy back to a host list (HostCopy)."""
+"""Host values the device needs for a step's sampling, collected before the step's one upload (Uploads), small host
+lists onto the device one by one for calls made outside a step (to_device), and a device tensor's copy back to a
+host list (HostCopy)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 
@@ -10,14 +14,67 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def row_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | float | int:
-    """One value per row, to broadcast against [R, n]: the shared value itself when every row has the same (nothing
-    copied: the common case of a batch of requests with the same sampling parameters), else [R, 1] on the device
-    (one non-blocking copy)."""
-    first = values[0]
-    if all(value == first for value in values):
-        return first
-    return to_device(values, dtype, device).unsqueeze(1)
+@dataclass(frozen=True)
+class Key:
+    """Where one array of an Uploads is (its index)."""
+
+    index: int
+
+
+class Uploads:
+    """The host arrays a step's sampling reads on the device (row indexes, per-row parameters, bitmasks, penalty
+    histories), gathered while the step is planned on the host, before its forward. `add` only records the values
+    and returns their Key; whoever stages the step lays the arrays out behind its own fields, writes each through a
+    numpy view of its staging buffer and `bind`s the device views (engine/step_io.py `stage_uploads`): they
+    cross in the step's one host-to-device copy. Device code reads `get(key)` once bound."""
+
+    def __init__(self) -> None:
+        self.arrays: list[tuple[np.dtype, object, int]] = []  # (dtype, values, count) per key
+        self._device: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def add(self, values, dtype) -> Key:
+        """values (a list, a numpy array or a host tensor, flattened) as a 1-D array of the numpy dtype."""
+        count = values.numel() if isinstance(values, torch.Tensor) else len(values)
+        self.arrays.append((np.dtype(dtype), values, count))
+        return Key(len(self.arrays) - 1)
+
+    def shared_or_add(self, values: list, dtype) -> float | int | Key:
+        """The value every row shares (nothing to upload: a batch whose rows share their parameters), else
+        the values' Key ([R])."""
+        first = values[0]
+        if all(value == first for value in values):
+            return first
+        return self.add(values, dtype)
+
+    def write(self, views: list[np.ndarray]) -> None:
+        """Each array into its host view (views[i] has arrays[i]'s dtype and count)."""
+        for view, (_, values, _) in zip(views, self.arrays):
+            view[:] = values.reshape(-1).numpy() if isinstance(values, torch.Tensor) else values
+
+    def bind(self, tensors: list[torch.Tensor]) -> None:
+        """The arrays' device tensors (1-D, in key order): what `get` returns from now on."""
+        self._device = tensors
+
+    def bind_each(self, device: torch.device) -> None:
+        """Copies every array to device on its own (calls made outside a step: tests, benchmarks)."""
+        self._device = [_host_tensor(values, dtype).to(device, non_blocking=True) for dtype, values, _ in self.arrays]
+
+    def get(self, key: Key) -> torch.Tensor:
+        """The array of key on the device, 1-D."""
+        return self._device[key.index]
+
+    def per_row(self, value: float | int | Key) -> float | int | torch.Tensor:
+        """A shared_or_add value to broadcast against [R, n]: the scalar itself, or [R, 1] on the device."""
+        return self.get(value).unsqueeze(1) if isinstance(value, Key) else value
+
+
+def _host_tensor(values, dtype: np.dtype) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.reshape(-1)
+    return torch.from_numpy(np.asarray(values, dtype=dtype))
 
 
 class HostCopy:

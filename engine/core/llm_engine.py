@@ -37,7 +37,7 @@ from engine.runner.device_memory import release_device_memory
 from engine.runner.host_malloc import keep_freed_host_memory
 from engine.runner.memory_plan import plan_memory
 from engine.runner.model_runner import ModelRunner
-from engine.runner.step_io import StepIO
+from engine.step_io import StepIO
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams

@@ -2,7 +2,7 @@
 
 After warm-up, the forward of 1, 2, 4, 8, ... up to max_num_seqs single-token rows is captured into CUDA
 graphs that share one memory pool (largest first). Their static inputs (ids, positions, slots, context lengths)
-are views of one staging buffer (engine/runner/step_io.py): a decode-only step writes its rows on the host, padded
+are views of one staging buffer (engine/step_io.py): a decode-only step writes its rows on the host, padded
 up to the next captured size, with the block-table updates behind them, and one upload lands everything where the
 graph reads it; one scatter updates the device block table, one gather lays out the step's rows, and the graph
 replays. Mixed steps run eager. Padding rows write their K/V to slot -1 (the Triton store skips it) and attend to
@@ -26,7 +26,7 @@ from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
 from engine.runner.step_batch import feed_tokens
-from engine.runner.step_io import Field, StepIO, layout
+from engine.step_io import Field, StepIO, layout
 
 logger = logging.getLogger("tandem.engine")
 

@@ -4,7 +4,7 @@ Each sequence a runner steps holds a row of one device table [rows, max_blocks] 
 being scheduled. A step sends only what changed since the row was last written: the blocks appended to the
 sequence's table (its Python list only grows, `extend`, until it is replaced by a new list: preemption, prefix
 reuse, a fork), or the whole list when the row is new or the list was replaced. Those (row, column, block) triples
-travel in the step's one upload (engine/runner/step_io.py) and land with one scatter; the step's [N, width] tables
+travel in the step's one upload (engine/step_io.py) and land with one scatter; the step's [N, width] tables
 are then one gather of the rows it uses. A decode step of 256 sequences thus sends a few hundred bytes of tables,
 not 256 whole tables.
 

@@ -2,8 +2,11 @@
 
 Batch order: single-token chunks first (they share one batched attention call), then prefill chunks.
 Only rows that finish a sequence's known tokens are sampled (logits skipping): the LM head never
-sees the other prompt tokens. `launch` stops once the picks are on the device and on their way to the host
-(LaunchedStep): an async engine schedules the next step meanwhile, whose rows take those picks on the device.
+sees the other prompt tokens. The sampler's host half runs while the step is prepared, so what it needs on the
+device (per-row parameters, grammar bitmasks, penalty histories, prompt-logprob rows) crosses in the step's one
+upload; the picks, their logprobs and the prompt logprobs come back in one copy. `launch` stops once the picks are
+on the device and on their way to the host (LaunchedStep): an async engine schedules the next step meanwhile, whose
+rows take those picks on the device.
 """
 from __future__ import annotations
 
@@ -15,16 +18,18 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
 from engine.attention.block_tables import BlockTableMirrors
 from engine.attention.metadata import StepCounts, query_starts, step_tensors, table_width
+from engine.host_lists import HostCopy, Uploads
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.parallel.step_message import StepInputs
-from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs
+from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs, staged_layout
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
 from engine.runner.step_batch import HostBatch, feed_tokens, host_batch, stage_eager
-from engine.runner.step_io import StepIO
+from engine.step_io import StepIO, stage_uploads, uploads_layout
 from engine.sampling.logprobs import TokenLogprobs
-from engine.sampling.prompt_logprobs import PromptRows, compute_prompt_logprobs
-from engine.sampling.sampler import DevicePicks, Sampler, SamplerOutput
+from engine.sampling.prompt_logprobs import (PromptPlan, plan_prompt_logprobs, prompt_logprob_tensors,
+                                             unpack_prompt_logprobs)
+from engine.sampling.sampler import DevicePicks, Sampler, SamplerOutput, StepSampling
 from engine.sequence import ScheduledChunk, Sequence
 
 
@@ -44,12 +49,16 @@ class LaunchedStep:
 
     seqs: tuple[Sequence, ...]          # the sequence each pick goes to
     picks: DevicePicks | None           # None when the step samples nothing
-    prompt_logprobs: list[tuple[Sequence, TokenLogprobs]]
+    prompt: PromptPlan | None = None    # the prompt-logprob rows it computes (their values behind the picks) ...
+    prompt_copy: HostCopy | None = None  # ... or in a copy of their own when the step samples nothing
 
     def result(self) -> StepResult:
-        """The picks on the host (waits for their copy)."""
+        """The picks and prompt logprobs on the host (waits for their copy)."""
         sampled = self.picks.result() if self.picks is not None else SamplerOutput([], [])
-        return StepResult(self.seqs, sampled, self.prompt_logprobs)
+        if self.prompt is None:
+            return StepResult(self.seqs, sampled, [])
+        values = self.prompt_copy.wait() if self.prompt_copy is not None else self.picks.tail()
+        return StepResult(self.seqs, sampled, unpack_prompt_logprobs(values, self.prompt))
 
     def pick_index(self) -> dict[int, int]:
         """id(sequence) -> index of its pick in picks.tokens (what the next step's rows are fed from)."""
@@ -67,10 +76,9 @@ class ModelInput:
     host: HostBatch
     rows_in_order: bool                 # the sampled rows are rows 0..S-1: no gather before the LM head
     graph: DecodeBatch | None = None    # a decode-only step the captured graphs run
-
-    @property
-    def prompt_rows(self) -> PromptRows:
-        return self.host.prompt
+    sampling: StepSampling | None = None  # the sampled rows' plan, its uploads bound (None: nothing sampled)
+    prompt: PromptPlan | None = None    # the prompt-logprob rows, in the same uploads
+    uploads: Uploads | None = None      # the sampling's and the prompt rows' device inputs, bound
 
 
 class ModelRunner:
@@ -120,25 +128,24 @@ class ModelRunner:
         else:
             hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache, on_layer)  # [T, hidden]
             sample_rows = batch.sample_rows
-        prompt_logprobs = compute_prompt_logprobs(self.model, hidden, batch.prompt_rows) \
-            if batch.prompt_rows.rows else []
+        prompt = None if batch.prompt is None else \
+            prompt_logprob_tensors(self.model, hidden, batch.prompt, batch.uploads)  # [P * (2 + 2k)]
         seqs = batch.host.sampled
         if not seqs:
-            return LaunchedStep((), None, prompt_logprobs)
+            return LaunchedStep((), None, batch.prompt, None if prompt is None else self.sampler.start_copy(prompt))
         picked = hidden[:len(seqs)] if batch.rows_in_order else hidden.index_select(0, sample_rows)  # [S, hidden]
         logits = self.model.compute_logits(picked)  # [S, vocab]
-        picks = self.sampler.sample_on_device(logits, [s.params for s in seqs], batch.host.pick_positions,
-                                              [(s.token_ids, s.num_prompt_tokens) for s in seqs],
-                                              constraints=[s.grammar for s in seqs])
-        return LaunchedStep(tuple(seqs), picks, prompt_logprobs)
+        picks = self.sampler.sample_planned(logits, batch.sampling, tail=prompt)  # the step's one copy back
+        return LaunchedStep(tuple(seqs), picks, batch.prompt)
 
     def prepare(self, chunks: list[ScheduledChunk], graphed: bool = True,
                 fed_by: LaunchedStep | None = None) -> ModelInput:
         """The step's flat batch (single-token chunks first) and its inputs, sent to the device in one upload:
-        token ids, per-sequence counts, the block-table rows and their updates (engine/runner/device_tables.py).
-        Positions and pool slots are computed on the device; a decode-only step a graph covers (and `graphed`)
-        is left on the host for DecodeGraphs.run_staged. Python work is per sequence and per new block (and per
-        prompt token for the ids)."""
+        token ids, per-sequence counts, the block-table rows and their updates (engine/runner/device_tables.py),
+        and behind them the sampling's inputs (Sampler.plan: fills grammar bitmasks, draws seeded uniforms) and the
+        prompt-logprob rows. Positions and pool slots are computed on the device; a decode-only step a graph covers
+        (and `graphed`) is left on the host for DecodeGraphs.run_staged (the sampling's inputs already written
+        behind its fields). Python work is per sequence and per new block (and per prompt token for the ids)."""
         batch = host_batch(chunks, fed_by.pick_index() if fed_by is not None else {})
         seqs, computed, new = batch.seqs, batch.num_computed, batch.num_new
         width = table_width(batch.seq_lens, self.block_size)
@@ -148,25 +155,56 @@ class ModelRunner:
             tables = self.host_tables.tables(seqs, width)  # [N, width] int32
             self.step_sender(StepInputs(batch.input_ids, computed, new, tables, batch.sample_rows, batch.prompt.rows))
         table_rows, updates = self.tables.plan(seqs)
+        uploads = Uploads()
+        sampling = self._plan_sampling(batch, uploads)
+        prompt = plan_prompt_logprobs(batch.prompt, uploads)
         in_order = batch.sample_rows == list(range(len(batch.sample_rows)))
         graphs = self.decode_graphs
         if graphed and graphs is not None and len(batch.input_ids) == len(seqs) >= len(batch.sample_rows) \
                 and graphs.covers(len(seqs)):
             if len(updates) > UPDATE_CAPACITY:  # more than the graphs' upload has room for: a copy of their own
-                stage_eager(self.io, self.tables, HostBatch(), [], updates)
+                stage_eager(self.io, self.tables, HostBatch(), [], updates, uploads)
                 updates = TableUpdates()
+            else:
+                self._stage_behind_graph_inputs(len(seqs), len(updates), uploads)
             slots = [s.block_table[c // self.block_size] * self.block_size + c % self.block_size
                      for s, c in zip(seqs, computed)]
             graph = DecodeBatch(batch.input_ids, computed, slots, table_rows, batch.sample_rows, updates,
                                 batch.feed_rows, batch.feed_from)
-            return ModelInput(None, None, None, None, batch, in_order, graph)
-        view = stage_eager(self.io, self.tables, batch, table_rows, updates)
+            return ModelInput(None, None, None, None, batch, in_order, graph, sampling, prompt, uploads)
+        view = stage_eager(self.io, self.tables, batch, table_rows, updates, uploads)
         fed = fed_by.picks.tokens if batch.feed_rows else None
         feed_tokens(view["input_ids"], view["feed_rows"], fed, view["feed_from"])
         counts = StepCounts(view["num_computed"], view["num_new"], view["query_start"], view["seq_lens"])
         step = step_tensors(self.attention, counts, self.tables.gather(view["table_rows"], width),
                             tuple(query_starts(new)), tuple(batch.seq_lens), self.block_size)
-        return ModelInput(view["input_ids"], step.positions, step.meta, view["sample_rows"], batch, in_order)
+        return ModelInput(view["input_ids"], step.positions, step.meta, view["sample_rows"], batch, in_order, None,
+                          sampling, prompt, uploads)
+
+    def _plan_sampling(self, batch: HostBatch, uploads: Uploads) -> StepSampling | None:
+        """The sampled rows' Sampler.plan (their inputs added to uploads); None when the step samples nothing."""
+        seqs = batch.sampled
+        if not seqs:
+            return None
+        return self.sampler.plan([s.params for s in seqs], batch.pick_positions,
+                                 [(s.token_ids, s.num_prompt_tokens) for s in seqs], [s.grammar for s in seqs],
+                                 self.model.config.vocab_size, uploads)
+
+    def _stage_behind_graph_inputs(self, rows: int, num_updates: int, uploads: Uploads) -> None:
+        """Writes uploads behind the decode graphs' fields for a step of `rows` rows and num_updates table updates
+        (binds their views), so run_staged's one upload carries them; when they do not fit the graphs' buffer
+        (engine/step_io.py APPENDED_ROOM), through the eager buffer: a copy of their own."""
+        if not len(uploads):
+            return
+        graphs, staging = self.decode_graphs, self.decode_graphs.staging
+        _, used = staged_layout(next(size for size in graphs.sizes if size >= rows), num_updates)
+        fields, end = uploads_layout(uploads, used)
+        if end > staging.capacity:
+            stage_eager(self.io, self.tables, HostBatch(), [], TableUpdates(), uploads)
+            return
+        staging.wait_writable()
+        stage_uploads(staging, fields, uploads)
+        staging.extend_next_upload(end)
 
 
 def run_forward(model: CausalLM, kv_cache: KVCache, graphs: DecodeGraphs | None, input_ids: torch.Tensor,

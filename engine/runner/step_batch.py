@@ -5,7 +5,7 @@ sequence's counts, the rows to sample and the positions their picks will have. A
 sampled by the step still running (async scheduling) has no id on the host yet: its row gets a placeholder and a
 feed entry (its row, its pick's index in that step's picks), and the device copies the pick in (`feed_tokens`).
 `stage_eager` writes the lists into the runner's staging buffer and uploads them in one copy
-(engine/runner/step_io.py).
+(engine/step_io.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
-from engine.runner.step_io import StepIO, layout
+from engine.host_lists import Uploads
+from engine.step_io import StepIO, layout, stage_uploads, uploads_layout
 from engine.sampling.prompt_logprobs import PromptRows, prompt_rows
 from engine.sequence import ScheduledChunk, Sequence
 
@@ -76,9 +77,10 @@ def feed_tokens(input_ids: torch.Tensor, rows: torch.Tensor, picks: torch.Tensor
 
 
 def stage_eager(io: StepIO, tables: DeviceBlockTables, batch: HostBatch, table_rows: list[int],
-                updates: TableUpdates) -> dict[str, torch.Tensor]:
-    """The eager step's inputs through the staging buffer in one upload; applies the table updates on the device.
-    Returns the device views by field name."""
+                updates: TableUpdates, uploads: Uploads | None = None) -> dict[str, torch.Tensor]:
+    """The eager step's inputs, and behind them its sampling inputs (uploads: bound to their device views), through
+    the staging buffer in one upload; applies the table updates on the device. Returns the device views by field
+    name."""
     num_seqs, num_updates, num_feeds = len(batch.num_computed), len(updates), len(batch.feed_rows)
     fields, end = layout([("input_ids", np.int64, len(batch.input_ids)), ("num_computed", np.int64, num_seqs),
                           ("num_new", np.int64, num_seqs), ("query_start", np.int32, num_seqs + 1),
@@ -86,6 +88,7 @@ def stage_eager(io: StepIO, tables: DeviceBlockTables, batch: HostBatch, table_r
                           ("sample_rows", np.int64, len(batch.sample_rows)), ("feed_rows", np.int64, num_feeds),
                           ("feed_from", np.int64, num_feeds), ("update_rows", np.int64, num_updates),
                           ("update_cols", np.int64, num_updates), ("update_blocks", np.int32, num_updates)])
+    appended, end = uploads_layout(uploads, end) if uploads is not None else ([], end)
     staging = io.staging_for(end)
     staging.wait_writable()
     host = {name: staging.host(f) for name, f in fields.items()}
@@ -98,6 +101,8 @@ def stage_eager(io: StepIO, tables: DeviceBlockTables, batch: HostBatch, table_r
     host["feed_rows"][:], host["feed_from"][:] = batch.feed_rows, batch.feed_from
     host["update_rows"][:], host["update_cols"][:], host["update_blocks"][:] = \
         updates.rows, updates.cols, updates.blocks
+    if appended:
+        stage_uploads(staging, appended, uploads)
     staging.upload(end)
     view = {name: staging.device_view(f) for name, f in fields.items()}
     tables.apply(view["update_rows"], view["update_cols"], view["update_blocks"])

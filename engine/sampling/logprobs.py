@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.host_lists import row_values, to_device
+from engine.host_lists import Key, Uploads
 from engine.sampling_params import SamplingParams
 
 
@@ -41,25 +42,47 @@ class TokenLogprobs:
                    tuple(float(v) for v in top_logprobs))
 
 
-def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
-                    rows: list[int]) -> torch.Tensor:
-    """For `rows` of processed logits [S, vocab] and the sampled tokens [S]: one float64 tensor
-    [L, 2 + 2k] per row: sampled logprob, rank, the top-k logprobs, the top-k ids (k = the largest
+@dataclass(frozen=True)
+class LogprobPlan:
+    """The rows of a step that asked for logprobs, planned on the host."""
+
+    asked: tuple[int, ...]            # the rows
+    rows: Key | None                  # [L] the same in the step's uploads; None: every row
+    temperature: float | Key | None   # each row's (a greedy row's: 1), shared or [L]; None: all 1
+    k: int                            # the largest `logprobs` among the rows
+
+    @property
+    def width(self) -> int:
+        """Values per row in logprob_tensors."""
+        return 2 + 2 * self.k
+
+
+def plan_logprobs(params: Sequence[SamplingParams], uploads: Uploads) -> LogprobPlan | None:
+    """The rows asking for logprobs and their temperatures, added to uploads where they differ; None when no row
+    asks."""
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not asked:
+        return None
+    temperatures = [1.0 if params[i].greedy else params[i].temperature for i in asked]
+    temperature = None if all(t == 1.0 for t in temperatures) else uploads.shared_or_add(temperatures, np.float32)
+    return LogprobPlan(tuple(asked), None if len(asked) == len(params) else uploads.add(asked, np.int64),
+                       temperature, max(params[i].logprobs for i in asked))
+
+
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, plan: LogprobPlan, uploads: Uploads) -> torch.Tensor:
+    """For plan's rows of processed logits [S, vocab] and the sampled tokens [S]: one float64 tensor
+    [L, 2 + 2k]: per row the sampled logprob, rank, the top-k logprobs, the top-k ids (k = the largest
     `logprobs` among rows; each row keeps its own first `logprobs` on the host). Ids and ranks are
     exact in float64, so the whole thing comes back in the sampler's one copy. log_softmax is never
     materialised: logprob = scaled logit - logsumexp of the row, for the few entries reported."""
-    device = logits.device
-    every_row = len(rows) == logits.shape[0]
-    index = None if every_row else to_device(rows, torch.long, device)  # [L]
-    picked = logits if every_row else logits.index_select(0, index)  # [L, vocab]
-    temperatures = [1.0 if params[i].greedy else params[i].temperature for i in rows]
-    if any(t != 1.0 for t in temperatures):
-        picked = picked / row_values(temperatures, picked.dtype, device)  # [L, vocab]
+    index = None if plan.rows is None else uploads.get(plan.rows)  # [L]
+    picked = logits if index is None else logits.index_select(0, index)  # [L, vocab]
+    if plan.temperature is not None:
+        picked = picked / uploads.per_row(plan.temperature)  # [L, vocab]
     normalizer = picked.logsumexp(dim=-1, keepdim=True)  # [L, 1]: logprob = logit - normalizer
-    sampled = picked.gather(1, (tokens if every_row else tokens.index_select(0, index)).unsqueeze(1))  # [L, 1]
+    sampled = picked.gather(1, (tokens if index is None else tokens.index_select(0, index)).unsqueeze(1))  # [L, 1]
     rank = (picked > sampled).sum(dim=-1, keepdim=True, dtype=torch.int32) + 1  # [L, 1] (int32: faster on CPU)
-    k = max(params[i].logprobs for i in rows)
-    top_values, top_ids = picked.topk(k, dim=-1)  # [L, k] each, most likely first
+    top_values, top_ids = picked.topk(plan.k, dim=-1)  # [L, k] each, most likely first
     return torch.cat([(sampled - normalizer).double(), rank.double(), (top_values - normalizer).double(),
                       top_ids.double()], dim=1)
 

@@ -23,14 +23,22 @@ NUCLEUS_LADDER = (1024, 16384)  # candidate counts tried on a CPU before a full 
 COVER_MARGIN = 1e-3             # the rung's mass must pass p by this much (float32 sums of up to 16k terms)
 
 
-def nucleus_candidates(logits: torch.Tensor, top_p: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+def ladder_need(top_p: Sequence[float]) -> list[float]:
+    """The mass a rung must hold per row: top_p + COVER_MARGIN."""
+    return [p + COVER_MARGIN for p in top_p]
+
+
+def nucleus_candidates(logits: torch.Tensor, top_p: Sequence[float] | None,
+                       need: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, vocab] (transformed), top_p per row -> (probs [R, n], ids [R, n]): each row's best tokens
     high to low and their probabilities softmax(logits) (not renormalised over the candidates); columns
-    past a row's own candidates have probability 0 (and a valid id)."""
+    past a row's own candidates have probability 0 (and a valid id). need: ladder_need(top_p) already on the
+    device ([R]; then top_p is not read); copied here from top_p if None."""
     vocab, device = logits.shape[-1], logits.device
     log_total = logits.logsumexp(dim=-1, keepdim=True)  # [R, 1]
     rungs = [k for k in NUCLEUS_LADDER if k < vocab] if device.type == "cpu" else []
-    need = to_device([p + COVER_MARGIN for p in top_p], logits.dtype, device) if rungs else None  # [R]
+    if rungs and need is None:
+        need = to_device(ladder_need(top_p), logits.dtype, device)  # [R]
     left = torch.arange(logits.shape[0], device=device)  # [L]: rows not placed yet
     placed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, probs, ids) per rung
     for k in rungs:

@@ -4,15 +4,19 @@ no temperature), as vLLM reports them. The first prompt token has none (None), a
 
 They need the hidden state of every prompt position, so a request asking for them skips the prefix cache
 (Scheduler) and its prefill chunks send those rows through the LM head beside the sampled ones, in slices
-of ROWS_PER_SLICE to bound the [rows, vocab] logits. Entries accumulate on the sequence chunk by chunk
-(`Sequence.prompt_logprobs`); a prompt recomputed after a preemption does not add them twice.
+of ROWS_PER_SLICE to bound the [rows, vocab] logits. The rows and their targets cross in the step's one upload
+(planned with the step: `plan_prompt_logprobs`), the results come back in its one copy, behind the picks.
+Entries accumulate on the sequence chunk by chunk (`Sequence.prompt_logprobs`); a prompt recomputed after a
+preemption does not add them twice.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from engine.host_lists import Key, Uploads
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sequence import Sequence
 
@@ -41,24 +45,54 @@ def prompt_rows(seq: Sequence, start: int, num_new: int, first_row: int, into: P
         into.owners.append(seq)
 
 
-def compute_prompt_logprobs(model, hidden: torch.Tensor, wanted: PromptRows) -> list[tuple[Sequence, TokenLogprobs]]:
-    """(sequence, its next prompt token's TokenLogprobs) per wanted row, in row order (so each sequence's in
-    prompt order). hidden: [T, hidden] of the step; one host copy per slice."""
+@dataclass(frozen=True)
+class PromptPlan:
+    """A step's prompt-logprob rows, planned on the host: their rows and targets are Keys of the step's uploads."""
+
+    wanted: PromptRows
+    k: int      # the largest prompt_logprobs among the owners
+    rows: Key   # [R] int64
+    targets: Key  # [R] int64
+
+    @property
+    def width(self) -> int:
+        """Values per row in prompt_logprob_tensors."""
+        return 2 + 2 * self.k
+
+
+def plan_prompt_logprobs(wanted: PromptRows, uploads: Uploads) -> PromptPlan | None:
+    """The wanted rows and their targets added to uploads; None (nothing added) when there are none."""
+    if not wanted.rows:
+        return None
     k = max(owner.params.prompt_logprobs for owner in wanted.owners)
-    out = []
-    for begin in range(0, len(wanted.rows), ROWS_PER_SLICE):
-        end = min(begin + ROWS_PER_SLICE, len(wanted.rows))
-        rows = torch.tensor(wanted.rows[begin:end], dtype=torch.long, device=hidden.device)  # [R]
-        targets = torch.tensor(wanted.targets[begin:end], dtype=torch.long, device=hidden.device)  # [R]
-        logits = model.compute_logits(hidden.index_select(0, rows))  # [R, vocab] float32
-        normalizer = logits.logsumexp(dim=-1, keepdim=True)  # [R, 1]
-        target = logits.gather(1, targets.unsqueeze(1))  # [R, 1]
-        rank = (logits > target).sum(dim=-1, keepdim=True, dtype=torch.int32) + 1  # [R, 1]
-        top_values, top_ids = logits.topk(k, dim=-1)  # [R, k]
-        packed = torch.cat([(target - normalizer).double(), rank.double(), (top_values - normalizer).double(),
-                            top_ids.double()], dim=1).tolist()  # [R, 2 + 2k] on the host
-        for row, token, owner in zip(packed, wanted.targets[begin:end], wanted.owners[begin:end]):
-            mine = owner.params.prompt_logprobs
-            out.append((owner, TokenLogprobs(token, row[0], int(row[1]),
-                                             tuple(int(t) for t in row[2 + k:2 + k + mine]), tuple(row[2:2 + mine]))))
+    return PromptPlan(wanted, k, uploads.add(wanted.rows, np.int64), uploads.add(wanted.targets, np.int64))
+
+
+def prompt_logprob_tensors(model, hidden: torch.Tensor, plan: PromptPlan, uploads: Uploads) -> torch.Tensor:
+    """The planned rows' prompt logprobs on the device, [R * (2 + 2k)] float64 (per row: the target's logprob, its
+    rank, the top-k logprobs, the top-k ids), for one copy back with the step's picks. hidden: [T, hidden] of the
+    step; the LM head runs on slices of ROWS_PER_SLICE rows (tensor-parallel followers make the same calls)."""
+    all_rows, all_targets = uploads.get(plan.rows), uploads.get(plan.targets)  # [R], [R]
+    parts = []
+    for begin in range(0, len(plan.wanted.rows), ROWS_PER_SLICE):
+        rows, targets = all_rows[begin:begin + ROWS_PER_SLICE], all_targets[begin:begin + ROWS_PER_SLICE]  # [r]
+        logits = model.compute_logits(hidden.index_select(0, rows))  # [r, vocab] float32
+        normalizer = logits.logsumexp(dim=-1, keepdim=True)  # [r, 1]
+        target = logits.gather(1, targets.unsqueeze(1))  # [r, 1]
+        rank = (logits > target).sum(dim=-1, keepdim=True, dtype=torch.int32) + 1  # [r, 1]
+        top_values, top_ids = logits.topk(plan.k, dim=-1)  # [r, k]
+        parts.append(torch.cat([(target - normalizer).double(), rank.double(), (top_values - normalizer).double(),
+                                top_ids.double()], dim=1).flatten())  # [r * (2 + 2k)]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def unpack_prompt_logprobs(values: list[float], plan: PromptPlan) -> list[tuple[Sequence, TokenLogprobs]]:
+    """The host copy of prompt_logprob_tensors -> (sequence, its next prompt token's TokenLogprobs) per row, in row
+    order (so each sequence's in prompt order)."""
+    out, k, width = [], plan.k, plan.width
+    for n, (token, owner) in enumerate(zip(plan.wanted.targets, plan.wanted.owners)):
+        row = values[n * width:(n + 1) * width]
+        mine = owner.params.prompt_logprobs
+        out.append((owner, TokenLogprobs(token, row[0], int(row[1]), tuple(int(t) for t in row[2 + k:2 + k + mine]),
+                                         tuple(row[2:2 + mine]))))
     return out

@@ -1,45 +1,38 @@
 """Sampler: one next token per sampled row, greedy or temperature / min-p / top-k / top-p, seedable per
 request, with the row's logprobs when it asks.
 
-On the logits' device (CPU or CUDA), vectorised over rows. First the token masks of rows under a grammar
-(structured outputs: engine/sampling/token_mask.py; no such row, no mask work), then `process_logits`
-(engine/sampling/logits_processors.py: min_tokens, logit_bias, penalties) on the rows that ask for any, greedy rows
-included (it changes their argmax); no row asking, nothing runs. Greedy rows are then an argmax; the
-others go through `transform_logits` (temperature), `cut_min_p`, then `candidate_probs`: no cut is a
-softmax, nothing sorted; top-k is a `torch.topk` partial sort of the largest k asked for (each row masks
-past its own k), top-p then cut within those candidates; top-p without top-k takes each row's top tokens
-by a ladder of partial sorts that stops where they hold the nucleus, a full sort only past the ladder and
-on a GPU (engine/sampling/nucleus.py). The draw is an inverse CDF, one uniform per row, in two
-levels (block sums, then a cumsum inside the chosen block). Rows asking for logprobs get
-`engine.sampling.logprobs.logprob_tensors` (log_softmax of the processed logits after temperature, before the
-cuts) beside the draw. The host only builds small index / parameter tensors (non-blocking copies) and
-per-row generators; the one device-to-host copy is the final `to_host` in `Sampler.sample`, which
-brings the tokens and the small [L, 2 + 2k] logprob tensor back in one copy.
+In two halves. `plan` runs on the host while the step is prepared, before its forward: it decides what each row
+needs and puts every host value the device will read (the constrained rows' grammar bitmask, the processors'
+indexes, biases and penalty histories, the rows and per-row parameters of non-greedy rows where they differ, the
+uniforms of seeded rows, the rows asking for logprobs) into the step's Uploads (engine/host_lists.py), which cross
+in the step's one host-to-device copy (engine/step_io.py). `sample_planned` then runs on the logits' device
+(CPU or CUDA), vectorised over rows, reading only those bound uploads: first the token masks of rows under a
+grammar (engine/sampling/token_mask.py), then the logits processors (engine/sampling/logits_processors.py:
+min_tokens, logit_bias, penalties) on the rows that ask for any, greedy rows included (it changes their argmax).
+Greedy rows are then an argmax; the others are scaled by temperature, cut by min-p, then `candidate_probs`
+(engine/sampling/sampling_plan.py): no cut is a softmax, nothing sorted; top-k is a `torch.topk` partial sort of
+the largest k asked for (each row masks past its own k), top-p then cut within those candidates; top-p without
+top-k takes each row's top tokens by a ladder of partial sorts that stops where they hold the nucleus, a full sort
+only past the ladder and on a GPU (engine/sampling/nucleus.py). The draw is an inverse CDF, one uniform per row, in
+two levels (engine/sampling/draw.py). Rows asking for logprobs get `logprob_tensors` (log_softmax of the processed
+logits after temperature, before the cuts) beside the draw. The one device-to-host copy brings the tokens, the
+small [L, 2 + 2k] logprob tensor and whatever the caller appends (a step's prompt logprobs) back together.
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from engine.host_lists import HostCopy, row_values
-from engine.host_lists import to_device as _to_device
-from engine.sampling.logits_processors import History, cut_min_p, process_logits
-from engine.sampling.logprobs import TokenLogprobs, logprob_tensors, unpack
-from engine.sampling.nucleus import nucleus_candidates
-from engine.sampling.token_mask import TokenMaskFiller, apply_token_masks
+from engine.host_lists import HostCopy, Uploads
+from engine.sampling.draw import argmax
+from engine.sampling.logits_processors import History, Processing, apply_min_p, apply_processing, plan_processing
+from engine.sampling.logprobs import LogprobPlan, TokenLogprobs, logprob_tensors, plan_logprobs, unpack
+from engine.sampling.sampling_plan import Draw, draw_rows, plan_draw
+from engine.sampling.token_mask import MaskPlan, TokenMaskFiller, apply_planned_masks, plan_token_masks
 from engine.sampling_params import SamplingParams
-
-_BLOCK = 1024  # columns per block in the two-level argmax and draw
-
-
-def position_seed(seed: int, position: int) -> int:
-    """The generator seed of a seeded request's draw for the token at `position` (its index in the
-    sequence, prompt included): a function of (seed, position) alone, the same in every process."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+from engine.step_io import StepIO
 
 
 @dataclass(frozen=True)
@@ -51,32 +44,56 @@ class SamplerOutput:
 
 
 @dataclass(frozen=True)
-class DevicePicks:
-    """One step's picks on the device (Sampler.sample_on_device), with their copy to the host under way."""
+class StepSampling:
+    """A step's sampling planned on the host (Sampler.plan): what runs on the device once `uploads` are bound."""
 
-    tokens: torch.Tensor                # [S] int64, on the logits' device
-    host: HostCopy                      # the tokens (then the packed logprobs of the rows that asked)
     params: tuple[SamplingParams, ...]
-    asked: tuple[int, ...]              # rows that asked for logprobs
+    uploads: Uploads
+    masks: MaskPlan | None
+    processing: Processing | None
+    draw: Draw | None
+    logprobs: LogprobPlan | None
+
+
+class DevicePicks:
+    """One step's picks on the device (Sampler.sample_planned), with their copy to the host under way: the tokens,
+    then the packed logprobs of the rows that asked, then the caller's tail."""
+
+    def __init__(self, tokens: torch.Tensor, host: HostCopy, params: tuple[SamplingParams, ...],
+                 logprobs: LogprobPlan | None) -> None:
+        self.tokens = tokens  # [S] int64, on the logits' device
+        self.host, self.params, self.logprobs = host, params, logprobs
+        self._values: list | None = None
+
+    def values(self) -> list:
+        """Everything the copy brought (waits for it once)."""
+        if self._values is None:
+            self._values = self.host.wait()
+        return self._values
 
     def result(self) -> SamplerOutput:
         """The picks on the host (waits for the copy)."""
-        values = self.host.wait()
-        if not self.asked:
-            return SamplerOutput(values, [None] * len(self.params))
-        picks = [int(t) for t in values[:len(self.params)]]
-        return SamplerOutput(picks, unpack(values[len(self.params):], picks, self.params, list(self.asked)))
+        values, count = self.values(), len(self.params)
+        picks = values[:count] if len(values) == count else [int(t) for t in values[:count]]  # floats when packed
+        if self.logprobs is None:
+            return SamplerOutput(picks, [None] * count)
+        end = count + len(self.logprobs.asked) * self.logprobs.width
+        return SamplerOutput(picks, unpack(values[count:end], picks, self.params, list(self.logprobs.asked)))
+
+    def tail(self) -> list:
+        """The values appended after the picks and their logprobs (Sampler.sample_planned's tail)."""
+        width = 0 if self.logprobs is None else len(self.logprobs.asked) * self.logprobs.width
+        return self.values()[len(self.params) + width:]
 
 
 class Sampler:
-    """Picks tokens from logits. A seeded row draws its uniform from a generator on the logits' device
-    seeded from (seed, position), so a seeded request gets the same tokens whatever shares its batch
-    and whichever engine samples which of its tokens; unseeded rows share the sampler's generator for
-    that device (one per device, created on first use, each seeded with `seed`). eos_token_ids: what
-    min_tokens masks besides a request's stop_token_ids (unless it ignores EOS). mask_filler: what fills the
-    bitmask of rows under a grammar (set by the engine at its first structured request). start_copy: how the picks
-    start back to the host (engine/runner/step_io.py StepIO.start_to_host: one counted copy); a plain `tolist`
-    at wait() if None."""
+    """Picks tokens from logits. A seeded row draws its uniform from a generator seeded from (seed, position), so a
+    seeded request gets the same tokens whatever shares its batch and whichever engine samples which of its tokens;
+    unseeded rows share the sampler's generator for that device (one per device, created on first use, each seeded
+    with `seed`). eos_token_ids: what min_tokens masks besides a request's stop_token_ids (unless it ignores EOS).
+    mask_filler: what fills the bitmask of rows under a grammar (set by the engine at its first structured request).
+    start_copy: how the picks start back to the host (engine/step_io.py StepIO.start_to_host: one counted
+    copy); a plain `tolist` at wait() if None."""
 
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (),
                  mask_filler: TokenMaskFiller | None = None,
@@ -86,6 +103,7 @@ class Sampler:
         self.mask_filler = mask_filler
         self.start_copy = start_copy or (lambda values: HostCopy(values, values.numel(), None))
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._io: dict[torch.device, object] = {}  # StepIO per device, for calls made outside a step
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
                  histories: Sequence[History] | None = None) -> list[int]:
@@ -104,171 +122,95 @@ class Sampler:
 
     def sample_on_device(self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
                          histories: Sequence[History] | None = None,
-                         constraints: Sequence[object | None] | None = None) -> "DevicePicks":
-        """`sample`, stopping once the picks are on the device and their copy to the host has started: the
-        picks can feed the next step's forward (async scheduling) before the host has them."""
-        logits = apply_token_masks(logits, constraints, self.mask_filler)  # [S, vocab]
-        logits = process_logits(logits, params, histories, self.eos_token_ids)  # [S, vocab]
-        tokens = _argmax(logits)  # [S] int64: the greedy pick, and the fallback of every row
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            every_row = len(rows) == logits.shape[0]
-            index = None if every_row else _to_device(rows, torch.long, logits.device)  # [R]
-            row_params = [params[i] for i in rows]
-            picked = logits if every_row else logits.index_select(0, index)
-            scaled = cut_min_p(transform_logits(picked.float(), row_params), row_params)  # [R, vocab]
-            uniforms = self._uniforms(row_params, [positions[i] for i in rows], logits.device)  # [R]
-            drawn = sample_rows(scaled, row_params, uniforms)  # [R], -1 where a row has no mass
-            fallback = tokens if every_row else tokens.index_select(0, index)  # [R]
-            drawn = torch.where(drawn >= 0, drawn, fallback)  # [R]
-            tokens = drawn if every_row else tokens.index_copy(0, index, drawn)
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not asked:
-            return DevicePicks(tokens, self.start_copy(tokens), tuple(params), ())  # the one device-to-host copy
-        packed = logprob_tensors(logits, tokens, params, asked)  # [L, 2 + 2k] float64
-        host = self.start_copy(torch.cat([tokens.double(), packed.flatten()]))  # the one device-to-host copy
-        return DevicePicks(tokens, host, tuple(params), tuple(asked))
+                         constraints: Sequence[object | None] | None = None) -> DevicePicks:
+        """`sample` outside a step, stopping once the picks are on the device and their copy to the host has
+        started: planned, its uploads sent in one copy of their own (io_for: none when nothing differs), sampled."""
+        plan = self.plan(params, positions, histories, constraints, logits.shape[1], Uploads())
+        self.io_for(logits.device).upload_alone(plan.uploads)
+        return self.sample_planned(logits, plan)
+
+    def io_for(self, device: torch.device):
+        """The StepIO (engine/step_io.py) of calls made outside a step on device; its copies counted."""
+        if device not in self._io:
+            self._io[device] = StepIO(device)
+        return self._io[device]
+
+    def plan(self, params: Sequence[SamplingParams], positions: Sequence[int], histories: Sequence[History] | None,
+             constraints: Sequence[object | None] | None, vocab: int, uploads: Uploads) -> StepSampling:
+        """The host half (arguments as `sample`'s, vocab: the logits' width): fills the constrained rows' bitmask
+        and draws the seeded rows' uniforms; adds every array the device half reads to uploads (bind them before
+        sample_planned). Changes nothing else."""
+        return StepSampling(tuple(params), uploads, plan_token_masks(constraints, self.mask_filler, uploads),
+                            plan_processing(params, histories, self.eos_token_ids, vocab, uploads),
+                            plan_draw(params, positions, vocab, uploads), plan_logprobs(params, uploads))
+
+    def sample_planned(self, logits: torch.Tensor, plan: StepSampling, tail: torch.Tensor | None = None) -> DevicePicks:
+        """The device half: logits [S, vocab] -> the picks [S] on the device and their one copy to the host started,
+        with the logprobs asked and tail (1-D float64 on the device, e.g. prompt logprobs) behind them. Advances the
+        shared generator by the unseeded drawn rows."""
+        uploads = plan.uploads
+        logits = apply_planned_masks(logits, plan.masks, uploads)  # [S, vocab]
+        logits = apply_processing(logits, plan.processing, uploads)  # [S, vocab]
+        tokens = argmax(logits)  # [S] int64: the greedy pick, and the fallback of every row
+        if plan.draw is not None:
+            tokens = self._draw(logits, tokens, plan.draw, uploads)  # [S]
+        if plan.logprobs is None and tail is None:
+            return DevicePicks(tokens, self.start_copy(tokens), plan.params, None)  # the one device-to-host copy
+        parts = [tokens.double()]
+        if plan.logprobs is not None:
+            parts.append(logprob_tensors(logits, tokens, plan.logprobs, uploads).flatten())  # [L * (2 + 2k)]
+        if tail is not None:
+            parts.append(tail)
+        return DevicePicks(tokens, self.start_copy(torch.cat(parts)), plan.params, plan.logprobs)
+
+    def _draw(self, logits: torch.Tensor, tokens: torch.Tensor, plan: Draw, uploads: Uploads) -> torch.Tensor:
+        """tokens [S] with the drawn rows' picks in place of their argmax (where a row has mass)."""
+        index = None if plan.rows is None else uploads.get(plan.rows)  # [R]
+        scaled = (logits if index is None else logits.index_select(0, index)).float()  # [R, vocab]
+        if plan.temperature is not None:
+            scaled = scaled / uploads.per_row(plan.temperature)  # [R, vocab]
+        if plan.min_p is not None:
+            scaled = apply_min_p(scaled, uploads.per_row(plan.min_p))  # [R, vocab]
+        drawn = draw_rows(scaled, plan.cuts, self._uniforms(plan, uploads, logits.device), uploads)  # [R], -1: no mass
+        fallback = tokens if index is None else tokens.index_select(0, index)  # [R]
+        drawn = torch.where(drawn >= 0, drawn, fallback)  # [R]
+        return drawn if index is None else tokens.index_copy(0, index, drawn)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _uniforms(self, params: Sequence[SamplingParams], positions: Sequence[int],
-                  device: torch.device) -> torch.Tensor:
-        """One uniform in [0, 1) per row: seeded rows from their own (seed, position) generator,
-        the others from the shared one, in row order."""
-        num_shared = sum(p.seed is None for p in params)
-        shared = torch.rand(num_shared, generator=self._generator(device), device=device)  # [U]
-        parts, next_shared = [], 0
-        for p, position in zip(params, positions):
-            if p.seed is None:
-                parts.append(shared[next_shared:next_shared + 1])
-                next_shared += 1
-            else:
-                generator = torch.Generator(device=device).manual_seed(position_seed(p.seed, position))
-                parts.append(torch.rand(1, generator=generator, device=device))
-        return torch.cat(parts)  # [R]
-
-
-def transform_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The per-row transform between the logits processors and the cuts: temperature. logits: [R, vocab]
-    float32 of non-greedy rows -> [R, vocab], the input itself (never written to) when every
-    temperature is 1."""
-    if all(p.temperature == 1.0 for p in params):
-        return logits
-    temperature = row_values([p.temperature for p in params], logits.dtype, logits.device)  # shared, or [R, 1]
-    return logits / temperature  # [R, vocab]
-
-
-def _row_groups(params: Sequence[SamplingParams], vocab: int) -> list[list[int]]:
-    """Rows by the work their cuts need: top-k (partial sort), top-p alone (engine/sampling/nucleus.py), no cut."""
-    top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
-    top_p = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p < 1.0]
-    plain = [i for i, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
-    return [group for group in (top_k, top_p, plain) if group]
-
-
-def candidate_probs(logits: torch.Tensor, params: Sequence[SamplingParams]):
-    """Top-k, then top-p, on transformed logits [R, vocab]; correct for any mix of rows, fastest when
-    they share a group of `_row_groups`. Returns (probs [R, n], ids [R, n]), probs normalised over each
-    row's kept tokens and zero elsewhere, ids the vocabulary id of each column; ids is None when no row
-    asks for a cut (then n == vocab, columns are token ids, and nothing was sorted)."""
-    vocab, device = logits.shape[-1], logits.device
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if max(ks) < vocab:
-        values, ids = logits.topk(max(ks), dim=-1)  # [R, k] high to low: a partial sort
-        rank = torch.arange(values.shape[-1], device=device).unsqueeze(0)  # [1, k]
-        k = row_values(ks, torch.long, device)  # shared, or [R, 1]
-        probs = values.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)  # [R, k]
-    elif min(top_p) < 1.0:
-        probs, ids = nucleus_candidates(logits, top_p)  # [R, n] high to low, enough to hold each nucleus
-        rank = torch.arange(probs.shape[-1], device=device).unsqueeze(0)  # [1, n]
-    else:
-        return logits.softmax(dim=-1), None  # [R, vocab]
-    if min(top_p) < 1.0:
-        p = row_values(top_p, probs.dtype, device)  # shared, or [R, 1]
-        mass_before = probs.cumsum(dim=-1) - probs  # [R, n]: mass of the higher-ranked tokens
-        probs = probs.masked_fill((mass_before >= p) & (p < 1.0) & (rank > 0), 0.0)  # the top one stays
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs, ids
+    def _uniforms(self, plan: Draw, uploads: Uploads, device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per drawn row ([R]): seeded rows' from the uploads, the others from the shared
+        generator, in row order."""
+        shared = torch.rand(plan.num_unseeded, generator=self._generator(device), device=device) \
+            if plan.num_unseeded else None  # [U]
+        if plan.seeded is None:
+            return shared
+        seeded = uploads.get(plan.seeded)  # [R]
+        return seeded if shared is None else seeded.index_copy(0, uploads.get(plan.unseeded), shared)
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution the sampler draws from: raw logits [R, vocab] of non-greedy rows -> [R, vocab]
     probabilities (zero outside each row's min-p / top-k / top-p set; no logits processors: `logits`
     are taken as processed). For tests and inspection."""
-    logits = cut_min_p(transform_logits(logits.float(), params), params)  # [R, vocab]
-    out = torch.zeros_like(logits)  # [R, vocab]
-    for group in _row_groups(params, logits.shape[-1]):
-        index = _to_device(group, torch.long, logits.device)  # [G]
-        probs, ids = candidate_probs(logits.index_select(0, index), [params[i] for i in group])
+    from engine.sampling.logits_processors import min_p_floor
+    from engine.sampling.sampling_plan import candidate_probs, plan_cut, row_groups
+
+    uploads = Uploads()
+    temperature = uploads.shared_or_add([p.temperature for p in params], "float32")
+    floor = min_p_floor(params, uploads)
+    groups = row_groups(params, logits.shape[-1])
+    cuts = [(group, plan_cut([params[i] for i in group], logits.shape[-1], None, uploads)) for group in groups]
+    uploads.bind_each(logits.device)
+    scaled = logits.float() / uploads.per_row(temperature)  # [R, vocab]
+    scaled = scaled if floor is None else apply_min_p(scaled, uploads.per_row(floor))  # [R, vocab]
+    out = torch.zeros_like(scaled)  # [R, vocab]
+    for group, cut in cuts:
+        index = torch.tensor(group, dtype=torch.long, device=logits.device)  # [G]
+        probs, ids = candidate_probs(scaled.index_select(0, index), cut, uploads)
         dense = probs if ids is None else torch.zeros_like(out[: len(group)]).scatter_(1, ids, probs)
         out.index_copy_(0, index, dense)
     return out
-
-
-def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
-                uniforms: torch.Tensor) -> torch.Tensor:
-    """One token id per row of transformed logits [R, vocab], drawn with uniforms [R]; -1 for a row
-    whose kept probabilities do not sum to a positive finite mass (all -inf, NaN)."""
-    groups = _row_groups(params, logits.shape[-1])
-    if len(groups) == 1:
-        return _draw(*candidate_probs(logits, params), uniforms)
-    drawn = torch.empty_like(uniforms, dtype=torch.long)  # [R]
-    for group in groups:
-        index = _to_device(group, torch.long, logits.device)  # [G]
-        probs, ids = candidate_probs(logits.index_select(0, index), [params[i] for i in group])
-        drawn.index_copy_(0, index, _draw(probs, ids, uniforms.index_select(0, index)))
-    return drawn
-
-
-def _draw(probs: torch.Tensor, ids: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF in two levels: the block whose cumulative mass passes u * total, then the column
-    inside it, so a long row costs a summing pass, not a full cumsum. probs [R, n] >= 0, ids [R, n] or
-    None (columns are token ids), uniforms [R] in [0, 1) -> token ids [R], -1 where there is no mass."""
-    block_mass = _per_block(probs, lambda blocks: blocks.sum(dim=-1))  # [R, nb]
-    block_cdf = block_mass.cumsum(dim=-1)  # [R, nb], non-decreasing
-    total = block_cdf[:, -1:]  # [R, 1]
-    target = _below(uniforms.unsqueeze(1) * total, total)  # [R, 1]
-    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[-1] - 1)  # [R, 1]
-    before = torch.nn.functional.pad(block_cdf, (1, 0)).gather(1, block)  # [R, 1]: earlier blocks' mass
-    values, columns = _block_columns(probs, block, 0.0)  # [R, B]
-    inner = values.cumsum(dim=-1)  # [R, B]
-    residual = _below((target - before).clamp_(min=0.0), inner[:, -1:])  # [R, 1]
-    inside = torch.searchsorted(inner, residual, right=True).clamp_(max=_BLOCK - 1)  # [R, 1]
-    column = columns.gather(1, inside).clamp_(max=probs.shape[-1] - 1)  # [R, 1], in range even for NaN
-    token = column if ids is None else ids.gather(1, column)  # [R, 1]
-    valid = (total > 0) & torch.isfinite(total)  # [R, 1]
-    return torch.where(valid, token, -1).squeeze(1)  # [R]
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [S, n] -> [S], the first maximum of each row as torch.argmax gives it, in two levels
-    (block maxima, then inside the first best block): a fraction of argmax's time on CPU."""
-    block = _per_block(logits, lambda blocks: blocks.amax(dim=-1)).argmax(dim=-1, keepdim=True)  # [S, 1]
-    values, columns = _block_columns(logits, block, float("-inf"))  # [S, B]
-    return columns.gather(1, values.argmax(dim=-1, keepdim=True)).squeeze(1)  # [S]
-
-
-def _per_block(x: torch.Tensor, reduce) -> torch.Tensor:
-    """x [R, n] -> [R, nb]: reduce(blocks [R, m, B]) over runs of _BLOCK columns, the last run short."""
-    rows, n = x.shape
-    full = n // _BLOCK * _BLOCK
-    parts = [reduce(x[:, :full].reshape(rows, full // _BLOCK, _BLOCK))] if full else []
-    if full < n:
-        parts.append(reduce(x[:, full:].unsqueeze(1)))  # [R, 1]
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-
-
-def _block_columns(x: torch.Tensor, block: torch.Tensor, fill: float):
-    """The values [R, B] of block [R, 1] of x [R, n] (fill past column n) and their columns [R, B]."""
-    columns = block * _BLOCK + torch.arange(_BLOCK, device=x.device)  # [R, B]
-    values = x.gather(1, columns.clamp(max=x.shape[-1] - 1))  # [R, B]
-    return values.masked_fill(columns >= x.shape[-1], fill), columns
-
-
-def _below(value: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """min(value, the largest float below bound): a target the cumulative mass is sure to pass."""
-    return torch.minimum(value, torch.nextafter(bound, torch.zeros_like(bound)))

@@ -1,19 +1,22 @@
 """Token masks of constrained rows (structured outputs), applied to the logits before anything else.
 
 The sampler holds a TokenMaskFiller (engine/structured/ implements it) and is handed, per row, the row's
-grammar state or None. Only when some row has one does it ask the filler for one packed bitmask of those rows
-([R, words] int32 on the host: bit t % 32 of word t // 32 allows token t), copy it to the logits' device
-(non-blocking; pinned on CUDA) and set every disallowed logit of those rows to -inf there. Tokens past the
-mask's width (a model's padded vocabulary) are disallowed. Unconstrained rows are untouched.
+grammar state or None. Only when some row has one does it ask the filler, while the step is planned on the host,
+for one packed bitmask of those rows ([R, words] int32: bit t % 32 of word t // 32 allows token t); the bitmask
+(and the rows' indexes) cross in the step's one upload (engine/host_lists.py Uploads), and every disallowed logit of
+those rows is set to -inf on the device. Tokens past the mask's width (a model's padded vocabulary) are disallowed.
+Unconstrained rows are untouched.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from engine.host_lists import to_device
+from engine.host_lists import Key, Uploads
 
 
 class TokenMaskFiller(Protocol):
@@ -21,11 +24,36 @@ class TokenMaskFiller(Protocol):
         """[len(grammars), words] int32 on the host: the tokens each grammar allows next."""
 
 
+@dataclass(frozen=True)
+class MaskPlan:
+    """A step's token masks, planned on the host: which rows, and their bitmask, in the step's uploads."""
+
+    rows: Key | None  # [C] the constrained rows; None: every row
+    bits: Key         # [C * words] int32, row-major
+    count: int        # C
+    words: int
+
+
 def constrained_rows(constraints: Sequence[object | None] | None) -> list[int]:
     """The rows that carry a grammar state ([] when none does, or no constraints were given)."""
     if constraints is None:
         return []
     return [i for i, c in enumerate(constraints) if c is not None]
+
+
+def plan_token_masks(constraints: Sequence[object | None] | None, filler: TokenMaskFiller | None,
+                     uploads: Uploads) -> MaskPlan | None:
+    """Fills the constrained rows' bitmask (reads the grammar states, never advances them) and adds it to uploads;
+    None (nothing filled or added) when no row is constrained."""
+    rows = constrained_rows(constraints)
+    if not rows:
+        return None
+    if filler is None:
+        raise RuntimeError("constrained rows reached a sampler without a token mask filler")
+    bitmask = filler.fill([constraints[i] for i in rows])  # [C, words] int32 on the host
+    every_row = len(rows) == len(constraints)
+    return MaskPlan(None if every_row else uploads.add(rows, np.int64), uploads.add(bitmask, np.int32), len(rows),
+                    bitmask.shape[1])
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -38,20 +66,25 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]), value=False)
 
 
+def apply_planned_masks(logits: torch.Tensor, plan: MaskPlan | None, uploads: Uploads) -> torch.Tensor:
+    """logits [S, vocab] -> [S, vocab] with each constrained row's disallowed tokens at -inf: the input itself
+    (never written to) without a plan, else a new tensor. uploads: bound (on the logits' device)."""
+    if plan is None:
+        return logits
+    bitmask = uploads.get(plan.bits).view(plan.count, plan.words)  # [C, words] int32
+    allowed = unpack_bitmask(bitmask, logits.shape[1])  # [C, vocab]
+    if plan.rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
+    index = uploads.get(plan.rows)  # [C]
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [C, vocab]
+    return logits.index_copy(0, index, masked)
+
+
 def apply_token_masks(logits: torch.Tensor, constraints: Sequence[object | None] | None,
                       filler: TokenMaskFiller | None) -> torch.Tensor:
-    """logits [S, vocab] -> [S, vocab] with each constrained row's disallowed tokens at -inf: the input itself
-    (never written to) when no row is constrained, else a new tensor."""
-    rows = constrained_rows(constraints)
-    if not rows:
-        return logits
-    if filler is None:
-        raise RuntimeError("constrained rows reached a sampler without a token mask filler")
-    host = filler.fill([constraints[i] for i in rows])  # [R, words] int32
-    bitmask = host.to(logits.device, non_blocking=True)
-    allowed = unpack_bitmask(bitmask, logits.shape[1])  # [R, vocab]
-    if len(rows) == logits.shape[0]:
-        return logits.masked_fill(~allowed, float("-inf"))
-    index = to_device(rows, torch.long, logits.device)  # [R]
-    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy(0, index, masked)
+    """plan_token_masks then apply_planned_masks, outside a step (the bitmask copied on its own): the input itself
+    when no row is constrained."""
+    uploads = Uploads()
+    plan = plan_token_masks(constraints, filler, uploads)
+    uploads.bind_each(logits.device)
+    return apply_planned_masks(logits, plan, uploads)

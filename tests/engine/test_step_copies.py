@@ -1,6 +1,7 @@
-"""A step's host <-> device copies, counted where they are made (engine/runner/step_io.py): one upload of all its
+"""A step's host <-> device copies, counted where they are made (engine/step_io.py): one upload of all its
 inputs and one copy of its picks back, for decode steps (eager, or through the decode graphs' staged inputs) and
-mixed steps alike; block tables travel as the entries that changed."""
+mixed steps alike; block tables travel as the entries that changed. Rows that sample differently (their parameters,
+grammar masks, penalties, prompt logprobs): tests/engine/test_step_copies_sampling.py."""
 from __future__ import annotations
 
 import pytest
@@ -68,34 +69,3 @@ def test_a_graph_decode_step_copies_once_each_way(tiny_checkpoint, hf_greedy):
     assert len(replayed) == steps - 1 and 0 < sum(replayed) < 3 * (steps - 1)  # only new blocks travel
     assert [got[f"r{i}"] for i in range(3)] == hf_greedy(path, prompts, 8)
     assert_all_blocks_free(llm)
-
-
-def test_rows_that_share_their_sampling_parameters_upload_nothing(monkeypatch):
-    """The sampler's per-row parameters (temperature, top-k, top-p, min-p) reach the device only when rows differ:
-    a batch of requests with the same parameters, the common case, adds no copy to the step's one upload."""
-    import torch
-
-    import engine.host_lists
-    import engine.sampling.logits_processors
-    import engine.sampling.logprobs
-    import engine.sampling.nucleus
-    import engine.sampling.sampler
-    from engine.sampling.sampler import Sampler
-
-    uploads = []
-
-    def counted(values, dtype, device):
-        uploads.append(len(values))
-        return torch.tensor(values, dtype=dtype).to(device)
-
-    for module, name in ((engine.host_lists, "to_device"), (engine.sampling.sampler, "_to_device"),
-                         (engine.sampling.logits_processors, "to_device"), (engine.sampling.logprobs, "to_device"),
-                         (engine.sampling.nucleus, "to_device")):
-        monkeypatch.setattr(module, name, counted)
-    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0))
-    shared = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, logprobs=2, seed=3)
-    picks = Sampler(0).sample(logits, [shared] * 4, [5, 6, 7, 8])
-    assert uploads == [] and len(picks.tokens) == 4
-    mixed = [shared, SamplingParams(temperature=1.3, top_k=5, top_p=0.5, min_p=0.1, logprobs=2, seed=3)] * 2
-    again = Sampler(0).sample(logits, mixed, [5, 6, 7, 8])
-    assert len(uploads) >= 4 and again.tokens[0] == picks.tokens[0]  # row 0's draw: the same, whatever its batch

@@ -9,7 +9,7 @@ Rules (docs/architecture.md, "The map"):
   llm.py, builder.py) -> core/ -> runner/ -> model/ -> attention/ -> kv/, with sampling/ and text/ beside
   them, results/ (outputs.py) for core/, parallel/ (tensor parallelism's layout, group and step message) for
   model/, runner/ and core/, and the shared types (config.py, sampling_params.py, sequence.py,
-  host_lists.py) under all of them, importing only each other;
+  host_lists.py, step_io.py) under all of them, importing only each other;
 - inside cluster/, between its rooms: api and local know only the Backend contract (cluster/backend.py),
   api and coordinator also the stream merger (cluster/merged_streams.py); coordinator drives workers;
   drivers may use every room; bench, workers and clients stand alone; selftest uses bench (its checkpoints
@@ -46,7 +46,7 @@ ENGINE_TOP_LEVEL_ROOMS = {
     "engine.outputs": "engine.results",
     "engine.config": "engine.types", "engine.sampling_params": "engine.types", "engine.sequence": "engine.types",
     "engine.structured_params": "engine.types",
-    "engine.host_lists": "engine.types",
+    "engine.host_lists": "engine.types", "engine.step_io": "engine.types",
 }
 ALLOWED_ENGINE_ROOMS: dict[str, frozenset[str]] = {
     "engine.types": frozenset(),

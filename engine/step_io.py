@@ -1,11 +1,13 @@
 """The host <-> device copies of a step, all made here and counted.
 
-A step's inputs (token ids, per-sequence counts, block-table updates, sampled rows) are written through numpy
-views into one persistent host buffer (pinned on CUDA) and reach the device in one host-to-device copy of the bytes
-used (`StagingBuffer.upload`); the device twin's views of the same layout are what the forward reads. The sampled
-ids come back in one device-to-host copy (`StepIO.to_host`), on a side stream, waited for with an event. On CPU the
-twin is the host buffer itself and the copies cost nothing, but they are counted the same way, so a CPU test sees
-what a GPU step would pay (`CopyCounter`).
+A step's inputs (token ids, per-sequence counts, block-table updates, sampled rows, and behind them what its
+sampling reads: engine/host_lists.py Uploads, laid out by `uploads_layout` and written by `stage_uploads`) are
+written through numpy views into one persistent host buffer (pinned on CUDA) and reach the device in one
+host-to-device copy of the bytes used (`StagingBuffer.upload`); the device twin's views of the same layout are what
+the forward and the sampler read. The sampled ids (with their logprobs and the step's prompt logprobs) come back
+in one device-to-host copy (`StepIO.start_to_host`), on a side stream, waited for with an event. On CPU the twin is
+the host buffer itself and the copies cost nothing, but they are counted the same way, so a CPU test sees what a GPU
+step would pay (`CopyCounter`).
 """
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.host_lists import HostCopy
+from engine.host_lists import HostCopy, Uploads
 
 ALIGN = 8  # every field starts on an 8-byte boundary, so each dtype's view is aligned
 LANDING_RING = 3  # device-to-host copies that may be outstanding before a landing buffer is reused
+# Bytes a fixed buffer (the decode graphs') holds past its own fields for the step's sampling inputs (Uploads:
+# per-row parameters, grammar bitmasks, penalty histories); a step needing more sends them in a copy of their own.
+APPENDED_ROOM = 4 << 20
 
 _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
                  np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
@@ -58,6 +63,19 @@ def layout(fields: Sequence[tuple[str, type, int]], start: int = 0) -> tuple[dic
     return out, offset
 
 
+def uploads_layout(uploads: Uploads, start: int) -> tuple[list[Field], int]:
+    """The fields of uploads' arrays packed from byte `start`, in key order; and the end offset."""
+    fields, end = layout([(str(i), dtype, count) for i, (dtype, _, count) in enumerate(uploads.arrays)], start)
+    return list(fields.values()), end
+
+
+def stage_uploads(staging: "StagingBuffer", fields: list[Field], uploads: Uploads) -> None:
+    """Writes uploads' arrays into their host fields (uploads_layout; after wait_writable) and binds their device
+    views: valid once the upload that covers them has run."""
+    uploads.write([staging.host(f) for f in fields])
+    uploads.bind([staging.device_view(f) for f in fields])
+
+
 class StagingBuffer:
     """A host byte buffer (pinned on CUDA) and its device twin of the same capacity. Fields are written on the host
     (`host`), read on the device (`device`), and `upload(nbytes)` copies the first nbytes across in one copy, ordered
@@ -72,6 +90,7 @@ class StagingBuffer:
         self._device = torch.empty(capacity, dtype=torch.uint8, device=device) if cuda else self._host
         self._host_bytes = self._host.numpy()
         self._uploaded = torch.cuda.Event() if cuda else None
+        self._next_upload = 0  # bytes the next upload copies at least (extend_next_upload)
 
     def host(self, field: Field) -> np.ndarray:
         """The field's host array (write it before `upload`; valid until the next wait_writable)."""
@@ -87,8 +106,14 @@ class StagingBuffer:
         if self._uploaded is not None:
             self._uploaded.synchronize()
 
+    def extend_next_upload(self, nbytes: int) -> None:
+        """Make the next `upload` copy at least the first nbytes (fields written behind another caller's)."""
+        self._next_upload = max(self._next_upload, nbytes)
+
     def upload(self, nbytes: int) -> None:
-        """Copy the host buffer's first nbytes to the device twin: one copy, counted."""
+        """Copy the host buffer's first nbytes (or more, extend_next_upload) to the device twin: one copy,
+        counted."""
+        nbytes, self._next_upload = max(nbytes, self._next_upload), 0
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes do not fit a staging buffer of {self.capacity}")
         self.counter.host_to_device += 1
@@ -118,8 +143,20 @@ class StepIO:
         return self.staging
 
     def buffer(self, capacity: int) -> StagingBuffer:
-        """A fixed staging buffer counted with this one (the decode graphs' static inputs)."""
-        return StagingBuffer(capacity, self.device, self.copies)
+        """A fixed staging buffer counted with this one (the decode graphs' static inputs), with APPENDED_ROOM
+        bytes past capacity for a step's sampling inputs."""
+        return StagingBuffer(capacity + APPENDED_ROOM, self.device, self.copies)
+
+    def upload_alone(self, uploads: Uploads) -> None:
+        """Sampling inputs made outside a step (a Sampler called on its own), in one upload of their own through
+        the eager buffer; binds their device views. Nothing is copied when there are none."""
+        if not len(uploads):
+            return
+        fields, end = uploads_layout(uploads, 0)
+        staging = self.staging_for(end)
+        staging.wait_writable()
+        stage_uploads(staging, fields, uploads)
+        staging.upload(end)
 
     def to_host(self, values: torch.Tensor) -> list:
         """values (1-D, on the device) as a host list: start_to_host(values).wait()."""
