@@ -21,7 +21,9 @@ from engine.outputs import StepDelta
 from engine.sequence import Sequence
 from kv_transfer import KVSender, SendRequest, TransferHandle
 from kv_transfer.engine_pool import take_prefilled
+from kv_transfer.group_pool import GroupStaging
 from kv_transfer.layer_stream import LayerClock, LayerStream, StreamTail
+from prefill_worker.group_streams import GroupStreams
 from prefill_worker.transfer_slots import TransferSlots
 
 
@@ -32,21 +34,27 @@ class LayerStreaming:
     on_sent(request_id, handle): the worker's hook for a started send (it watches the handle)."""
 
     def __init__(self, engine: LLMEngine, sender: KVSender, slots: TransferSlots, lives: dict[str, Any],
-                 on_sent: Callable[[str, TransferHandle], None]) -> None:
+                 on_sent: Callable[[str, TransferHandle], None], staging: GroupStaging | None = None) -> None:
+        """staging: a tensor-parallel engine's (kv_transfer/group_pool.py): the streams send its blocks."""
         self._engine, self._sender, self._slots, self._lives, self._on_sent = engine, sender, slots, lives, on_sent
         self._clock: LayerClock | None = None
+        self._group = GroupStreams(staging) if staging is not None else None
 
     def forward_starting(self, completing: list[Sequence]) -> Callable[[int], None] | None:
         """Starts a stream for each completing request that can have one; the clock's callback if any did."""
         clock = LayerClock(self._engine.model_config.num_layers, self._engine.device)
         started = [seq for seq in completing if self._start(seq, clock)]
         self._clock = clock if started else None
-        return clock.layer_done if started else None
+        if not started:
+            return None
+        return clock.layer_done if self._group is None else self._group.layer_hook(clock)
 
     def forward_failed(self, error: str) -> None:
         """Every stream of the failed step aborts (the worker then aborts their requests in the engine)."""
         if self._clock is not None:
             self._clock.step_failed(error)
+        if self._group is not None:
+            self._group.release_all()
 
     def _start(self, seq: Sequence, clock: LayerClock) -> bool:
         live = self._lives.get(seq.request_id)
@@ -54,12 +62,17 @@ class LayerStreaming:
             return False
         stream = LayerStream(clock)
         skip = live.task.decode_cached_blocks  # the decode worker holds these: they do not travel
-        request = SendRequest(seq.request_id, tuple(seq.block_table[skip:]), seq.num_tokens, None,
-                              prefix_blocks=skip, stream=stream)
+        blocks = seq.block_table[skip:]
+        if self._group is not None and (blocks := self._group.stage(seq.request_id, blocks)) is None:
+            self._slots.release_unused(live.task.decode_address)  # no staging room: sent whole after the step
+            return False
+        request = SendRequest(seq.request_id, tuple(blocks), seq.num_tokens, None, prefix_blocks=skip, stream=stream)
         try:
             handle = self._sender.send(live.task.decode_address, request)
         except Exception:  # a bad address: the request goes whole after the step (and fails there)
             self._slots.release_unused(live.task.decode_address)
+            if self._group is not None:
+                self._group.unstage(seq.request_id)
             return False
         live.stream, live.handle = stream, handle
         live.report = dataclasses.replace(live.report, transfer_started=time.time())
@@ -75,11 +88,16 @@ class LayerStreaming:
         live.report = dataclasses.replace(live.report, forward_ended=stream.clock.last_layer_at)
         if delta.kv_block_ids is None:
             stream.abort("the first token ended the request")
+            if self._group is not None:
+                self._group.release(delta.request_id)
             return False
         request = take_prefilled(self._engine, delta.request_id, live.report.first_logprobs,
                                  live.task.decode_cached_blocks)  # the skipped blocks go back to the engine
-        if not stream.finish(StreamTail(request.first_token, request.first_logprobs), request.block_ids):
-            self._engine.free_blocks(request.block_ids)
+        blocks, free = request.block_ids, self._engine.free_blocks
+        if self._group is not None:  # the KV is in the staging blocks: those travel, the engine's go back
+            blocks, free = self._group.hand_over(delta.request_id, request.block_ids), self._group.staging.free
+        if not stream.finish(StreamTail(request.first_token, request.first_logprobs), blocks):
+            free(blocks)
         return True
 
     def unfinished(self, live: Any) -> bool:

@@ -43,9 +43,9 @@ class PrefillWorker:
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, Live] = {}
         self._slots = TransferSlots(config.transfer_slots_per_peer)
-        streams = config.kv_streaming == "layer" and config.transport != "ipc" and self._staging is None
-        self._streaming = LayerStreaming(engine, self._sender, self._slots, self._live, self._watch_transfer) \
-            if streams else None
+        streams = config.kv_streaming == "layer" and config.transport != "ipc"
+        self._streaming = LayerStreaming(engine, self._sender, self._slots, self._live, self._watch_transfer,
+                                         self._staging) if streams else None
         self._stopped = threading.Event()
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)

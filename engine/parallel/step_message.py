@@ -2,8 +2,9 @@
 int32 buffer of a fixed size (one broadcast on the group's host control group, engine/parallel/group.py), from
 which a follower builds the same batch tensors (build_step_tensors) and runs the same forward.
 
-Layout (int32 words): header [kind, T, N, width, S, R, C, total] then input_ids [T], num_computed [N],
-num_new [N], block_tables [N * width], sample_rows [S], prompt_rows [R], copy sources [C], copy targets [C].
+Layout (int32 words): header [kind, T, N, width, S, R, C, B, total] then input_ids [T], num_computed [N],
+num_new [N], block_tables [N * width], sample_rows [S], prompt_rows [R], copy sources [C], copy targets [C],
+streamed blocks [B] (every layer of theirs gathered to rank 0 as the forward writes it: engine/runner/group_kv.py).
 kind STOP ends a follower. Kinds KV_GATHER / KV_SCATTER (a KVMove: header [kind, n, C, 0, ..., total], block ids
 [n], copies [C] [C]) move KV blocks between the ranks' pools and one full-head tensor on rank 0
 (engine/runner/group_kv.py). Every step of at most INLINE_WORDS words (decode steps of 256 sequences with up to
@@ -20,7 +21,7 @@ import torch
 from engine.parallel.group import TPGroup
 
 STEP, STOP, KV_GATHER, KV_SCATTER = 1, 2, 3, 4
-HEADER_WORDS = 8
+HEADER_WORDS = 9
 INLINE_WORDS = 16384  # 64 KiB: one broadcast of this size costs ~0.1 ms over loopback gloo
 
 
@@ -35,6 +36,7 @@ class StepInputs:
     sample_rows: list[int]        # [S] batch rows that go through the LM head to be sampled
     prompt_rows: list[int]        # [R] batch rows that give prompt logprobs (in ROWS_PER_SLICE slices)
     copies: tuple[list[int], list[int]] = field(default=((), ()))  # [C] KV blocks copied (source, target)
+    stream_blocks: list[int] = field(default=())  # [B] blocks whose every layer goes to rank 0 once written
 
 
 @dataclass(frozen=True)
@@ -66,23 +68,25 @@ def pack(step: StepInputs) -> np.ndarray:
     tables = np.ascontiguousarray(step.block_tables, dtype=np.int32)
     sources, targets = step.copies
     parts = [step.input_ids, step.num_computed, step.num_new, tables.reshape(-1), step.sample_rows,
-             step.prompt_rows, sources, targets]
+             step.prompt_rows, sources, targets, step.stream_blocks]
     body = np.concatenate([np.asarray(p, dtype=np.int32).reshape(-1) for p in parts])
     header = np.array([STEP, len(step.input_ids), len(step.num_new), tables.shape[1] if tables.ndim == 2 else 0,
-                       len(step.sample_rows), len(step.prompt_rows), len(sources), HEADER_WORDS + body.size],
-                      dtype=np.int32)
+                       len(step.sample_rows), len(step.prompt_rows), len(sources), len(step.stream_blocks),
+                       HEADER_WORDS + body.size], dtype=np.int32)
     return np.concatenate([header, body])
 
 
 def unpack(words: np.ndarray) -> StepInputs:
     """pack's inverse."""
-    _, num_tokens, num_seqs, width, num_samples, num_prompt, num_copies, _ = (int(w) for w in words[:HEADER_WORDS])
-    sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, num_samples, num_prompt, num_copies, num_copies]
+    _, num_tokens, num_seqs, width, num_samples, num_prompt, num_copies, num_streamed, _ = (
+        int(w) for w in words[:HEADER_WORDS])
+    sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, num_samples, num_prompt, num_copies, num_copies,
+             num_streamed]
     bounds = np.cumsum([HEADER_WORDS] + sizes)
-    ids, computed, new, tables, samples, prompt, sources, targets = (
+    ids, computed, new, tables, samples, prompt, sources, targets, streamed = (
         words[start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
     return StepInputs(ids.tolist(), computed.tolist(), new.tolist(), tables.reshape(num_seqs, width).copy(),
-                      samples.tolist(), prompt.tolist(), (sources.tolist(), targets.tolist()))
+                      samples.tolist(), prompt.tolist(), (sources.tolist(), targets.tolist()), streamed.tolist())
 
 
 class StepChannel:

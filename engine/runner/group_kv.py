@@ -5,7 +5,9 @@ on every rank. A KV transfer from or to a group goes through rank 0 (kv_transfer
 group ships a request, `gather_kv_heads` assembles the blocks' full heads on rank 0; when a decode group admits
 one, `scatter_kv_heads` writes each rank's heads of a full-head tensor into its own blocks. Both are collectives:
 rank 0 announces them with one KVMove on the step channel (engine/parallel/step_message.py) and its followers,
-which run rank 0's messages in order, take part (`run_kv_move`). Heads replicated on several ranks (fewer KV heads
+which run rank 0's messages in order, take part (`run_kv_move`). A step whose message names stream_blocks gathers
+every layer of those blocks to rank 0 as soon as the forward has written it (`gather_layer_heads`, on every rank
+from the forward's layer callback): a prefill group's layer-streamed transfer. Heads replicated on several ranks (fewer KV heads
 than ranks) are taken from the first rank that holds them and written to every rank that holds them.
 """
 from __future__ import annotations
@@ -61,6 +63,21 @@ def run_kv_move(move: KVMove, group: TPGroup, kv_cache: KVCache, model_config: M
                        dtype=kv_cache.kv.dtype, device=kv_cache.kv.device)
     group.broadcast_(full)
     _write_blocks(kv_cache, move.block_ids, full)
+
+
+def gather_layer_heads(group: TPGroup, kv_cache: KVCache, model_config: ModelConfig, layer: int,
+                       ids: torch.Tensor) -> torch.Tensor | None:
+    """Every rank, at the same layer of the same forward: layer `layer` of blocks `ids` ([n] on the pool's device)
+    with every head of the model, on rank 0 ([2, n, block_size, num_kv_heads, head_dim]); None on the others."""
+    parts = group.gather(kv_cache.kv[layer].index_select(1, ids))  # size x [2, n, bs, h, D] on rank 0
+    if parts is None:
+        return None
+    shape = full_head_shape(kv_cache, model_config.num_kv_heads, len(ids))[1:]
+    full = torch.empty(shape, dtype=kv_cache.kv.dtype, device=kv_cache.kv.device)
+    for rank in reversed(range(group.size)):
+        lo, hi = tp_layout(model_config, rank, group.size).kv_heads
+        full[..., lo:hi, :] = parts[rank]
+    return full
 
 
 def _read_blocks(kv_cache: KVCache, block_ids: list[int]) -> torch.Tensor:

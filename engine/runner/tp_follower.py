@@ -29,7 +29,7 @@ from engine.model.tp_weights import load_shard
 from engine.parallel.group import Rendezvous, TPGroup, connect_group, open_store
 from engine.parallel.group_files import process_alive, remove_group_files
 from engine.parallel.layout import tp_layout
-from engine.runner.group_kv import run_kv_move
+from engine.runner.group_kv import gather_layer_heads, run_kv_move
 from engine.parallel.step_message import KVMove, StepChannel, StepInputs
 from engine.runner.decode_graphs import DecodeGraphs, decode_graphs_for
 from engine.runner.host_malloc import keep_freed_host_memory
@@ -75,9 +75,9 @@ class FollowerRunner:
     """The follower's half of ModelRunner.execute: the same batch tensors, forward and logits calls."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, attention: AttentionBackend, device: torch.device,
-                 graphs: DecodeGraphs | None) -> None:
+                 graphs: DecodeGraphs | None, group: TPGroup, model_config: ModelConfig) -> None:
         self.model, self.kv_cache, self.attention, self.device = model, kv_cache, attention, device
-        self.graphs = graphs
+        self.graphs, self.group, self.model_config = graphs, group, model_config
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> None:
@@ -86,12 +86,24 @@ class FollowerRunner:
         tensors = build_step_tensors(self.attention, step.num_computed, step.num_new, step.block_tables,
                                      self.kv_cache.spec.block_size, self.device)
         input_ids = self._tensor(step.input_ids)  # [T]
-        hidden = run_forward(self.model, self.kv_cache, self.graphs, input_ids, tensors.positions, tensors.meta)
+        hidden = run_forward(self.model, self.kv_cache, self.graphs, input_ids, tensors.positions, tensors.meta,
+                             self._layer_hook(step.stream_blocks))
         for begin in range(0, len(step.prompt_rows), ROWS_PER_SLICE):  # as compute_prompt_logprobs slices them
             rows = self._tensor(step.prompt_rows[begin:begin + ROWS_PER_SLICE])  # [R]
             self.model.compute_logits(hidden.index_select(0, rows))
         if step.sample_rows:
             self.model.compute_logits(hidden.index_select(0, self._tensor(step.sample_rows)))  # [S, hidden]
+
+    def _layer_hook(self, stream_blocks: list[int]):
+        """The forward's layer callback of a step that streams blocks to rank 0 (their layer, gathered); else None."""
+        if not stream_blocks:
+            return None
+        streamed = self._tensor(stream_blocks)  # [B]
+
+        def gather(layer: int) -> None:
+            gather_layer_heads(self.group, self.kv_cache, self.model_config, layer, streamed)
+
+        return gather
 
     def close(self) -> None:
         if self.graphs is not None:
@@ -112,7 +124,7 @@ def build_follower_runner(spec: FollowerSpec, model: CausalLM, group: TPGroup, k
     num_blocks = group.min_int(plan_memory(model, kv_spec, config, device, attention).num_blocks)
     kv_cache = KVCache(kv_spec, num_blocks, device, enable_prefix_caching=False, head_range=kv_heads)
     graphs = decode_graphs_for(model, kv_cache, attention, config, max_model_len(cfg, config, num_blocks), device)
-    return FollowerRunner(model, kv_cache, attention, device, graphs)
+    return FollowerRunner(model, kv_cache, attention, device, graphs, group, cfg)
 
 
 def follower_main(spec: FollowerSpec) -> None:

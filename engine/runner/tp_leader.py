@@ -27,7 +27,7 @@ from engine.model.tp_layers import TPShard
 from engine.parallel.group import CONNECT_TIMEOUT_S, Rendezvous, TPGroup, connect_group, open_store
 from engine.parallel.group_files import private_store_path, remove_group_files, remove_stale_group_files
 from engine.parallel.host_reduce import MAX_SLOT_BYTES, create_file, shared_memory_dir
-from engine.runner.group_kv import gather_kv_heads, scatter_kv_heads
+from engine.runner.group_kv import gather_kv_heads, gather_layer_heads, scatter_kv_heads
 from engine.parallel.layout import tp_layout
 from engine.parallel.step_message import StepChannel, StepInputs
 from engine.runner.tp_follower import FollowerSpec, follower_main, status_key
@@ -116,6 +116,7 @@ class TPLeader:
         self.channel = StepChannel(group)
         self.shard = self.model_config = self.pool = None  # set by start() / kv_cache()
         self._copies: tuple[list[int], list[int]] = ([], [])
+        self._stream_blocks: list[int] = []
         self._saved_threads = saved_threads
         self._closed = False
 
@@ -189,10 +190,23 @@ class TPLeader:
         self._copies[0].extend(sources)
         self._copies[1].extend(targets)
 
+    def stream_next_step(self, block_ids: list[int]) -> torch.Tensor:
+        """The next step gathers every layer of block_ids to rank 0 as its forward writes it: call gather_layer
+        (block ids as returned here, on the pool's device) from that forward's layer callback, every layer."""
+        self._stream_blocks = list(block_ids)
+        return torch.tensor(self._stream_blocks, dtype=torch.long, device=self.pool.kv.device)
+
+    def gather_layer(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """Layer `layer` of the streamed blocks with every head ([2, n, block_size, num_kv_heads, head_dim])."""
+        return gather_layer_heads(self.group, self.pool, self.model_config, layer, ids)
+
     def send_step(self, step: StepInputs) -> None:
-        """Send the step (with the block copies queued since the last one) to every follower: one message."""
+        """Send the step (with the block copies queued since the last one, and the blocks it streams) to every
+        follower: one message."""
         if self._copies[0]:
             step, self._copies = replace(step, copies=self._copies), ([], [])
+        if self._stream_blocks:
+            step, self._stream_blocks = replace(step, stream_blocks=self._stream_blocks), []
         self.channel.send(step)
 
     def abort(self) -> None:

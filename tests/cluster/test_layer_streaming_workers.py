@@ -1,6 +1,8 @@
 """The prefill and decode workers (bare, no Ray) with layer-wise KV streaming over gloo and gRPC: greedy
 tokens equal transformers', the transfer starts before the prefill step ends (layer mode) or after it
-(request mode), a first token that ends the request aborts its stream, and both pools end whole."""
+(request mode), a first token that ends the request aborts its stream, and both pools end whole. Also between
+tensor-parallel groups (2 ranks each: a prefill group streams each layer gathered to its rank 0's staging pool,
+kv_transfer/group_pool.py; a decode group lands the streamed layers in its own) and from a group to one rank."""
 from __future__ import annotations
 
 import queue
@@ -20,26 +22,27 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = [7, 40, 90, 23]  # 90 > the 64-token budget: chunked over two steps
 
 
-def _workers(path: str, transport: str, streaming: str):
+def _workers(path: str, transport: str, streaming: str, prefill_tp: int = 1, decode_tp: int = 1):
     engine_options = dict(kv_cache_memory=8 << 20, max_num_batched_tokens=64, enable_chunked_prefill=True)
     prefill_rdzv = decode_rdzv = None
     if transport == "gloo":
         prefill_rdzv = DistRendezvous(0, 2, f"stream-{streaming}")
         decode_rdzv = DistRendezvous(1, 2, f"stream-{streaming}")
-    decode = DecodeWorker(LLM(path, **engine_options).engine, DecodeWorkerConfig(
+    decode = DecodeWorker(LLM(path, tensor_parallel_size=decode_tp, **engine_options).engine, DecodeWorkerConfig(
         f"decode-{streaming}", transport=transport, transfer=TRANSFER, rendezvous=decode_rdzv, peer_ranks=(0,)))
-    prefill = PrefillWorker(LLM(path, **engine_options).engine, PrefillWorkerConfig(
+    prefill = PrefillWorker(LLM(path, tensor_parallel_size=prefill_tp, **engine_options).engine, PrefillWorkerConfig(
         f"prefill-{streaming}", transport=transport, transfer=TRANSFER, rendezvous=prefill_rdzv,
         kv_streaming=streaming))
     return prefill, decode
 
 
-@pytest.fixture(scope="module", params=[("gloo", "layer"), ("grpc", "layer"), ("gloo", "request")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(scope="module", params=[("gloo", "layer"), ("grpc", "layer"), ("gloo", "request"),
+                                        ("grpc", "layer", 2, 2), ("gloo", "layer", 2, 1)],
+                ids=lambda p: "-".join(map(str, p)))
 def workers(request, tiny_checkpoint):
-    transport, streaming = request.param
+    transport, streaming, *tp = request.param
     path = str(tiny_checkpoint("llama"))
-    prefill, decode = _workers(path, transport, streaming)
+    prefill, decode = _workers(path, transport, streaming, *tp)
     yield path, streaming, prefill, decode
     prefill.stop()
     decode.stop()

@@ -12,6 +12,7 @@ from decode_worker import DecodeEnded, DecodeStatus, DecodeWorker, DecodeWorkerC
 from engine import LLM, SamplingParams
 from kv_transfer import TransferConfig
 from prefill_worker import PrefillStatus, PrefillTask, PrefillWorker, PrefillWorkerConfig
+from tests.support.cluster_rig import is_idle
 from tests.support.engine_checks import random_prompts
 
 TRANSFER = TransferConfig(kv_transfer_timeout_s=10, connect_timeout_s=10)
@@ -27,9 +28,8 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
 
 
 def idle(worker) -> bool:
-    stats = worker.stats()
-    busy = getattr(stats, "running", 0) + getattr(stats, "waiting", 0) + getattr(stats, "live_requests", 0)
-    return busy == 0 and stats.engine_requests == 0 and stats.free_blocks == stats.total_blocks
+    """No request and no block held (a tensor-parallel worker's staging pool whole too)."""
+    return is_idle(worker.stats())
 
 
 @pytest.fixture(scope="module")
