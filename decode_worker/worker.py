@@ -226,9 +226,9 @@ class DecodeWorker:
         request = waiting.request
         cached = self._admission.take_pinned(request.request_id)  # the sequence owns these pins from here on
         try:  # on failure admit_received frees the blocks (received and cached) itself
-            delta = admit_received(self._engine, land_delivered(outcome, self._staging), request.prompt_token_ids, request.params,
-                                   arrival_time=time.perf_counter(), num_resumed_tokens=request.num_resumed_tokens,
-                                   cached_block_ids=cached)
+            delta = admit_received(self._engine, land_delivered(outcome, self._staging), request.prompt_token_ids,
+                                   request.params, arrival_time=time.perf_counter(),
+                                   num_resumed_tokens=request.num_resumed_tokens, cached_block_ids=cached)
         except ValueError as error:
             self._end(request.request_id, waiting.emit, DecodeStatus.INVALID, str(error))
             return

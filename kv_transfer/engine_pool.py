@@ -132,7 +132,8 @@ def ship_prefilled(engine: PagedEngine, sender: KVSender, peer: ReceiverAddress,
     request = take_prefilled(engine, request_id, first_logprobs, prefix_blocks)
     free = engine.free_blocks
     if staging is not None:  # stage_out frees the engine blocks, whatever happens
-        request, free = dataclasses.replace(request, block_ids=tuple(staging.stage_out(request.block_ids))), staging.free
+        staged = staging.stage_out(request.block_ids)
+        request, free = dataclasses.replace(request, block_ids=tuple(staged)), staging.free
     try:
         return sender.send(peer, request)
     except BaseException:

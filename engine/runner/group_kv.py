@@ -7,8 +7,8 @@ one, `scatter_kv_heads` writes each rank's heads of a full-head tensor into its 
 rank 0 announces them with one KVMove on the step channel (engine/parallel/step_message.py) and its followers,
 which run rank 0's messages in order, take part (`run_kv_move`). A step whose message names stream_blocks gathers
 every layer of those blocks to rank 0 as soon as the forward has written it (`gather_layer_heads`, on every rank
-from the forward's layer callback): a prefill group's layer-streamed transfer. Heads replicated on several ranks (fewer KV heads
-than ranks) are taken from the first rank that holds them and written to every rank that holds them.
+from the forward's layer callback): a prefill group's layer-streamed transfer. Heads replicated on several ranks
+(fewer KV heads than ranks) are taken from the first rank that holds them and written to every rank holding them.
 """
 from __future__ import annotations
 

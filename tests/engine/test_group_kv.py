@@ -1,6 +1,6 @@
 """KV blocks between a tensor-parallel group's ranks and one full-head tensor on rank 0
-(engine/runner/group_kv.py), over real gloo groups of spawned ranks: a gather equals the single-rank engine's KV of the same prompt, a scatter
-writes each rank exactly its heads (replicated heads on every rank that holds them)."""
+(engine/runner/group_kv.py), over real gloo groups of spawned ranks: a gather equals the single-rank engine's KV of
+the same prompt, a scatter writes each rank exactly its heads (replicated heads on every rank that holds them)."""
 from __future__ import annotations
 
 import pytest
