@@ -11,11 +11,11 @@ import grpc
 from kv_transfer.config import ReceiverAddress, TransferConfig
 from kv_transfer.connector import KVSender
 from kv_transfer.device_sync import record_ready_event
-from kv_transfer.grpc.auth import secret_metadata
-from kv_transfer.grpc.codec import (PUSH_PATH, channel_options, chunk_parts, encode_checksum_chunk, encode_data_chunk,
-                                    encode_manifest_chunk, encode_tail_chunk)
+from kv_transfer.grpc.deadline import Deadline
 from kv_transfer.grpc.heap import keep_heap_for_messages
 from kv_transfer.grpc.loop_thread import EventLoopThread
+from kv_transfer.grpc.push import PipelinedWriter, is_small, request_nbytes, write_manifest, write_transfer
+from kv_transfer.grpc.streams import PushStream, StaleStream, StreamPool, call_error
 from kv_transfer.layer_stream import release_send_blocks
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
 from kv_transfer.pool import KVPoolView
@@ -24,30 +24,25 @@ from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 from proto import tandem_pb2
 
-_GRPC_TO_STATUS = {
-    grpc.StatusCode.DEADLINE_EXCEEDED: TransferStatus.TIMEOUT,
-    grpc.StatusCode.CANCELLED: TransferStatus.CANCELLED,
-    grpc.StatusCode.UNAUTHENTICATED: TransferStatus.UNAUTHENTICATED,  # not this receiver's cluster secret
-}
-
 
 class GrpcSender(KVSender):
-    """Each send() is one bidirectional Push stream: the manifest chunk, the server's verdict, each run's
-    bytes in chunks of config.grpc_chunk_bytes followed by its checksum, and the final KVAck saying whether
-    the blocks were written. The manifest goes out before any checksum is taken: run i is checksummed while
-    the verdict (i = 0) or run i-1 is on the wire. One send() ends within 2 * kv_transfer_timeout_s (the
-    receiver's queue wait, then the transfer). Every stream carries config.cluster_secret (if any) as call
-    metadata; a receiver that refuses it fails the transfer with UNAUTHENTICATED."""
+    """Each send() is one transfer on a long-lived Push stream to its receiver (`streams.py`: a stream per
+    transfer in flight, kept open between transfers): the manifest and each run's bytes in chunks of
+    config.grpc_chunk_bytes go out at once, no verdict awaited, and one KVAck comes back saying whether the
+    blocks were written. A small transfer carries its checksums in the manifest; a larger one sends the
+    manifest before any checksum is taken and trails each run with its checksum (run i is checksummed while
+    run i-1 is on the wire). One send() ends within 2 * kv_transfer_timeout_s (the receiver's queue wait,
+    then the transfer). Every stream carries config.cluster_secret (if any) as call metadata; a receiver
+    that refuses it fails the transfer with UNAUTHENTICATED."""
 
     def __init__(self, config: TransferConfig, pool: KVPoolView):
         self.config, self.pool = config, pool
-        self._metadata = secret_metadata(config.cluster_secret)
         if config.grpc_keep_heap:
             keep_heap_for_messages(config.grpc_chunk_bytes)
-        self.staging = StagingPool("cpu", pin_memory=pool.device.type == "cuda", max_cached_bytes=config.staging_cache_bytes)
+        self.staging = StagingPool("cpu", pin_memory=pool.device.type == "cuda",
+                                   max_cached_bytes=config.staging_cache_bytes)
         self._loop = EventLoopThread("kv-grpc-send")
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._answered: set[str] = set()  # targets whose receiver has accepted a stream (loop thread only)
+        self.streams = StreamPool(config)  # loop thread only; `streams.counts` counts the messages
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self.closed = False
@@ -75,15 +70,19 @@ class GrpcSender(KVSender):
 
     async def _transfer(self, target: str, request: SendRequest, handle: TransferHandle, ready) -> None:
         """Runs one transfer to completion; always frees the sender blocks, then settles the handle."""
-        started, loop = time.monotonic(), asyncio.get_running_loop()
+        started = time.monotonic()
         try:
             if handle.cancel_requested.is_set():
                 raise KVTransferError(TransferStatus.CANCELLED, "cancelled before it started", request.request_id)
-            outgoing = await loop.run_in_executor(None, prepare_outgoing, self.pool, request, self.staging, ready,
-                                                  self.config.max_run_bytes, self.config.direct_min_plane_bytes, True,
-                                                  self.config.kv_transfer_timeout_s)
-            try:  # wait_for runs the push as its own task: a cancel or the deadline stops only it
-                await asyncio.wait_for(self._push(target, outgoing, handle), self._deadline_s)
+            small = is_small(self.pool, request_nbytes(self.pool, request), request.stream is not None)
+            # Small: the checksums go into the manifest (read from the pool here); else they trail the runs
+            # and nothing is read from the pool yet. Either way on this thread: no hop for the manifest.
+            config = self.config
+            outgoing = prepare_outgoing(self.pool, request, self.staging, ready, config.max_run_bytes,
+                                        config.direct_min_plane_bytes, not small, config.kv_transfer_timeout_s)
+            try:  # a cancel or the deadline cancels this task inside _push; either ends up here
+                with Deadline(self._deadline_s):
+                    await self._push(target, outgoing, handle, small)
             except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
                 raise KVTransferError(TransferStatus.TIMEOUT, f"no ack within {self._deadline_s}s",
                                       request.request_id) from None
@@ -100,112 +99,88 @@ class GrpcSender(KVSender):
         release_send_blocks(request, self.pool.free)
         handle.settle(result)
 
-    def _stub(self, target: str):
-        if target not in self._channels:
-            options = channel_options(self.config.grpc_max_message_bytes)
-            self._channels[target] = grpc.aio.insecure_channel(target, options=options)
-        return self._channels[target].stream_stream(
-            PUSH_PATH, request_serializer=None, response_deserializer=tandem_pb2.KVAck.FromString)
-
-    async def _push(self, target: str, outgoing: OutgoingTransfer, handle: TransferHandle) -> None:
-        """Manifest, wait for the verdict (the receiver may queue the transfer first), stream the runs
-        (stopping early if the server gives up), read the final ack. Raises KVTransferError unless the
-        receiver acked the written blocks."""
+    async def _push(self, target: str, outgoing: OutgoingTransfer, handle: TransferHandle, small: bool) -> None:
+        """Runs the transfer on a stream to target. A reused stream that the receiver had ended before this
+        transfer reached it (its handler cancelled, the receiver closing) is replaced once: the receiver never
+        saw the transfer, so sending it again cannot deliver it twice."""
         rid = outgoing.manifest.request_id
-        call = self._stub(target)(timeout=self._deadline_s, metadata=self._metadata)
-        loop, push_task = asyncio.get_running_loop(), asyncio.current_task()
+        for _ in range(2):
+            stream = await self.streams.take(target, rid)
+            try:
+                await self._push_on(stream, outgoing, handle, small)
+                return
+            except StaleStream:
+                continue
+        raise KVTransferError(TransferStatus.PEER_FAILED, "the receiver ended two streams in a row", rid)
 
-        def stop_push() -> None:
-            # Cancelling only the call can leave a write that was posted before the call's first metadata
-            # waiting forever; cancelling the push task always ends it.
-            call.cancel()
-            push_task.cancel()
-        handle.on_cancel(lambda: loop.call_soon_threadsafe(stop_push))
-        first_checksum: asyncio.Future | None = None
+    async def _push_on(self, stream: PushStream, outgoing: OutgoingTransfer, handle: TransferHandle,
+                       small: bool) -> None:
+        """Writes the transfer's messages on stream (stopping early if the receiver's ack comes first) and
+        reads its one ack. The stream goes back to the pool only after an OK ack with every message written;
+        anything else drops it. Raises KVTransferError unless the receiver acked the written blocks."""
+        rid = outgoing.manifest.request_id
+        loop, push_task, active = asyncio.get_running_loop(), asyncio.current_task(), [True]
+
+        def stop_push() -> None:  # on the loop; a no-op once this transfer is over (the stream may be reused)
+            if active[0]:
+                self.streams.drop(stream)  # ends a write posted before the call's first metadata too
+                push_task.cancel()
+        handle.on_cancel(lambda: _run_on(loop, stop_push))
+        reusable = False
         try:
-            await self._opened(call, target, rid)
-            await call.write(encode_manifest_chunk(outgoing.manifest_bytes))
-            first_checksum = _checksum_soon(outgoing, 0)  # while the verdict travels
-            ack = await self._read_ack(call, rid)
-            if ack.final:  # rejected: nothing more to send
-                await call.done_writing()
-            else:
-                final = asyncio.ensure_future(self._read_ack(call, rid))
-                await self._write_runs(call, outgoing, final, first_checksum)
-                await call.done_writing()
-                ack = await final
-            if ack.status == tandem_pb2.KV_OK:  # a cancel while this waits is a cancel like any other
-                await _settled_with(call, rid)
-        except KVTransferError:  # a streamed layer or tail that will not come: the receiver frees on the cancel
-            call.cancel()
-            raise
+            await self._exchange(stream, outgoing, small)
+            reusable = True
         except asyncio.CancelledError:
             if not handle.cancel_requested.is_set():
-                raise  # the deadline (wait_for) cancelled us: reported as TIMEOUT by the caller
+                raise  # the deadline (or the loop stopping) cancelled us: reported by the caller
+            _uncancel(push_task)
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender", rid) from None
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:  # invalid: written after the call ended
-            self._answered.discard(target)  # the next stream to it waits for the receiver's answer again
-            raise await _call_error(call, rid, exc) from None
-        finally:  # nothing may still read the pool once the caller frees the blocks
-            if first_checksum is not None:
-                await asyncio.wait([first_checksum])
+        except (KVTransferError, StaleStream):
+            if handle.cancel_requested.is_set():  # our cancel ended the stream before the task saw it: no retry
+                raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the sender", rid) from None
+            raise
+        finally:
+            active[0] = False
+            self.streams.give_back(stream) if reusable else self.streams.drop(stream)
+
+    async def _exchange(self, stream: PushStream, outgoing: OutgoingTransfer, small: bool) -> None:
+        """The transfer's messages out and its one ack back on `stream`. Returns once the receiver acked OK
+        after every message went out (the stream is then ready for the next transfer); raises KVTransferError
+        for a failure ack, a stream that ended without an ack, or an OK ack before the last message."""
+        rid, call, manifest_out = outgoing.manifest.request_id, stream.call, False
+        final = asyncio.ensure_future(self._read_ack(call, rid))
+        writer = PipelinedWriter(call, final, self.streams.counts)
+        try:
+            manifest_out = await write_manifest(writer, outgoing)
+            wrote_all = manifest_out and await write_transfer(writer, outgoing, self.config.grpc_chunk_bytes, small)
+            ack = await final
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, KVTransferError) as exc:  # invalid: written
+            ack = _ack_if_in(final)  # after the call ended; KVTransferError: no ack (or a streamed layer failed)
+            if ack is None and stream.transfers and (not manifest_out or await self.streams.never_started(stream)):
+                raise StaleStream() from None  # the receiver had ended the stream before this transfer
+            if ack is None:
+                raise exc if isinstance(exc, KVTransferError) else await call_error(call, rid, exc) from None
+            wrote_all = False
+        finally:
+            if not final.done():
+                final.cancel()
+            elif not final.cancelled():
+                final.exception()  # retrieved: a write's failure may have been raised instead
         if ack.status != tandem_pb2.KV_OK:
             raise KVTransferError(TransferStatus(ack.status), ack.error or "receiver reported failure", rid)
+        if not wrote_all:
+            raise KVTransferError(TransferStatus.PEER_FAILED, "the receiver acked before the last message", rid)
 
-    async def _opened(self, call, target: str, rid: str) -> None:
-        """On the first stream to a target (and after one that failed), waits for the receiver's first
-        answer (it sends its headers at once) before writing: a receiver that refuses the stream
-        (UNAUTHENTICATED: not this cluster's secret) has then ended the call, and its status is reported as
-        it is; a write racing with the refusal would fail with INTERNAL instead. Later streams do not wait."""
-        if target in self._answered:
-            return
-        await call.initial_metadata()
-        if call.done():
-            raise await _call_error(call, rid)
-        self._answered.add(target)
-
-    @staticmethod
-    async def _read_ack(call, rid: str) -> tandem_pb2.KVAck:
+    async def _read_ack(self, call, rid: str) -> tandem_pb2.KVAck:
         ack = await call.read()
         if ack is grpc.aio.EOF:
             raise KVTransferError(TransferStatus.PEER_FAILED, "the receiver closed the stream without an ack", rid)
+        self.streams.counts["ack"] += 1
         return ack
 
-    async def _write_runs(self, call, outgoing: OutgoingTransfer, final: asyncio.Future,
-                          first_checksum: asyncio.Future) -> None:
-        """Writes every piece (a run, or a streamed layer) in chunks of grpc_chunk_bytes (a chunk may span pool
-        planes), each followed by its checksum, then a streamed transfer's tail; stops as soon as the final
-        ack has arrived. Piece i+1 is gathered (if it is not direct; a streamed layer once the step wrote it)
-        and checksummed on the default executor while piece i streams."""
-        gathering, summing = _gather_soon(outgoing, 0), first_checksum
-        writer = _PipelinedWriter(call, final)
-        try:
-            for index in range(outgoing.num_pieces):
-                await gathering
-                if index + 1 < outgoing.num_pieces:
-                    gathering = _gather_soon(outgoing, index + 1)
-                pieces = (memoryview(piece.numpy()) for piece in outgoing.pieces(index))
-                for parts in chunk_parts(pieces, self.config.grpc_chunk_bytes):
-                    if not await writer.write(encode_data_chunk(parts)):  # encoded while the previous chunk sends
-                        return
-                checksum = await summing
-                if index + 1 < outgoing.num_pieces:
-                    summing = _checksum_soon(outgoing, index + 1)
-                if not await writer.write(encode_checksum_chunk(checksum)):
-                    return
-            tail = await asyncio.get_running_loop().run_in_executor(None, outgoing.tail)
-            if tail is not None and not await writer.write(encode_tail_chunk(tail)):
-                return
-            await writer.flush()
-        finally:  # staging is released after we return: no gather may still be writing into it
-            await writer.abandon()
-            await asyncio.wait([gathering, summing])
-            for future in (gathering, summing):  # their errors (a stream that stopped) are reported elsewhere
-                if not future.cancelled():
-                    future.exception()
-
     def close(self) -> None:
-        """Waits for transfers in flight (bounded by the transfer timeout), then closes channels and the loop."""
+        """Waits for transfers in flight (bounded by the transfer timeout), then closes the streams, the
+        channels and the loop."""
         with self._lock:
             self.closed = True
             pending = list(self._pending)
@@ -214,78 +189,42 @@ class GrpcSender(KVSender):
                 future.result(self._deadline_s + 5)
             except Exception:
                 pass
-        for channel in self._channels.values():
-            self._loop.run(channel.close(), timeout=10)
+        self._loop.run(self.streams.close(), timeout=15)
         self._loop.stop()
 
 
-async def _call_error(call, rid: str, exc: Exception | None = None) -> KVTransferError:
-    """The KVTransferError for a call that failed (with exc): the gRPC status it raised, else the status the
-    ended call carries (UNAUTHENTICATED -> UNAUTHENTICATED, DEADLINE_EXCEEDED -> TIMEOUT, ... PEER_FAILED)."""
-    if isinstance(exc, grpc.aio.AioRpcError):
-        code, details = exc.code(), exc.details()
-    elif call.done():
-        code, details = await call.code(), await call.details()
-    else:  # a write after our own half-close: not the receiver's doing
-        return KVTransferError(TransferStatus.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
-    return KVTransferError(_GRPC_TO_STATUS.get(code, TransferStatus.PEER_FAILED), f"{code.name}: {details}", rid)
-
-
-def _gather_soon(outgoing: OutgoingTransfer, index: int) -> asyncio.Future:
-    """Starts gathering run `index` on the default executor; a finished future for a direct run, which
-    travels from the pool as it is (no thread hop)."""
-    loop = asyncio.get_running_loop()
-    if outgoing.direct[index]:
-        done = loop.create_future()
-        done.set_result(None)
-        return done
-    return loop.run_in_executor(None, outgoing.gather, index)
-
-
-def _checksum_soon(outgoing: OutgoingTransfer, index: int) -> asyncio.Future:
-    """Starts checksumming run `index` (from the sender's pool) on the default executor."""
-    return asyncio.get_running_loop().run_in_executor(None, outgoing.checksum, index)
-
-
-class _PipelinedWriter:
-    """Writes messages to a call one at a time, handing message k+1 to gRPC only after message k was
-    taken, so the caller can build k+1 while k is sent; stops writing once `final` (the receiver's final
-    ack) has arrived."""
-
-    def __init__(self, call, final: asyncio.Future):
-        self.call, self.final = call, final
-        self.writing: asyncio.Future | None = None
-
-    async def write(self, message: bytes) -> bool:
-        """Queues message after the previous one; False (nothing written) once the final ack is in."""
-        await self.flush()
-        if self.final.done():
-            return False
-        self.writing = asyncio.ensure_future(self.call.write(message))
-        await asyncio.sleep(0)  # let the write hand the message to gRPC before the caller builds the next
-        return True
-
-    async def flush(self) -> None:
-        if self.writing is not None:
-            await self.writing
-
-    async def abandon(self) -> None:
-        """Cancels a write still in flight (the message is our own copy; the call is failing anyway)."""
-        if self.writing is None:
+def _run_on(loop: asyncio.AbstractEventLoop, fn) -> None:
+    """Runs fn on loop and, from another thread, waits (up to 1 s) until it ran: a sender's cancel() returns
+    with the stream's cancel already on its way to the receiver, which then sees it before it delivers."""
+    try:
+        if asyncio.get_running_loop() is loop:
+            fn()
             return
-        if not self.writing.done():
-            self.writing.cancel()
-        await asyncio.wait([self.writing])
-        if not self.writing.cancelled():
-            self.writing.exception()  # retrieved: the error that ended the call is reported elsewhere
+    except RuntimeError:  # no loop on this thread
+        pass
+    ran = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            ran.set()
+    try:
+        loop.call_soon_threadsafe(run)
+    except RuntimeError:  # the loop is closed: the transfer is long over
+        return
+    ran.wait(1.0)
 
 
-async def _settled_with(call, rid: str) -> None:
-    """After an OK final ack: waits for the receiver's handler to end the call. The receiver delivers only
-    once its ack went out and its handler returns, so a call that ends otherwise (the ack's write was
-    cancelled under it: the receiver has freed the blocks and reported the transfer failed) fails here too,
-    and both sides agree. Leaving the call before its status would cancel it and could cause just that."""
-    code = await call.code()
-    if code != grpc.StatusCode.OK:
-        raise KVTransferError(TransferStatus.PEER_FAILED, f"the receiver ended the call with {code.name} after "
-                                                          "its final ack", rid)
+def _uncancel(task: asyncio.Task) -> None:
+    """Consumes a cancel this transfer turned into its CANCELLED outcome (Python 3.11+ counts them)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
+
+
+def _ack_if_in(final: asyncio.Future) -> tandem_pb2.KVAck | None:
+    """The receiver's ack if it arrived before the stream broke (its status then says what happened)."""
+    if final.done() and not final.cancelled() and final.exception() is None:
+        return final.result()
+    return None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_transfers_beyond_the_slots_queue_and_complete(rig):
 
 
 def test_sender_cancels_half_way(rig):
-    sc.cancelled_half_way(rig, "float32")
+    sc.cancelled_half_way(rig, "float32", bytes_may_be_out=True)
 
 
 def test_sender_cancels_at_once(rig):
@@ -132,5 +133,6 @@ def test_a_handler_cancelled_after_commit_frees_its_blocks(rig, monkeypatch):
     failure = side.receiver.wait(10)
     assert isinstance(failure, ReceiveFailed) and failure.request_id == start.key, failure
     monkeypatch.undo()
+    time.sleep(0.2)  # the failure is reported before the session's status goes out; let the sender see it
     sc.send_and_check(rig, "doomed", rig.start("after-cancelled-commit", "doomed", (1, 2), seed=10))
     rig.assert_all_free()

@@ -97,6 +97,8 @@ class HeldPush:
             self.writes.put(encode_data_chunk(memoryview(payload.numpy())))
         self.writes.put(None)
         final = next(self.acks)
+        for _ in self.acks:  # to the call's status: the receiver delivers once its ack's write completed, and
+            pass  # closing the channel before that cancelled the write (A ended PEER_FAILED on a busy machine)
         self.channel.close()
         self.local.pool.free(self.block_ids)
         return final
