@@ -15,10 +15,11 @@ of blocks with every head of the model on rank 0's device:
 Manifests describe the model's full heads, so a prefill group of A ranks, a decode group of B ranks and single-rank
 workers all exchange KV, over every transport: each decode rank ends with exactly the heads it owns. The staging pool
 is sized in blocks (staging_blocks: enough for STAGED_REQUESTS requests of the engine's longest length by default);
-a transfer that finds it full waits for blocks to come back (up to STAGING_WAIT_S: the transfers in flight free
-them, and a delivery's are freed when the step thread lands it), which is the backpressure of a group's hand-off;
-past that it is refused as one that finds the engine full (REJECTED_NO_BLOCKS on the decode side). On a GPU the
-pool takes memory beside the engine's (the headroom gpu_memory_utilization leaves).
+a transfer that finds it full waits for blocks to come back: a prefill group's step thread up to STAGING_WAIT_S
+(the transfers in flight free theirs: the backpressure of a group's hand-off), a decode group's receiver up to
+RECEIVE_WAIT_S (its thread serves other transfers too; a delivery's blocks come back when the step thread lands
+it); past that it is refused as one that finds the engine full (REJECTED_NO_BLOCKS on the decode side). On a GPU
+the pool takes memory beside the engine's (the headroom gpu_memory_utilization leaves).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from kv_transfer.results import ReceivedKV
 
 STAGED_REQUESTS = 4
 STAGING_WAIT_S = 30.0
+RECEIVE_WAIT_S = 1.0
 
 
 def staging_blocks(engine: Any, requests: int = STAGED_REQUESTS) -> int:
@@ -43,8 +45,8 @@ def staging_blocks(engine: Any, requests: int = STAGED_REQUESTS) -> int:
 
 class GroupStaging:
     """The staging pool of a tensor-parallel engine's rank 0 (engine.tp_leader set). Its allocate/free are
-    thread-safe (transfer threads call them); stage_out, land and discard run collectives: call them on the thread
-    that steps the engine."""
+    thread-safe (transfer threads call them); stage_out and land run collectives: call them on the thread that
+    steps the engine."""
 
     def __init__(self, engine: Any, num_blocks: int | None = None) -> None:
         if engine.tp_leader is None:
@@ -57,7 +59,7 @@ class GroupStaging:
         self.kv = torch.zeros((layers, 2, num_blocks, block_size, engine.model_config.num_kv_heads, head_dim),
                               dtype=kv.dtype, device=kv.device)
         self._lock = threading.Condition()
-        self.wait_s = STAGING_WAIT_S
+        self.wait_s, self.receive_wait_s = STAGING_WAIT_S, RECEIVE_WAIT_S
         self._free = list(range(num_blocks - 1, -1, -1))
         self._engine_block_of: dict[int, int] = {}  # decode side: staging block -> the engine block it lands in
 
@@ -98,7 +100,7 @@ class GroupStaging:
         def paired(engine_blocks: list[int] | None) -> list[int] | None:
             if engine_blocks is None:
                 return None
-            staged = self.allocate(len(engine_blocks), self.wait_s)
+            staged = self.allocate(len(engine_blocks), self.receive_wait_s)
             if staged is None:
                 self.engine.free_blocks(engine_blocks)
                 return None
