@@ -34,13 +34,7 @@ def gather_kv_heads(channel: StepChannel, kv_cache: KVCache, model_config: Model
     Reads every rank's pool, changes none (but the copies)."""
     group = channel.group
     channel.send_kv_move(KVMove(KV_GATHER, list(block_ids), copies))
-    parts = group.gather(_read_blocks(kv_cache, block_ids))  # size x [L, 2, n, bs, h, D]
-    full = torch.empty(full_head_shape(kv_cache, model_config.num_kv_heads, len(block_ids)),
-                       dtype=kv_cache.kv.dtype, device=kv_cache.kv.device)
-    for rank in reversed(range(group.size)):  # rank order wins for replicated heads: the first holder last
-        lo, hi = tp_layout(model_config, rank, group.size).kv_heads
-        full[..., lo:hi, :] = parts[rank]
-    return full
+    return _merge_heads(group.gather(_read_blocks(kv_cache, block_ids)), model_config)  # size x [L, 2, n, bs, h, D]
 
 
 def scatter_kv_heads(channel: StepChannel, kv_cache: KVCache, block_ids: list[int], full: torch.Tensor,
@@ -70,12 +64,16 @@ def gather_layer_heads(group: TPGroup, kv_cache: KVCache, model_config: ModelCon
     """Every rank, at the same layer of the same forward: layer `layer` of blocks `ids` ([n] on the pool's device)
     with every head of the model, on rank 0 ([2, n, block_size, num_kv_heads, head_dim]); None on the others."""
     parts = group.gather(kv_cache.kv[layer].index_select(1, ids))  # size x [2, n, bs, h, D] on rank 0
-    if parts is None:
-        return None
-    shape = full_head_shape(kv_cache, model_config.num_kv_heads, len(ids))[1:]
-    full = torch.empty(shape, dtype=kv_cache.kv.dtype, device=kv_cache.kv.device)
-    for rank in reversed(range(group.size)):
-        lo, hi = tp_layout(model_config, rank, group.size).kv_heads
+    return None if parts is None else _merge_heads(parts, model_config)
+
+
+def _merge_heads(parts: list[torch.Tensor], model_config: ModelConfig) -> torch.Tensor:
+    """Every rank's heads ([..., h, D] each, rank order) as one tensor of the model's heads ([..., num_kv_heads, D]);
+    a replicated head is taken from its first holder (written last)."""
+    first = parts[0]
+    full = first.new_empty(first.shape[:-2] + (model_config.num_kv_heads, first.shape[-1]))
+    for rank in reversed(range(len(parts))):
+        lo, hi = tp_layout(model_config, rank, len(parts)).kv_heads
         full[..., lo:hi, :] = parts[rank]
     return full
 
