@@ -68,6 +68,16 @@ class ControlConnection:
             self._io(lambda: self.sock.sendall(_HEADER.pack(len(body), kind) + body), deadline, "send")
             self.sent[kind] += 1
 
+    def send_with_bytes(self, kind: Kind, payload: object, buffers: list[memoryview], deadline: float) -> None:
+        """Sends one frame and then `buffers`' raw bytes right behind it, with no frame of another thread in
+        between (an inline transfer's KV: the receiver knows their length from the frame). Raises as send()."""
+        body = msgpack.packb(payload, use_bin_type=True)
+        with self._send_lock:
+            self._io(lambda: self.sock.sendall(_HEADER.pack(len(body), kind) + body), deadline, "send")
+            for buffer in buffers:
+                self._io(lambda: self.sock.sendall(buffer), deadline, "send")
+            self.sent[kind] += 1
+
     def poll(self, max_bytes: int, kinds: tuple[Kind, ...], wait_s: float = 1.0) -> tuple[Kind, object] | None:
         """The next frame if one has begun to arrive (read within wait_s), else None without blocking."""
         if self._closed or not select.select([self.sock], [], [], 0)[0]:
@@ -94,6 +104,24 @@ class ControlConnection:
         self.received[Kind(kind)] += 1
         return Kind(kind), payload
 
+    def read_into(self, view: memoryview, deadline: float | None) -> None:
+        """Fills `view` (a flat byte view) with the next len(view) raw bytes of the stream. Raises ControlClosed
+        at the end of the stream, KVTransferError TIMEOUT past deadline (the stream is then out of step)."""
+        got, nbytes = 0, len(view)
+        while got < nbytes:
+            count = self._io(lambda: self.sock.recv_into(view[got:], nbytes - got), deadline, "receive")
+            if count == 0:
+                raise ControlClosed(f"control connection to {self.peer} closed")
+            got += count
+
+    def skip(self, nbytes: int, deadline: float) -> None:
+        """Reads and drops the next nbytes raw bytes (an inline transfer the receiver declined)."""
+        scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+        while nbytes > 0:
+            take = min(nbytes, len(scratch))
+            self.read_into(scratch[:take], deadline)
+            nbytes -= take
+
     def close(self) -> None:
         """Ends the connection (both directions); a receive blocked on another thread raises ControlClosed."""
         self._closed = True
@@ -107,15 +135,10 @@ class ControlConnection:
     def closed(self) -> bool:
         return self._closed
 
-    def _read(self, nbytes: int, deadline: float | None) -> bytes:
-        buffer, got = bytearray(nbytes), 0
-        view = memoryview(buffer)
-        while got < nbytes:
-            count = self._io(lambda: self.sock.recv_into(view[got:], nbytes - got), deadline, "receive")
-            if count == 0:
-                raise ControlClosed(f"control connection to {self.peer} closed")
-            got += count
-        return bytes(buffer)
+    def _read(self, nbytes: int, deadline: float | None) -> bytearray:
+        buffer = bytearray(nbytes)
+        self.read_into(memoryview(buffer), deadline)
+        return buffer
 
     def _io(self, op, deadline: float | None, what: str):
         if self._closed:

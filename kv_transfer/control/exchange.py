@@ -27,23 +27,26 @@ class Declined(KVTransferError):
 @dataclass(frozen=True)
 class TransferFrame:
     """What the TRANSFER frame carries: the transfer's number on the connection, the encoded manifest, one
-    byte per run (1: the run travels as its planes), and an ipc sender's pool handle when it is new."""
+    byte per run (1: the run travels as its planes), an ipc sender's pool handle when it is new, and how many
+    raw KV bytes follow the frame on the connection itself (an inline transfer; 0: they take the data plane)."""
 
     seq: int
     manifest: bytes
     direct: bytes = b""
     pool_handle: bytes | None = None
+    inline_nbytes: int = 0
 
     def encode(self) -> list:
-        return [self.seq, self.manifest, self.direct, self.pool_handle]
+        return [self.seq, self.manifest, self.direct, self.pool_handle, self.inline_nbytes]
 
     @classmethod
     def decode(cls, payload: object) -> "TransferFrame":
         """Raises KVTransferError MALFORMED unless payload has the frame's shape (the manifest itself is
         decoded against the pool's limits later)."""
-        if not (isinstance(payload, list) and len(payload) == 4 and isinstance(payload[0], int)
+        if not (isinstance(payload, list) and len(payload) == 5 and isinstance(payload[0], int)
                 and isinstance(payload[1], bytes) and isinstance(payload[2], bytes)
-                and (payload[3] is None or isinstance(payload[3], bytes))):
+                and (payload[3] is None or isinstance(payload[3], bytes))
+                and type(payload[4]) is int and payload[4] >= 0):
             raise KVTransferError(TransferStatus.MALFORMED, "bad TRANSFER frame")
         return cls(*payload)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -19,6 +20,7 @@ from kv_transfer.control.exchange import MAX_TRANSFER_FRAME_BYTES, TransferFrame
 from kv_transfer.control.handshake import PeerHello
 from kv_transfer.control.listener import ControlListener
 from kv_transfer.dist.channel import RECEIVER, PairChannel
+from kv_transfer.dist.inline import receive_inline
 from kv_transfer.dist.protocol import receive_transfer
 from kv_transfer.dist.sender import staging_device
 from kv_transfer.pool import KVPoolView
@@ -64,8 +66,14 @@ class ReceiverLink:
             if kind == Kind.CONNECT:
                 self.channel = self._connect(payload)
                 continue
-            receive_transfer(self.conn, self.channel, TransferFrame.decode(payload), owner.pool, owner.staging,
-                             owner.inbox, owner.config.kv_transfer_timeout_s, lander)
+            frame = TransferFrame.decode(payload)
+            if frame.inline_nbytes:
+                receive_inline(self.conn, self.channel, frame, owner.pool, owner.staging, owner.inbox,
+                               time.monotonic() + owner.config.kv_transfer_timeout_s, lander,
+                               owner.config.inline_max_bytes)
+            else:
+                receive_transfer(self.conn, self.channel, frame, owner.pool, owner.staging, owner.inbox,
+                                 owner.config.kv_transfer_timeout_s, lander)
 
     def _connect(self, epoch: object) -> PairChannel:
         """The group of the epoch the sender asked for (a broken one if it could not connect: the next

@@ -26,6 +26,7 @@ from kv_transfer.control.exchange import Declined, cancel_transfer
 from kv_transfer.control.handshake import PeerHello, client_handshake
 from kv_transfer.device_sync import record_ready_event
 from kv_transfer.dist.channel import SENDER, PairChannel
+from kv_transfer.dist.inline import send_inline, travels_inline
 from kv_transfer.dist.protocol import send_transfer
 from kv_transfer.layer_stream import release_send_blocks
 from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
@@ -101,7 +102,7 @@ class SenderLink:
         """One transfer on this lane's connection. A failure the receiver reported (Declined) keeps the
         connection; any other drops it (its state is unknown), and the next transfer connects afresh."""
         try:
-            self._connect()
+            self._connect(with_group=not self._inline(outgoing))
             seq, self.seq = self.seq, self.seq + 1
             deadline = time.monotonic() + self.owner.config.kv_transfer_timeout_s
             self._exchange(outgoing, handle, seq, deadline)
@@ -111,18 +112,24 @@ class SenderLink:
             self._disconnect()
             raise KVTransferError(exc.status, exc.message, outgoing.manifest.request_id) from None
 
+    def _inline(self, outgoing: OutgoingTransfer) -> bool:
+        return travels_inline(outgoing, self.owner.backend, self.owner.config.inline_max_bytes)
+
     def _exchange(self, outgoing: OutgoingTransfer, handle: TransferHandle, seq: int, deadline: float) -> None:
         conn = self.conn
         handle.on_cancel(lambda: cancel_transfer(conn, seq))  # after the bytes went: the receiver drops it
-        send_transfer(conn, self.channel, outgoing, seq, deadline, handle.cancel_requested)
+        if self._inline(outgoing):
+            send_inline(conn, self.channel, outgoing, seq, deadline)
+        else:
+            send_transfer(conn, self.channel, outgoing, seq, deadline, handle.cancel_requested)
 
-    def _connect(self) -> None:
-        """An authenticated connection, and on it a live group of this lane's current epoch."""
+    def _connect(self, with_group: bool = True) -> None:
+        """An authenticated connection, and on it (with_group) a live group of this lane's current epoch."""
         owner = self.owner
         if self.conn is None:
             hello = PeerHello(owner.rendezvous.namespace, owner.rendezvous.rank, self.lane)
             self.conn, self.channel, self.seq = open_control(self.peer, owner.config, hello), None, 0
-        if self.channel is not None and self.channel.broken is None:
+        if not with_group or (self.channel is not None and self.channel.broken is None):
             return
         if self.channel is not None:
             log.warning("kv link to rank %d lane %d: %s; opening epoch %d", self.peer.rank, self.lane,

@@ -24,7 +24,7 @@ from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.control.exchange import Declined, TransferFrame, answer_manifest, await_status, land_and_settle
 from kv_transfer.ipc.landing import MappedIncoming
 from kv_transfer.ipc.pool_handle import MAX_HANDLE_BYTES, PoolHandleError, import_pool
-from kv_transfer.manifest import Manifest
+from kv_transfer.manifest import Manifest, ModelFingerprint
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView, fingerprint_of
 from kv_transfer.results import ReceiveInbox
@@ -51,6 +51,7 @@ class PeerPool:
     def __init__(self, device: torch.device):
         self.device = device
         self.kv: torch.Tensor | None = None  # [L, 2, N_sender, bs, H, D], the sender's memory
+        self.fingerprint: ModelFingerprint | None = None  # the mapped pool's layout
         self.error = "the sender's pool is not mapped"
 
     def load(self, handle: bytes) -> None:
@@ -59,6 +60,7 @@ class PeerPool:
         self.kv = None
         try:
             self.kv, self.error = import_pool(handle, self.device), ""
+            self.fingerprint = fingerprint_of(self.kv)
         except PoolHandleError as exc:
             self.error = str(exc)
 
@@ -67,7 +69,7 @@ class PeerPool:
         rid = manifest.request_id
         if self.kv is None:
             raise KVTransferError(TransferStatus.MALFORMED, f"sender's pool handle refused: {self.error}", rid)
-        diff = fingerprint_of(self.kv).mismatch(manifest.fingerprint)
+        diff = self.fingerprint.mismatch(manifest.fingerprint)
         if diff:
             raise KVTransferError(TransferStatus.MALFORMED, f"the manifest does not describe the sender's pool: {diff}",
                                   rid)
@@ -91,6 +93,8 @@ def receive_ipc(conn: ControlConnection, frame: TransferFrame, peer: PeerPool, p
     the sender. Checked against this pool's limits, then against the sender's mapped pool, before anything
     is allocated. Raises ControlClosed / KVTransferError only when the reply cannot go."""
     deadline = time.monotonic() + timeout_s
+    if frame.inline_nbytes:  # no KV byte travels on an ipc connection
+        raise KVTransferError(TransferStatus.MALFORMED, "inline bytes on an ipc connection")
     if frame.pool_handle is not None:
         if len(frame.pool_handle) > MAX_HANDLE_BYTES:
             raise KVTransferError(TransferStatus.MALFORMED, "pool handle too long")

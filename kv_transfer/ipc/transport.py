@@ -39,7 +39,10 @@ class _IpcSenderLink(SenderLink):
         self.published_on: ControlConnection | None = None  # the connection whose receiver mapped our pool
         super().__init__(owner, peer, lane, jobs)
 
-    def _connect(self) -> None:
+    def _inline(self, outgoing: OutgoingTransfer) -> bool:
+        return False  # the receiver copies out of the mapped pool: no byte travels
+
+    def _connect(self, with_group: bool = False) -> None:  # no group: nothing but the connection
         if self.conn is None:
             hello = PeerHello(self.owner.rendezvous.namespace, self.owner.rendezvous.rank, self.lane)
             self.conn, self.seq = open_control(self.peer, self.owner.config, hello), 0

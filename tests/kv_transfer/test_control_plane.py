@@ -24,12 +24,14 @@ BLOCKS = 32
 NAMESPACE = "control"
 
 
-@pytest.fixture(params=["gloo", "ipc"])
+@pytest.fixture(params=["gloo-group", "gloo-inline", "ipc"])
 def pair(request):
-    """A receiver (rank 0, serving sender rank 1) holding SECRET, and a real sender holding it too."""
-    transport = request.param
+    """A receiver (rank 0, serving sender rank 1) holding SECRET, and a real sender holding it too (gloo: its
+    bytes on the pair's process group, or inline on the control connection)."""
+    transport = request.param.split("-")[0]
     config = TransferConfig(transport=transport, kv_transfer_timeout_s=10, connect_timeout_s=2,
-                            cluster_secret=SECRET, dist_lanes=1)
+                            cluster_secret=SECRET, dist_lanes=1, inline_max_bytes=0 if "group" in request.param
+                            else TransferConfig.inline_max_bytes)
     sender_pool, receiver_pool = FreeListPool(FP32, BLOCKS), FreeListPool(FP32, BLOCKS)
     sender_pool.kv.share_memory_()  # ipc maps it
     receiver = create_receiver(config, receiver_pool.view(), transport, DistRendezvous(0, 2, NAMESPACE), peers=[1])

@@ -1,4 +1,6 @@
-"""KV transfer over real gloo point-to-point between two real processes (sender peer spawned)."""
+"""KV transfer over real gloo between two real processes (sender peer spawned), both ways a gloo pair moves bytes:
+on its process group (`group`: inline transfers off, the path NCCL shares) and inline on its control connection
+(`inline`: what small transfers take by default)."""
 from __future__ import annotations
 
 import pytest
@@ -11,24 +13,26 @@ TIMEOUT_S = 20.0
 SHORT_TIMEOUT_S = 1.0
 
 
-def _side(namespace: str, dtype: str, peers: list[int], timeout_s: float) -> sc.Side:
+def _side(namespace: str, dtype: str, peers: list[int], timeout_s: float, inline_max_bytes: int) -> sc.Side:
     pool = sc.receiver_pool(FP32 if dtype == "float32" else BF16)
     gate = sc.Gate(pool)
-    config = TransferConfig(transport="gloo", kv_transfer_timeout_s=timeout_s, connect_timeout_s=30)
+    config = TransferConfig(transport="gloo", kv_transfer_timeout_s=timeout_s, connect_timeout_s=30,
+                            inline_max_bytes=inline_max_bytes)
     rdzv = DistRendezvous(rank=0, world_size=4, namespace=namespace)
     receiver = create_receiver(config, gate.view(), "gloo", rendezvous=rdzv, peers=peers)
     return sc.Side(dtype, pool, gate, receiver, namespace)
 
 
-@pytest.fixture(scope="module")
-def rig():
-    peer = PeerProcess(PeerSpec("gloo", rank=1, timeout_s=TIMEOUT_S))
-    doomed = PeerProcess(PeerSpec("gloo", rank=3, timeout_s=TIMEOUT_S))
+@pytest.fixture(scope="module", params=["group", "inline"])
+def rig(request):
+    inline = 0 if request.param == "group" else TransferConfig.inline_max_bytes
+    peer = PeerProcess(PeerSpec("gloo", rank=1, timeout_s=TIMEOUT_S, inline_max_bytes=inline))
+    doomed = PeerProcess(PeerSpec("gloo", rank=3, timeout_s=TIMEOUT_S, inline_max_bytes=inline))
     sides = {
-        "float32": _side("f32", "float32", [1, 2], TIMEOUT_S),
-        "bfloat16": _side("bf16", "bfloat16", [1], TIMEOUT_S),
-        "short": _side("short", "float32", [2], SHORT_TIMEOUT_S),
-        "doomed": _side("doomed", "float32", [3], TIMEOUT_S),
+        "float32": _side("f32", "float32", [1, 2], TIMEOUT_S, inline),
+        "bfloat16": _side("bf16", "bfloat16", [1], TIMEOUT_S, inline),
+        "short": _side("short", "float32", [2], SHORT_TIMEOUT_S, inline),
+        "doomed": _side("doomed", "float32", [3], TIMEOUT_S, inline),
     }
     yield sc.Rig(peer, doomed, sides)
     peer.stop()

@@ -36,7 +36,7 @@ def test_a_sender_added_while_running_is_heard_and_a_removed_one_is_let_go(rig):
     receiver.remove_peer(1)
     for link in links:
         link.thread.join(TIMEOUT_S)
-        assert not link.thread.is_alive() and link.channel.broken is None
+        assert not link.thread.is_alive() and (link.channel is None or link.channel.broken is None)  # inline: none
     assert receiver._links == []
     receiver.remove_peer(1)                   # not listening: nothing to do
     rig.assert_all_free()

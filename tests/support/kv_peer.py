@@ -19,6 +19,7 @@ from kv_transfer import (DistRendezvous, KVTransferError, ModelFingerprint, Rece
                          TransferConfig, create_sender)
 from kv_transfer.control.connection import Kind
 from kv_transfer.control.exchange import TransferFrame, await_status
+from kv_transfer.dist.inline import send_inline
 from kv_transfer.dist.protocol import send_pieces, send_transfer
 from kv_transfer.grpc.codec import PUSH_PATH, encode_checksum_chunk, encode_data_chunk, encode_manifest_chunk
 from kv_transfer.manifest import encode_manifest
@@ -42,6 +43,7 @@ class PeerSpec:
     rank: int = 1
     world_size: int = 4
     timeout_s: float = 20.0
+    inline_max_bytes: int = TransferConfig.inline_max_bytes  # gloo: 0 puts every transfer on the process group
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ class _Peer:
         self.spec, self.conn = spec, conn
         self.pools = {"float32": FreeListPool(FP32, SENDER_BLOCKS), "bfloat16": FreeListPool(BF16, SENDER_BLOCKS)}
         self.config = TransferConfig(transport=spec.transport, kv_transfer_timeout_s=spec.timeout_s, connect_timeout_s=30,
-                                     max_run_bytes=16 << 10)  # long runs split: exercises the pipeline
+                                     max_run_bytes=16 << 10,  # long runs split: exercises the pipeline
+                                     inline_max_bytes=spec.inline_max_bytes)
         self.senders: dict[tuple[str, str], object] = {}
         self.handles: dict[str, object] = {}
         self.staging = StagingPool("cpu")
@@ -163,7 +166,10 @@ class _Peer:
         """A hand-driven transfer on a control connection of its own (rank cmd.rank, lane 0)."""
         config = replace(self.config, cluster_secret=cmd.start.secret)
         deadline = time.monotonic() + 60
-        with hand_link(cmd.start.to, config, cmd.start.namespace, cmd.rank) as (conn, channel):
+        inline = self.config.inline_max_bytes > 0
+        with hand_link(cmd.start.to, config, cmd.start.namespace, cmd.rank, with_group=not inline) as (conn, channel):
+            if inline:
+                return self.inline_fault(cmd, outgoing, conn, deadline)
             if cmd.mode == "corrupt":
                 outgoing.run_payloads[-1][-3] ^= 0x5A
                 send_transfer(conn, channel, outgoing, 0, deadline, threading.Event())
@@ -178,6 +184,27 @@ class _Peer:
                 pass  # the receiver gave up and closed the group: its reply says why
             status, _ = await_status(conn, 0, deadline)
             return Outcome(status == TransferStatus.OK, status.name)
+
+    def inline_fault(self, cmd: Fault, outgoing: OutgoingTransfer, conn, deadline: float) -> Outcome:
+        """The same faults for a transfer whose bytes follow its frame on the control connection: a corrupted
+        byte, or half the bytes and then a stall (for ever: 'hang')."""
+        if cmd.mode == "corrupt":
+            outgoing.run_payloads[-1][-3] ^= 0x5A
+            send_inline(conn, None, outgoing, 0, deadline)
+            return Outcome(True, "OK")
+        data = b"".join(memoryview(p.numpy()) for p in outgoing.run_payloads)  # every run gathered, in order
+        frame = TransferFrame(0, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=len(data))
+        conn.send_with_bytes(Kind.TRANSFER, frame.encode(), [memoryview(data)[: len(data) // 2]], deadline)
+        self.conn.send(Outcome(True, "STALLED"))
+        time.sleep(cmd.stall_s if cmd.mode == "stall" else 3600)
+        try:
+            conn.sock.sendall(memoryview(data)[len(data) // 2:])
+            status, _ = await_status(conn, 0, deadline)
+        except OSError:  # the receiver gave up and closed the connection
+            return Outcome(False, TransferStatus.PEER_FAILED.name, "connection closed")
+        except KVTransferError as exc:
+            return Outcome(False, exc.status.name, exc.message)
+        return Outcome(status == TransferStatus.OK, status.name)
 
     def serve(self) -> None:
         while True:
