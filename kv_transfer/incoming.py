@@ -10,6 +10,7 @@ import torch
 
 from kv_transfer.checksum import checksum_blocks
 from kv_transfer.device_sync import copy_stream
+from kv_transfer.host_copy import put_blocks
 from kv_transfer.manifest import Manifest, ManifestError
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed
@@ -105,8 +106,7 @@ class IncomingTransfer:
             if checksum_blocks(piece.unsqueeze(0)) != self._checksums[layer]:
                 raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"layer {layer} failed its checksum",
                                       self.manifest.request_id)
-            ids = torch.tensor(self.block_ids, dtype=torch.long, device=self.pool.device)
-            self.pool.kv[layer].index_copy_(1, ids, piece.to(self.pool.device, non_blocking=True))  # [2, N, ...]
+            put_blocks(self.pool.kv[layer], piece, self.block_ids, dim=1)  # [2, N, bs, H, D]
 
     def landed(self, index: int, in_place: bool = False, checksum: int | None = None, inline: bool = False) -> None:
         """Piece `index` is complete (in staging, or in place in this side's blocks): land it on the lander

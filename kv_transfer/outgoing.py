@@ -13,6 +13,7 @@ import torch
 
 from kv_transfer.checksum import checksum_blocks
 from kv_transfer.device_sync import copy_stream
+from kv_transfer.host_copy import take_blocks
 from kv_transfer.layer_stream import LayerStream
 from kv_transfer.manifest import Manifest, RunInfo, encode_manifest
 from kv_transfer.pool import KVPoolView
@@ -68,11 +69,7 @@ class OutgoingTransfer:
         fp, payload = self.manifest.fingerprint, self.run_payloads[layer]
         out = payload.view(self.pool.kv.dtype).view(layer_piece_shape(fp, self.manifest.num_blocks))
         with copy_stream(self.pool.device, after=written):  # complete on exit
-            ids = torch.tensor(self.manifest.block_ids, dtype=torch.long, device=self.pool.device)
-            if out.device == self.pool.device:
-                torch.index_select(self.pool.kv[layer], 1, ids, out=out)  # [2, N, bs, H, D]
-            else:  # a CUDA pool, host staging (gloo, gRPC): gather on the device, then one copy
-                out.copy_(self.pool.kv[layer].index_select(1, ids), non_blocking=True)
+            take_blocks(out, self.pool.kv[layer], self.manifest.block_ids, dim=1)  # [2, N, bs, H, D]
         self.layer_checksums[layer] = checksum_blocks(out.unsqueeze(0))
 
     def checksum(self, index: int) -> int:

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from kv_transfer.host_copy import copy_tensor
 from kv_transfer.manifest import ModelFingerprint
 from kv_transfer.pool import TORCH_DTYPES
 
@@ -77,7 +78,7 @@ def block_planes(blocks: torch.Tensor) -> list[torch.Tensor]:
 def gather_run(kv: torch.Tensor, run: BlockRun, out_flat_u8: torch.Tensor, fp: ModelFingerprint) -> None:
     """Copies kv[:, :, run] (strided) into the contiguous staging view out_flat_u8."""
     out = as_blocks(out_flat_u8, fp, run.num_blocks)  # [L, 2, n, bs, H, D]
-    out.copy_(kv[:, :, run.start : run.start + run.num_blocks], non_blocking=True)
+    copy_tensor(out, kv[:, :, run.start : run.start + run.num_blocks])
 
 
 def scatter_run(kv: torch.Tensor, flat_u8: torch.Tensor, fp: ModelFingerprint, dst_block_ids: Sequence[int]) -> None:
@@ -86,5 +87,5 @@ def scatter_run(kv: torch.Tensor, flat_u8: torch.Tensor, fp: ModelFingerprint, d
     position = 0
     for dst in group_runs(dst_block_ids):
         end = position + dst.num_blocks
-        kv[:, :, dst.start : dst.start + dst.num_blocks].copy_(src[:, :, position:end], non_blocking=True)
+        copy_tensor(kv[:, :, dst.start : dst.start + dst.num_blocks], src[:, :, position:end])
         position = end

@@ -1,0 +1,55 @@
+"""The transfer plane's host copies and checksum sums (kv_transfer/host_copy.py) run through numpy on the calling
+thread: each gives exactly the bytes of the torch op it replaces, for every pool dtype and on strided pool views."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv_transfer.checksum import _GOLDEN, _MASK, _word_dtype, checksum_blocks
+from kv_transfer.host_copy import copy_tensor, put_blocks, take_blocks
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def random_pool(dtype: torch.dtype, seed: int, num_blocks: int = 12) -> torch.Tensor:
+    kv = torch.empty(3, 2, num_blocks, 4, 2, 16, dtype=dtype)  # [L, 2, N, bs, H, D]
+    kv.view(torch.int16 if kv.element_size() == 2 else torch.int32).random_(generator=torch.Generator().manual_seed(seed))
+    return kv
+
+
+def torch_checksum(blocks: torch.Tensor) -> int:
+    """rowsum64 as torch computes it (the CUDA path), the reference for the host path."""
+    num_layers, two, n = blocks.shape[:3]
+    words = blocks.contiguous().view(_word_dtype(blocks.shape[-1] * blocks.element_size()))
+    rows = words.reshape(num_layers, two, n, -1).sum(-1, dtype=torch.int64).flatten()
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64)
+    plain, weighted = torch.stack([rows.sum(), (rows * weights).sum()]).tolist()
+    mixed = (plain & _MASK) ^ (((weighted & _MASK) * _GOLDEN) & _MASK)
+    return (mixed ^ (blocks.numel() * blocks.element_size())) & _MASK
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_host_checksum_is_the_torch_checksum_on_strided_views(dtype):
+    kv = random_pool(dtype, seed=1)
+    for blocks in (kv[:, :, 3:8], kv[:, :, 5:6], kv[1:2, :, 0:12]):  # strided runs of the pool
+        assert checksum_blocks(blocks) == torch_checksum(blocks)
+    changed = kv[:, :, 3:8].clone()
+    changed.view(torch.uint8).view(-1)[77] ^= 1
+    assert checksum_blocks(changed) != checksum_blocks(kv[:, :, 3:8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_copies_move_exactly_the_bytes_torch_moves(dtype):
+    kv, ids = random_pool(dtype, seed=2), [7, 2, 9]
+    out = torch.empty(3, 2, 5, 4, 2, 16, dtype=dtype)
+    copy_tensor(out, kv[:, :, 4:9])  # a strided run into contiguous staging
+    assert torch.equal(out.view(torch.uint8), kv[:, :, 4:9].contiguous().view(torch.uint8))
+
+    layer = torch.empty(2, 3, 4, 2, 16, dtype=dtype)
+    take_blocks(layer, kv[1], ids, dim=1)  # one layer of scattered blocks
+    assert torch.equal(layer.view(torch.uint8), kv[1].index_select(1, torch.tensor(ids)).view(torch.uint8))
+
+    target, expected = random_pool(dtype, seed=3), random_pool(dtype, seed=3)
+    put_blocks(target[2], layer, ids, dim=1)
+    expected[2].index_copy_(1, torch.tensor(ids), layer)
+    assert torch.equal(target.view(torch.uint8), expected.view(torch.uint8))
