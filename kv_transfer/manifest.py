@@ -66,8 +66,15 @@ class ModelFingerprint:
 
     def mismatch(self, other: "ModelFingerprint") -> str | None:
         """A readable description of how `other` differs from self, or None if they match."""
+        if other == self:  # the common case, without building the description
+            return None
         diffs = [f"{k}: {v} != {getattr(other, k)}" for k, v in asdict(self).items() if v != getattr(other, k)]
         return "; ".join(diffs) or None
+
+    def encode(self) -> dict:
+        """The fingerprint as the manifest's map."""
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "dtype": self.dtype, "block_size": self.block_size}
 
 
 @dataclass(frozen=True)
@@ -202,7 +209,7 @@ def encode_manifest(m: Manifest) -> bytes:
     top = {
         "version": MANIFEST_VERSION,
         "request_id": m.request_id,
-        "fingerprint": asdict(m.fingerprint),
+        "fingerprint": m.fingerprint.encode(),
         "num_tokens": m.num_tokens,
         "block_ids": list(m.block_ids),
         "first_token": m.first_token,

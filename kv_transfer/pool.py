@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Sequence
 
 import torch
@@ -51,11 +52,11 @@ class KVPoolView:
     def num_blocks(self) -> int:
         return self.kv.shape[2]
 
-    @property
+    @cached_property
     def fingerprint(self) -> ModelFingerprint:
         return fingerprint_of(self.kv)
 
-    @property
+    @cached_property
     def manifest_limits(self) -> ManifestLimits:
         """What a manifest for this pool may ask for: its layout, and at most every block it has."""
         return ManifestLimits(self.fingerprint, self.num_blocks)
