@@ -8,12 +8,14 @@ each way (per kind) let tests prove how many messages a transfer costs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import select
 import socket
 import struct
 import threading
 import time
 from enum import IntEnum
+from typing import Iterator
 
 import msgpack
 
@@ -55,6 +57,8 @@ class ControlConnection:
         self.received: collections.Counter[Kind] = collections.Counter()
         self._closed = False
         self._send_lock = threading.Lock()
+        self._raw_writer: int | None = None  # the thread writing an inline transfer's raw bytes, if one is
+        self._deferred: list[bytes] = []     # frames other threads sent meanwhile, written after it
 
     @property
     def local_host(self) -> str:
@@ -65,8 +69,28 @@ class ControlConnection:
         """Sends one frame; raises ControlClosed (or KVTransferError TIMEOUT past deadline)."""
         body = msgpack.packb(payload, use_bin_type=True)
         with self._send_lock:
-            self._io(lambda: self.sock.sendall(_HEADER.pack(len(body), kind) + body), deadline, "send")
+            if self._raw_writer not in (None, threading.get_ident()):  # not between an inline transfer's bytes
+                self._deferred.append(_HEADER.pack(len(body), kind) + body)
+            else:
+                self._io(lambda: self.sock.sendall(_HEADER.pack(len(body), kind) + body), deadline, "send")
             self.sent[kind] += 1
+
+    @contextlib.contextmanager
+    def raw_stream(self, deadline: float) -> Iterator[None]:
+        """While open, this thread's send_bytes() are the only bytes on the connection: a frame another thread
+        sends (a CANCEL) waits, and goes out when the stream closes."""
+        with self._send_lock:
+            self._raw_writer = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._send_lock:
+                self._raw_writer, deferred, self._deferred = None, self._deferred, []
+                for data in deferred:
+                    try:
+                        self._io(lambda: self.sock.sendall(data), deadline, "send")
+                    except KVTransferError:  # the connection failed: the reply's read says so
+                        break
 
     def send_with_bytes(self, kind: Kind, payload: object, buffers: list[memoryview], deadline: float) -> None:
         """Sends one frame and then `buffers`' raw bytes right behind it, with no frame of another thread in
@@ -77,6 +101,13 @@ class ControlConnection:
             for buffer in buffers:
                 self._io(lambda: self.sock.sendall(buffer), deadline, "send")
             self.sent[kind] += 1
+
+    def send_bytes(self, buffers: list[memoryview], deadline: float) -> None:
+        """Writes raw bytes (no frame): the part of an inline transfer that follows its frame. The caller makes
+        sure no other frame may come between its pieces (only its own thread writes on the connection then)."""
+        with self._send_lock:
+            for buffer in buffers:
+                self._io(lambda: self.sock.sendall(buffer), deadline, "send")
 
     def poll(self, max_bytes: int, kinds: tuple[Kind, ...], wait_s: float = 1.0) -> tuple[Kind, object] | None:
         """The next frame if one has begun to arrive (read within wait_s), else None without blocking."""

@@ -1,58 +1,127 @@
-"""Inline transfers: a small transfer's KV bytes ride the pair's control connection right behind its TRANSFER
-frame (the eager protocol of MPI and UCX), not the data plane's process group.
+"""Inline transfers: a small transfer's KV bytes ride the pair's control connection behind its TRANSFER frame (the
+eager protocol of MPI and UCX), not the data plane's process group.
 
   sender                                          receiver
-  TRANSFER {seq, manifest, inline_nbytes}          decode, check, allocate; read the bytes straight into its
-    + inline_nbytes raw bytes (every run) ------>  blocks (consecutive ids) or staging, landing each run
-                                                   (checksum, scatter) as it completes
+  TRANSFER {seq, manifest, inline_nbytes}          decode, check, allocate
+  whole request: every run's bytes, right behind   read each run straight into its blocks (consecutive ids)
+    the frame in one write                         or staging, landing it (checksum, scatter) as it completes
+  layer-streamed: per layer, as the step writes    the same words as on a group (protocol.py), read in order
+    it: NEXT_RUN, its bytes, its checksum; then
+    COMMIT (or ABORT), the tail
                      <---------------------------  STATUS {seq, final status, whether the group lives}
 
-A gloo sender takes this way for a whole-request transfer of at most TransferConfig.inline_max_bytes: each byte
-is written once and read once, and no message goes through the process group, whose pair protocol adds two
-notifications per message and, on a busy host, stalls of milliseconds. A pair that only ever carries inline
-transfers never opens a group at all (so no gloo listener either). The connection stays in step whatever the
-receiver decides: a declined transfer's bytes are read and dropped; a read that fails half-way leaves the
-stream out of step, so the receiver closes the connection (the sender connects afresh for its next transfer).
+A gloo sender takes this way for a transfer of at most TransferConfig.inline_max_bytes: each byte is written once
+and read once, and no message goes through the process group, whose pair protocol adds two notifications per
+message and, on a busy host, stalls of milliseconds. A pair that only ever carries inline transfers never opens a
+group (so no gloo listener either). While a streamed transfer writes its layers, a frame another thread sends on
+the connection (a CANCEL) waits until the stream is written. The connection stays in step whatever the receiver
+decides: a declined transfer's bytes are read and dropped before the reply (a manifest it cannot even decode
+ends the connection instead); a read that fails half-way leaves the stream out of step, so the receiver closes
+the connection (the sender connects afresh for its next transfer).
 """
 from __future__ import annotations
+
+import threading
+from typing import Callable
 
 import torch
 
 from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.control.exchange import Declined, TransferFrame, answer_manifest, await_status, land_and_settle
 from kv_transfer.dist.channel import PairChannel
+from kv_transfer.dist.protocol import ABORT, COMMIT, NEXT_RUN, receive_runs, send_runs
 from kv_transfer.incoming import IncomingTransfer
-from kv_transfer.manifest import Manifest
+from kv_transfer.manifest import Manifest, ManifestError
+from kv_transfer.manifest_decode import decode_manifest
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceiveInbox
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
+from kv_transfer.stream_tail import MAX_TAIL_BYTES
 
 HOST = torch.device("cpu")
 
 
 def travels_inline(outgoing: OutgoingTransfer, backend: str, inline_max_bytes: int) -> bool:
-    """Whether a transfer goes inline: a whole request (not layer-streamed) over gloo, small enough."""
-    return backend == "gloo" and outgoing.stream is None and outgoing.manifest.total_nbytes <= inline_max_bytes
+    """Whether a transfer goes inline: over gloo, of at most inline_max_bytes of KV."""
+    return backend == "gloo" and outgoing.manifest.total_nbytes <= inline_max_bytes
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(torch.uint8).numpy())  # a contiguous host tensor's bytes
+
+
+class ConnectionWire:
+    """The control connection as one inline transfer's data plane: the PairChannel calls protocol.py makes (tensors
+    and int64 words, in order), each done at once on the connection's raw byte stream."""
+
+    coalesces = False
+    device = HOST
+
+    def __init__(self, conn: ControlConnection, deadline: float):
+        self.conn, self.deadline = conn, deadline
+
+    def code_tensor(self, code: int) -> torch.Tensor:
+        return torch.tensor([code], dtype=torch.int64)
+
+    def send(self, tensor: torch.Tensor, deadline: float) -> None:
+        self.conn.send_bytes([_bytes_of(tensor)], deadline)
+
+    def send_code(self, code: int, deadline: float) -> None:
+        self.send(self.code_tensor(code), deadline)
+
+    def post_send(self, tensor: torch.Tensor) -> None:
+        self.send(tensor, self.deadline)
+
+    def post_sends(self, tensors: list[torch.Tensor]) -> list:
+        self.conn.send_bytes([_bytes_of(t) for t in tensors], self.deadline)
+        return []
+
+    def recv(self, tensor: torch.Tensor, deadline: float) -> None:
+        self.conn.read_into(_bytes_of(tensor), deadline)
+
+    def recv_code(self, deadline: float) -> int:
+        box = torch.empty(1, dtype=torch.int64)
+        self.recv(box, deadline)
+        return int(box.item())
+
+    def post_recvs(self, tensors: list[torch.Tensor]) -> list:
+        for tensor in tensors:
+            self.recv(tensor, self.deadline)
+        return []
+
+    def wait(self, work: object, deadline: float, what: str) -> None:
+        """Nothing to wait for: every call above completes before it returns."""
 
 
 def send_inline(conn: ControlConnection, channel: PairChannel | None, outgoing: OutgoingTransfer, seq: int,
-                deadline: float) -> None:
-    """Sender: the TRANSFER frame with every run's bytes behind it (gathered where a run is not direct), then the
-    STATUS reply. Returns once the receiver landed everything (OK); raises Declined (the receiver said no) or
-    KVTransferError (the connection failed). A receiver whose group is gone says so: this link's channel is
-    then marked broken, so its next data-plane transfer opens the next epoch."""
-    views = []
-    for index in range(outgoing.num_pieces):
-        outgoing.gather(index)
-        views += [memoryview(piece.numpy()) for piece in outgoing.pieces(index)]  # flat uint8, wire order
-    frame = TransferFrame(seq, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=sum(map(len, views)))
-    conn.send_with_bytes(Kind.TRANSFER, frame.encode(), views, deadline)
+                deadline: float, cancel: threading.Event, on_sent: Callable[[], None]) -> None:
+    """Sender: the TRANSFER frame and the bytes behind it (a whole request's in one write; a streamed one's layer by
+    layer, ABORT at the next layer once cancel is set), on_sent(), then the STATUS reply. Returns once the receiver
+    landed everything (OK); raises Declined (the receiver said no, or the stream stopped) or KVTransferError (the
+    connection failed). A receiver whose group is gone says so: this link's channel is then marked broken, so its
+    next transfer on the group opens the next epoch."""
+    stopped: KVTransferError | None = None
+    if outgoing.stream is None:
+        views = []
+        for index in range(outgoing.num_pieces):
+            outgoing.gather(index)
+            views += [_bytes_of(piece) for piece in outgoing.pieces(index)]
+        frame = TransferFrame(seq, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=sum(map(len, views)))
+        conn.send_with_bytes(Kind.TRANSFER, frame.encode(), views, deadline)
+    else:
+        frame = TransferFrame(seq, outgoing.manifest_bytes, b"", inline_nbytes=outgoing.manifest.total_nbytes)
+        with conn.raw_stream(deadline):
+            conn.send(Kind.TRANSFER, frame.encode(), deadline)
+            stopped = send_runs(ConnectionWire(conn, deadline), outgoing, deadline, cancel)
+    on_sent()
     final, alive = await_status(conn, seq, deadline)
     if not alive and channel is not None:
         channel.close()
         channel.mark_broken("the receiver closed this epoch's group")
+    if stopped is not None:
+        raise Declined(stopped.status, stopped.message, outgoing.manifest.request_id)
     if final != TransferStatus.OK:
         raise Declined(final, "receiver reported failure", outgoing.manifest.request_id)
 
@@ -62,19 +131,44 @@ class _InlineReader:
 
     def __init__(self, conn: ControlConnection, incoming: IncomingTransfer, deadline: float):
         self.conn, self.incoming, self.deadline = conn, incoming, deadline
-        self.remaining = incoming.manifest.total_nbytes
+        self.in_step = False
 
     def read_all(self) -> bool:
-        """Each run straight into this side's blocks where their ids are consecutive (else its staging piece),
-        landed as soon as it is in. True: the frame was the sender's commit."""
+        """A whole request: each run straight into this side's blocks where their ids are consecutive (else its
+        staging piece), landed as soon as it is in. A streamed one: its layers and words. True: committed."""
         incoming, last = self.incoming, self.incoming.num_pieces - 1
-        for index in range(incoming.num_pieces):
-            targets, in_place = incoming.plane_targets(index, HOST)
-            for target in targets:  # flat uint8 views
-                self.conn.read_into(memoryview(target.numpy()), self.deadline)
-                self.remaining -= target.numel()
-            incoming.landed(index, in_place=in_place, inline=index == last)
-        return True
+        if incoming.manifest.streamed:
+            committed = receive_runs(ConnectionWire(self.conn, self.deadline), incoming, self.deadline)
+        else:
+            for index in range(incoming.num_pieces):
+                targets, in_place = incoming.plane_targets(index, HOST)
+                for target in targets:  # flat uint8 views
+                    self.conn.read_into(_bytes_of(target), self.deadline)
+                self.in_step = index == last  # every byte read: a failed landing leaves the stream in step
+                incoming.landed(index, in_place=in_place, inline=index == last)
+            return True
+        self.in_step = True
+        return committed
+
+
+def _skip_stream(conn: ControlConnection, manifest: Manifest, deadline: float) -> None:
+    """Reads past a declined streamed transfer: its layers (or up to its ABORT), its COMMIT and tail."""
+    wire, piece = ConnectionWire(conn, deadline), manifest.piece_nbytes[0]
+    for _ in manifest.piece_nbytes:
+        word = wire.recv_code(deadline)
+        if word == ABORT:
+            return
+        if word != NEXT_RUN:
+            raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {word}")
+        conn.skip(piece + 8, deadline)  # the layer and its checksum
+    word = wire.recv_code(deadline)
+    if word == COMMIT:
+        length = wire.recv_code(deadline)
+        if not 0 < length <= MAX_TAIL_BYTES:
+            raise KVTransferError(TransferStatus.MALFORMED, f"tail length {length} out of range")
+        conn.skip(length, deadline)
+    elif word != ABORT:
+        raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control word {word}")
 
 
 def receive_inline(conn: ControlConnection, channel: PairChannel | None, frame: TransferFrame, pool: KVPoolView,
@@ -89,14 +183,24 @@ def receive_inline(conn: ControlConnection, channel: PairChannel | None, frame: 
     def group_alive() -> bool:
         return channel is not None and channel.broken is None
 
+    streamed = not frame.direct  # a whole request's frame has a flag per run, a streamed one's none
+
     def accept(manifest: Manifest) -> IncomingTransfer:
-        if manifest.streamed or manifest.total_nbytes != frame.inline_nbytes:
-            raise KVTransferError(TransferStatus.MALFORMED, f"{frame.inline_nbytes} inline bytes for a manifest "
-                                                            f"of {manifest.total_nbytes}", manifest.request_id)
+        if manifest.total_nbytes != frame.inline_nbytes or manifest.streamed != streamed:
+            raise KVTransferError(TransferStatus.MALFORMED, "the inline frame does not match its manifest",
+                                  manifest.request_id)
         return IncomingTransfer.accept(manifest, pool, staging, lander)
 
-    def decline() -> bool:  # the bytes are on their way: read past them, the connection stays in step
-        conn.skip(frame.inline_nbytes, deadline)
+    def decline() -> bool:  # the bytes are on their way: read past them, so the connection stays in step
+        if not streamed:
+            conn.skip(frame.inline_nbytes, deadline)
+            return group_alive()
+        try:
+            manifest = decode_manifest(frame.manifest, pool.manifest_limits)
+        except ManifestError:  # where the stream ends is unknown: end the connection
+            conn.close()
+            return group_alive()
+        _skip_stream(conn, manifest, deadline)
         return group_alive()
 
     incoming = answer_manifest(conn, frame, pool, inbox, deadline, accept, decline)
@@ -105,7 +209,7 @@ def receive_inline(conn: ControlConnection, channel: PairChannel | None, frame: 
     reader = _InlineReader(conn, incoming, deadline)
 
     def give_up() -> bool:  # a read failed half-way: the stream is out of step
-        if reader.remaining:
+        if not reader.in_step:
             conn.close()
         return group_alive()
 

@@ -163,7 +163,7 @@ def _receive_run(channel: PairChannel, incoming: IncomingTransfer, index: int, c
     incoming.landed(index, in_place=in_place)
 
 
-def _receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: float) -> bool:
+def receive_runs(channel: PairChannel, incoming: IncomingTransfer, deadline: float) -> bool:
     """Receives pieces (landing each as it completes) until COMMIT (True; a streamed transfer's tail follows
     it) or ABORT (False)."""
     rid = incoming.manifest.request_id
@@ -234,7 +234,7 @@ def receive_transfer(conn: ControlConnection, channel: PairChannel | None, frame
     if incoming is None:
         return
     if incoming.manifest.streamed:
-        land = lambda: _receive_runs(channel, incoming, deadline)  # noqa: E731
+        land = lambda: receive_runs(channel, incoming, deadline)  # noqa: E731
     else:
         land = lambda: receive_pieces(channel, incoming, frame.direct, deadline)  # noqa: E731
     land_and_settle(conn, frame.seq, incoming, inbox, deadline, land, decline)

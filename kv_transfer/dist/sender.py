@@ -117,10 +117,14 @@ class SenderLink:
 
     def _exchange(self, outgoing: OutgoingTransfer, handle: TransferHandle, seq: int, deadline: float) -> None:
         conn = self.conn
-        handle.on_cancel(lambda: cancel_transfer(conn, seq))  # after the bytes went: the receiver drops it
+
+        def cancel_after_the_bytes() -> None:  # a CANCEL frame: the receiver drops the transfer unless delivered
+            handle.on_cancel(lambda: cancel_transfer(conn, seq))
+
         if self._inline(outgoing):
-            send_inline(conn, self.channel, outgoing, seq, deadline)
+            send_inline(conn, self.channel, outgoing, seq, deadline, handle.cancel_requested, cancel_after_the_bytes)
         else:
+            cancel_after_the_bytes()
             send_transfer(conn, self.channel, outgoing, seq, deadline, handle.cancel_requested)
 
     def _connect(self, with_group: bool = True) -> None:

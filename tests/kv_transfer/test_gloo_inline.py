@@ -8,11 +8,13 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from kv_transfer import (DistRendezvous, KVTransferError, ReceivedKV, ReceiveFailed, SendRequest, TransferConfig,
                          TransferStatus, create_receiver, create_sender)
 from kv_transfer.control.connection import Kind
 from kv_transfer.control.exchange import TransferFrame, await_status
+from kv_transfer.layer_stream import LayerClock, LayerStream, StreamTail
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.testing import FreeListPool, blocks_bytes, fill_blocks
@@ -140,3 +142,61 @@ def test_a_receiver_taking_fewer_inline_bytes_ends_that_connection_and_keeps_ser
         sender.close()
         receiver.close()
     assert sender_pool.num_free == BLOCKS and receiver_pool.num_free == BLOCKS
+
+
+def start_streamed(pair, request_id: str, num_blocks: int, seed: int):
+    """A layer-streamed send whose layers the test releases (LayerClock.layer_done); (clock, stream, blocks,
+    expected bytes, handle). stream.finish(tail, blocks) hands the blocks to the transfer."""
+    sender, sender_pool, receiver, _ = pair
+    blocks = tuple(sender_pool.allocate(num_blocks))
+    fill_blocks(sender_pool.kv, blocks, seed)
+    clock = LayerClock(FP32.num_layers, torch.device("cpu"))
+    stream = LayerStream(clock)
+    handle = sender.send(receiver.address, SendRequest(request_id, blocks, num_blocks * FP32.block_size, None,
+                                                       stream=stream))
+    return clock, stream, blocks, blocks_bytes(sender_pool.kv, blocks), handle
+
+
+def test_a_streamed_inline_transfer_lands_and_defers_other_frames_until_written(pair):
+    """A CANCEL frame for an earlier transfer (its handle cancelled late) while a streamed transfer writes its layers
+    waits until the stream is written: the stream stays in step, the stale CANCEL is ignored."""
+    sender, _, receiver, receiver_pool = pair
+    earlier = sender.send(receiver.address, SendRequest("earlier", tuple(pair[1].allocate(2)), 2 * FP32.block_size, 1))
+    earlier.result(20)
+    receiver_pool.free(receiver.wait(5).block_ids)
+    clock, stream, blocks, expected, handle = start_streamed(pair, "streamed", 3, seed=7)
+    clock.layer_done(0)
+    time.sleep(0.2)  # layer 0 is on the connection
+    earlier.cancel()  # its CANCEL frame must not land between this stream's bytes
+    for layer in range(1, FP32.num_layers):
+        clock.layer_done(layer)
+    assert stream.finish(StreamTail(first_token=5), blocks)
+    handle.result(20)
+    got = receiver.wait(20)
+    assert isinstance(got, ReceivedKV) and got.manifest.first_token == 5, got
+    assert blocks_bytes(receiver_pool.kv, got.block_ids) == expected
+    receiver_pool.free(got.block_ids)
+    assert sender._links[0].channel is None  # no group for any of it
+    transfer(pair, "after", 2, seed=8)
+
+
+def test_a_declined_streamed_inline_transfer_is_read_past():
+    sender, sender_pool, receiver, receiver_pool = parts = make_pair(receiver_blocks=8)
+    held = receiver_pool.allocate(6)
+    try:
+        clock, stream, blocks, _, handle = start_streamed(parts, "no-room", 4, seed=2)  # 2 blocks free: declined
+        for layer in range(FP32.num_layers):
+            clock.layer_done(layer)
+        assert stream.finish(StreamTail(first_token=1), blocks)
+        with pytest.raises(KVTransferError) as failed:
+            handle.result(20)
+        assert failed.value.status == TransferStatus.REJECTED_NO_BLOCKS
+        assert isinstance(receiver.wait(5), ReceiveFailed)
+        conn = sender._links[0].conn
+        receiver_pool.free(held)
+        transfer(parts, "next", 3, seed=4)
+        assert sender._links[0].conn is conn  # the same connection, still in step
+    finally:
+        sender.close()
+        receiver.close()
+    assert sender_pool.num_free == BLOCKS and receiver_pool.num_free == 8

@@ -1,5 +1,5 @@
-"""Layer-streamed transfers over real gloo and gRPC (sender and receiver in this process, on their own
-threads): bytes land bit-identical, the first token comes from the tail, and a stream that breaks after
+"""Layer-streamed transfers over real gloo (on the pair's process group, and inline on its control connection) and
+gRPC (sender and receiver in this process, on their own threads): bytes land bit-identical, the first token comes from the tail, and a stream that breaks after
 k of n layers, is aborted or cancelled between layers frees everything on both sides."""
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ SENDER_BLOCKS = (3, 4, 5, 9, 20)  # two runs; 5 blocks hold 17..20 tokens
 class Rig:
     """A sender pool and sender, a receiver pool (shuffled free list: non-contiguous ids) and receiver."""
 
-    def __init__(self, transport: str):
-        config = TransferConfig(transport=transport, kv_transfer_timeout_s=20, connect_timeout_s=30, dist_lanes=2)
+    def __init__(self, transport: str, inline_max_bytes: int = TransferConfig.inline_max_bytes):
+        config = TransferConfig(transport=transport, kv_transfer_timeout_s=20, connect_timeout_s=30, dist_lanes=2,
+                                inline_max_bytes=inline_max_bytes)
         self.src = FreeListPool(FP, NUM_BLOCKS)
         self.dst = FreeListPool(FP, NUM_BLOCKS, free_order=list(reversed(range(NUM_BLOCKS))))
         rdzv = lambda rank: DistRendezvous(rank, 2, f"ls-{uuid.uuid4().hex[:8]}")  # noqa: E731
@@ -61,9 +62,10 @@ class Rig:
         assert self.src.num_free == NUM_BLOCKS and self.dst.num_free == NUM_BLOCKS
 
 
-@pytest.fixture(scope="module", params=["gloo", "grpc"])
+@pytest.fixture(scope="module", params=["gloo-group", "gloo-inline", "grpc"])
 def rig(request):
-    rig = Rig(request.param)
+    transport, _, path = request.param.partition("-")
+    rig = Rig(transport, 0 if path == "group" else TransferConfig.inline_max_bytes)
     yield rig
     rig.sender.close()
     rig.receiver.close()

@@ -190,7 +190,7 @@ class _Peer:
         byte, or half the bytes and then a stall (for ever: 'hang')."""
         if cmd.mode == "corrupt":
             outgoing.run_payloads[-1][-3] ^= 0x5A
-            send_inline(conn, None, outgoing, 0, deadline)
+            send_inline(conn, None, outgoing, 0, deadline, threading.Event(), lambda: None)
             return Outcome(True, "OK")
         data = b"".join(memoryview(p.numpy()) for p in outgoing.run_payloads)  # every run gathered, in order
         frame = TransferFrame(0, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=len(data))
