@@ -1,6 +1,7 @@
 """The one message rank 0 sends the other ranks of its group for each step: the step's host inputs, packed into an
 int32 buffer of a fixed size (one broadcast on the group's host control group, engine/parallel/group.py), from
-which a follower builds the same batch tensors (build_step_tensors) and runs the same forward.
+which a follower stages the same batch tensors in one upload (engine/runner/follower_inputs.py) and runs the same
+forward.
 
 Layout (int32 words): header [kind, T, N, width, S, R, C, B, total] then input_ids [T], num_computed [N],
 num_new [N], block_tables [N * width], sample_rows [S], prompt_rows [R], copy sources [C], copy targets [C],

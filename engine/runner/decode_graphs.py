@@ -26,7 +26,8 @@ from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
 from engine.runner.step_batch import feed_tokens
-from engine.step_io import Field, StepIO, layout
+from engine.host_lists import Uploads
+from engine.step_io import Field, StepIO, layout, stage_uploads, uploads_layout
 
 logger = logging.getLogger("tandem.engine")
 
@@ -146,23 +147,18 @@ class DecodeGraphs:
         tables.gather(view["table_rows"], self.block_tables.shape[1], out=self.block_tables[:size])
         return self._replay(size)[:rows], view["sample_rows"][:len(batch.sample_rows)]
 
-    @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states [B, hidden] of a decode-only step (meta.num_decode_rows == meta.num_seqs == B) whose
-        inputs are already on the device (tensor-parallel followers): copied into the static inputs, then replayed.
-        Writes the rows' K/V into the pool, exactly as the eager forward does."""
-        rows = meta.num_seqs
-        size = self._size_for(rows)
-        static = self._static(size)
-        width = meta.block_tables.shape[1]
-        static["input_ids"][:rows].copy_(input_ids)
-        static["positions"][:rows].copy_(positions)
-        static["slots"][:rows].copy_(meta.slot_mapping)
-        static["seq_lens"][:rows].copy_(meta.seq_lens)
-        self.block_tables[:rows, :width].copy_(meta.block_tables)
-        static["slots"][rows:size].fill_(-1)  # padding rows: write nothing, attend to one token
-        static["seq_lens"][rows:size].fill_(1)
-        return self._replay(size)[:rows]
+    def stage_behind(self, rows: int, num_updates: int, uploads: Uploads) -> bool:
+        """Writes uploads behind the graphs' fields of a step of `rows` rows and num_updates table updates (binds
+        their views), so run_staged's one upload carries them. False (nothing written) when they do not fit the
+        graphs' buffer (engine/step_io.py APPENDED_ROOM): the caller stages them in a copy of their own."""
+        _, used = staged_layout(self._size_for(rows), num_updates)
+        fields, end = uploads_layout(uploads, used)
+        if end > self.staging.capacity:
+            return False
+        self.staging.wait_writable()
+        stage_uploads(self.staging, fields, uploads)
+        self.staging.extend_next_upload(end)
+        return True
 
     def _size_for(self, rows: int) -> int:
         return next(s for s in self.sizes if s >= rows)

@@ -22,10 +22,10 @@ from engine.host_lists import HostCopy, Uploads
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.parallel.step_message import StepInputs
-from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs, staged_layout
+from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
 from engine.runner.step_batch import HostBatch, feed_tokens, host_batch, stage_eager
-from engine.step_io import StepIO, stage_uploads, uploads_layout
+from engine.step_io import StepIO
 from engine.sampling.logprobs import TokenLogprobs
 from engine.sampling.prompt_logprobs import (PromptPlan, plan_prompt_logprobs, prompt_logprob_tensors,
                                              unpack_prompt_logprobs)
@@ -165,8 +165,8 @@ class ModelRunner:
             if len(updates) > UPDATE_CAPACITY:  # more than the graphs' upload has room for: a copy of their own
                 stage_eager(self.io, self.tables, HostBatch(), [], updates, uploads)
                 updates = TableUpdates()
-            else:
-                self._stage_behind_graph_inputs(len(seqs), len(updates), uploads)
+            elif len(uploads) and not self.decode_graphs.stage_behind(len(seqs), len(updates), uploads):
+                stage_eager(self.io, self.tables, HostBatch(), [], TableUpdates(), uploads)
             slots = [s.block_table[c // self.block_size] * self.block_size + c % self.block_size
                      for s, c in zip(seqs, computed)]
             graph = DecodeBatch(batch.input_ids, computed, slots, table_rows, batch.sample_rows, updates,
@@ -189,30 +189,3 @@ class ModelRunner:
         return self.sampler.plan([s.params for s in seqs], batch.pick_positions,
                                  [(s.token_ids, s.num_prompt_tokens) for s in seqs], [s.grammar for s in seqs],
                                  self.model.config.vocab_size, uploads)
-
-    def _stage_behind_graph_inputs(self, rows: int, num_updates: int, uploads: Uploads) -> None:
-        """Writes uploads behind the decode graphs' fields for a step of `rows` rows and num_updates table updates
-        (binds their views), so run_staged's one upload carries them; when they do not fit the graphs' buffer
-        (engine/step_io.py APPENDED_ROOM), through the eager buffer: a copy of their own."""
-        if not len(uploads):
-            return
-        graphs, staging = self.decode_graphs, self.decode_graphs.staging
-        _, used = staged_layout(next(size for size in graphs.sizes if size >= rows), num_updates)
-        fields, end = uploads_layout(uploads, used)
-        if end > staging.capacity:
-            stage_eager(self.io, self.tables, HostBatch(), [], TableUpdates(), uploads)
-            return
-        staging.wait_writable()
-        stage_uploads(staging, fields, uploads)
-        staging.extend_next_upload(end)
-
-
-def run_forward(model: CausalLM, kv_cache: KVCache, graphs: DecodeGraphs | None, input_ids: torch.Tensor,
-                positions: torch.Tensor, meta: AttentionMetadata,
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-    """The model forward ([T] ids -> [T, hidden]), replayed from a captured graph when the step is decode rows
-    only (no layer callbacks then: only prefill steps stream). Tensor-parallel followers run it too."""
-    if graphs is not None and meta.num_decode_rows == meta.num_seqs and graphs.covers(meta.num_seqs) \
-            and on_layer is None:
-        return graphs.run(input_ids, positions, meta)
-    return model(input_ids, positions, meta, kv_cache, on_layer)

@@ -17,10 +17,9 @@ import time
 import traceback
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from engine.attention import AttentionBackend, build_step_tensors, select_backend
+from engine.attention import select_backend
 from engine.config import EngineConfig, ModelConfig, max_model_len
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.model.causal_lm import CausalLM
@@ -31,11 +30,12 @@ from engine.parallel.group_files import process_alive, remove_group_files
 from engine.parallel.layout import tp_layout
 from engine.runner.group_kv import gather_layer_heads, run_kv_move
 from engine.parallel.step_message import KVMove, StepChannel, StepInputs
-from engine.runner.decode_graphs import DecodeGraphs, decode_graphs_for
+from engine.runner.decode_graphs import decode_graphs_for
+from engine.runner.follower_inputs import FollowerInputs
 from engine.runner.host_malloc import keep_freed_host_memory
 from engine.runner.memory_plan import plan_memory
-from engine.runner.model_runner import run_forward
 from engine.sampling.prompt_logprobs import ROWS_PER_SLICE
+from engine.step_io import StepIO
 
 logger = logging.getLogger("tandem.engine.tp")
 PARENT_POLL_S = 0.2
@@ -72,33 +72,49 @@ def status_key(rendezvous: Rendezvous, what: str, rank: int) -> str:
 
 
 class FollowerRunner:
-    """The follower's half of ModelRunner.execute: the same batch tensors, forward and logits calls."""
+    """The follower's half of ModelRunner.launch: the same forward (eager or a decode graph's replay) and the same
+    logits calls, its inputs staged in one upload as rank 0 stages its own (engine/runner/follower_inputs.py)."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, attention: AttentionBackend, device: torch.device,
-                 graphs: DecodeGraphs | None, group: TPGroup, model_config: ModelConfig) -> None:
-        self.model, self.kv_cache, self.attention, self.device = model, kv_cache, attention, device
-        self.graphs, self.group, self.model_config = graphs, group, model_config
+    def __init__(self, model: CausalLM, kv_cache: KVCache, inputs: FollowerInputs, group: TPGroup | None,
+                 model_config: ModelConfig) -> None:
+        """inputs: stages the steps (its io counts the copies; its graphs replay decode steps). group: the
+        rank's group (streamed blocks go to rank 0 over it); None where no step streams (one-rank tests)."""
+        self.model, self.kv_cache, self.inputs = model, kv_cache, inputs
+        self.group, self.model_config = group, model_config
+
+    @property
+    def io(self) -> StepIO:
+        """The follower's StepIO: io.copies counts each step's host <-> device copies."""
+        return self.inputs.io
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> None:
+    def run(self, step: StepInputs) -> torch.Tensor | None:
+        """Run one step rank 0 sent: its queued block copies, the forward (writes the step's K/V into this rank's
+        pool; streamed blocks' layers gathered to rank 0) and the logits calls rank 0 makes (prompt-logprob slices,
+        then the sampled rows). Returns the sampled rows' logits [S, vocab] where this rank gets them (a one-rank
+        model), else None."""
         if step.copies[0]:  # forks copied blocks on rank 0 after its last forward: the same here, before this one
             self.kv_cache.copy_blocks(list(step.copies[0]), list(step.copies[1]))
-        tensors = build_step_tensors(self.attention, step.num_computed, step.num_new, step.block_tables,
-                                     self.kv_cache.spec.block_size, self.device)
-        input_ids = self._tensor(step.input_ids)  # [T]
-        hidden = run_forward(self.model, self.kv_cache, self.graphs, input_ids, tensors.positions, tensors.meta,
-                             self._layer_hook(step.stream_blocks))
+        staged = self.inputs.stage(step)  # the step's one upload (a graphed step's: in run_staged)
+        if staged.graph is not None:
+            tables = self.inputs.tables.device_tables
+            hidden, sample_rows = self.inputs.graphs.run_staged(staged.graph, tables)  # [B, hidden], [S]
+        else:
+            hidden = self.model(staged.input_ids, staged.positions, staged.meta, self.kv_cache,
+                                self._layer_hook(staged.streamed))  # [T, hidden]
+            sample_rows = staged.sample_rows  # [S]
         for begin in range(0, len(step.prompt_rows), ROWS_PER_SLICE):  # as compute_prompt_logprobs slices them
-            rows = self._tensor(step.prompt_rows[begin:begin + ROWS_PER_SLICE])  # [R]
+            rows = staged.prompt_rows[begin:begin + ROWS_PER_SLICE]  # [r]
             self.model.compute_logits(hidden.index_select(0, rows))
-        if step.sample_rows:
-            self.model.compute_logits(hidden.index_select(0, self._tensor(step.sample_rows)))  # [S, hidden]
-
-    def _layer_hook(self, stream_blocks: list[int]):
-        """The forward's layer callback of a step that streams blocks to rank 0 (their layer, gathered); else None."""
-        if not stream_blocks:
+        if not step.sample_rows:
             return None
-        streamed = self._tensor(stream_blocks)  # [B]
+        return self.model.compute_logits(hidden.index_select(0, sample_rows))  # [S, hidden] -> [S, vocab] | None
+
+    def _layer_hook(self, streamed: torch.Tensor | None):
+        """The forward's layer callback of a step that streams blocks ([B] on the device) to rank 0 (their layer,
+        gathered); else None."""
+        if streamed is None:
+            return None
 
         def gather(layer: int) -> None:
             gather_layer_heads(self.group, self.kv_cache, self.model_config, layer, streamed)
@@ -106,12 +122,9 @@ class FollowerRunner:
         return gather
 
     def close(self) -> None:
-        if self.graphs is not None:
-            self.graphs.close()
-        self.model = self.kv_cache = self.graphs = None
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(values, dtype=np.int64)).to(self.device)
+        if self.inputs.graphs is not None:
+            self.inputs.graphs.close()
+        self.model = self.kv_cache = self.inputs.graphs = None
 
 
 def build_follower_runner(spec: FollowerSpec, model: CausalLM, group: TPGroup, kv_heads: tuple[int, int],
@@ -123,8 +136,11 @@ def build_follower_runner(spec: FollowerSpec, model: CausalLM, group: TPGroup, k
     kv_spec = KVCacheSpec(cfg.num_layers, kv_heads[1] - kv_heads[0], cfg.head_dim, config.block_size, spec.dtype)
     num_blocks = group.min_int(plan_memory(model, kv_spec, config, device, attention).num_blocks)
     kv_cache = KVCache(kv_spec, num_blocks, device, enable_prefix_caching=False, head_range=kv_heads)
-    graphs = decode_graphs_for(model, kv_cache, attention, config, max_model_len(cfg, config, num_blocks), device)
-    return FollowerRunner(model, kv_cache, attention, device, graphs, group, cfg)
+    io = StepIO(device)
+    graphs = decode_graphs_for(model, kv_cache, attention, config, max_model_len(cfg, config, num_blocks), device,
+                               io=io)
+    inputs = FollowerInputs(attention, config.block_size, device, io, graphs, num_rows=config.max_num_seqs)
+    return FollowerRunner(model, kv_cache, inputs, group, cfg)
 
 
 def follower_main(spec: FollowerSpec) -> None:
