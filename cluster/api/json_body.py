@@ -7,7 +7,9 @@ is wrong, and InvalidField (a ValueError) names the field when one string is at 
 parsing cost nothing for ordinary bodies: the walk runs only when the raw bytes could hold too deep a
 nesting (more openers than the bound) or a surrogate escape. A large body is parsed with no call holding the
 GIL for long (json_runs.py: its long arrays of numbers in slices), so that parsing it on an InputPool thread
-leaves the event loop answering.
+leaves the event loop answering. Strings are what json_runs cannot slice: a 5 MB body of 800k short strings holds
+the GIL ~75 ms in one json.loads, so a body may hold at most MAX_JSON_STRINGS of them (counted from the raw bytes
+before parsing: ~15 ms of json.loads at most), far more than any request the API takes needs.
 """
 from __future__ import annotations
 
@@ -18,12 +20,17 @@ from cluster.api.json_runs import loads_in_slices
 from cluster.api.request_validation import check_text
 
 MAX_JSON_DEPTH = 64  # levels of objects and arrays; OpenAI requests (tool schemas included) nest far less
+MAX_JSON_STRINGS = 131_072  # strings (keys included) in one body: 32k chat messages, or a prompt batch of 100k
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def load_json_object(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict:
     """The body as a dict; ValueError for anything else (invalid UTF-8, invalid JSON, NaN or Infinity,
-    not an object, nested deeper than max_depth), InvalidField for a string with a lone surrogate."""
+    not an object, nested deeper than max_depth, more than MAX_JSON_STRINGS strings), InvalidField for a string
+    with a lone surrogate."""
+    strings = (raw.count(b'"') - raw.count(b'\\"')) // 2  # unescaped quotes: two per string, before parsing
+    if strings > MAX_JSON_STRINGS:
+        raise ValueError(f"the request body holds {strings} strings (at most {MAX_JSON_STRINGS})")
     try:
         body = loads_in_slices(raw, _loads)
     except RecursionError:

@@ -13,7 +13,7 @@ import pytest
 
 from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.grpc_wire import OFF_LOOP_MESSAGE_BYTES
-from cluster.api.json_body import MAX_JSON_DEPTH
+from cluster.api.json_body import MAX_JSON_DEPTH, MAX_JSON_STRINGS
 from cluster.api.openai_chat import MAX_CHAT_MESSAGES
 from cluster.api.request_validation import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from cluster.api.request_validation import check_chat_roles
@@ -50,6 +50,7 @@ BAD_HTTP = [
     ("/v1/completions", b'{"\\ud800": 1}', 400, "a key of the request body"),
     ("/v1/completions", deep(100_000), 400, None),
     ("/v1/completions", deep(MAX_JSON_DEPTH + 1), 400, None),
+    ("/v1/completions", json.dumps({"prompt": ["ab"] * (MAX_JSON_STRINGS + 1)}).encode(), 400, None),
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(), 400,
      "messages[0].role"),
     ("/v1/chat/completions", json.dumps({"messages": [*CHAT, {"role": "", "content": "hi"}]}).encode(), 400,

@@ -120,3 +120,16 @@ def test_tokenize_of_a_large_text_or_chat_answers_the_ids_the_tokenizer_gives(ll
     assert status == 200 and prompt["tokens"] == ids and prompt["count"] == len(ids) and prompt["token_strs"] is None
     rendered = llama.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     assert chat_status == 200 and messages["tokens"] == llama.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_a_body_of_too_many_strings_is_refused_before_parsing_and_escaped_quotes_do_not_count():
+    """Strings cannot be parsed in slices: a body holding more than MAX_JSON_STRINGS is refused from a count of its
+    raw quotes, before json.loads could hold the GIL for it; quotes escaped inside one long prompt are not strings."""
+    from cluster.api.json_body import MAX_JSON_STRINGS
+    many = json.dumps({"model": "m", "prompt": ["ab"] * (MAX_JSON_STRINGS + 1)}).encode()
+    with pytest.raises(ValueError, match="strings"):
+        load_json_object(many)
+    quoted = {"model": "m", "prompt": 'say "hi" ' * (MAX_JSON_STRINGS * 2)}  # 4x the bound of escaped quotes
+    assert load_json_object(json.dumps(quoted).encode()) == quoted
+    batch = {"model": "m", "prompt": ["ab"] * (MAX_JSON_STRINGS - 10)}
+    assert load_json_object(json.dumps(batch).encode()) == batch
