@@ -20,11 +20,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from kv_transfer.bench_fit import fixed_and_per_byte
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.factory import create_receiver, create_sender
+from kv_transfer.host_copy import copy_tensor, host_array
 from kv_transfer.manifest import ModelFingerprint
 from kv_transfer.results import ReceivedKV, SendRequest
 from kv_transfer.testing import FreeListPool
@@ -74,11 +76,11 @@ class Timed:
 
 
 def fill_pattern(kv: torch.Tensor, num_blocks: int, seed: int) -> None:
-    """Seeded random bytes in kv[:, :, :num_blocks] (the receiver regenerates them to compare)."""
+    """Seeded random bytes in kv[:, :, :num_blocks] (the receiver regenerates them to compare). numpy on this thread:
+    no torch intra-op team left spinning into the next timed transfer (its CPU would count as the transfer's)."""
     region = kv[:, :, :num_blocks]  # [L, 2, n, bs, H, D]
-    noise = torch.empty(region.numel() * region.element_size(), dtype=torch.uint8)
-    noise.random_(generator=torch.Generator().manual_seed(seed))
-    region.copy_(noise.view(region.dtype).view(region.shape))
+    noise = np.random.default_rng(seed).integers(0, 256, region.numel() * region.element_size(), dtype=np.uint8)
+    copy_tensor(region, torch.from_numpy(noise).view(region.dtype).view(region.shape))
 
 
 def _resident_pool(fp: ModelFingerprint, num_blocks: int, device: str) -> FreeListPool:
@@ -162,9 +164,10 @@ def _bit_exact(pool: FreeListPool, outcome, num_blocks: int, seed: int) -> bool:
         return False
     expected = torch.empty((pool.kv.shape[0], 2, num_blocks) + tuple(pool.kv.shape[3:]), dtype=pool.kv.dtype)
     fill_pattern(expected, num_blocks, seed)
-    got = pool.kv[:, :, list(outcome.block_ids)].cpu()
+    ids = list(outcome.block_ids)
+    got = host_array(pool.kv)[:, :, ids] if not pool.kv.is_cuda else host_array(pool.kv[:, :, ids].cpu())
     pool.free(outcome.block_ids)
-    return torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    return bool(np.array_equal(got, host_array(expected)))
 
 
 def _measure_size(args, receivers: dict, pool, sink, peer, num_blocks: int, seed0: int) -> dict:
