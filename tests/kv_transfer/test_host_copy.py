@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kv_transfer.checksum import _GOLDEN, _MASK, _word_dtype, checksum_blocks
-from kv_transfer.host_copy import copy_tensor, put_blocks, take_blocks
+from kv_transfer.host_copy import SPLIT_BYTES, copy_tensor, put_blocks, take_blocks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -53,3 +53,16 @@ def test_host_copies_move_exactly_the_bytes_torch_moves(dtype):
     put_blocks(target[2], layer, ids, dim=1)
     expected[2].index_copy_(1, torch.tensor(ids), layer)
     assert torch.equal(target.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_operations_past_the_split_size_run_in_halves_with_the_same_result():
+    """SPLIT_BYTES and more: the checksum's row sums and a copy run as two halves on two threads, bit for bit what
+    one pass gives (a strided run of the pool, cut along its layers)."""
+    kv = torch.empty(4, 2, 40, 16, 8, 64, dtype=torch.bfloat16)  # [L, 2, N, bs, H, D], 10 MiB
+    kv.view(torch.int16).random_(generator=torch.Generator().manual_seed(4))
+    run = kv[:, :, 3:37]  # 8.5 MiB, strided
+    assert run.numel() * run.element_size() >= SPLIT_BYTES
+    assert checksum_blocks(run) == torch_checksum(run)
+    out = torch.empty(run.shape, dtype=run.dtype)
+    copy_tensor(out, run)
+    assert torch.equal(out.view(torch.int16), run.contiguous().view(torch.int16))
