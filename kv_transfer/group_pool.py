@@ -74,7 +74,8 @@ class GroupStaging:
 
     def allocate(self, num_blocks: int, wait_s: float = 0.0) -> list[int] | None:
         """num_blocks staging blocks, waiting up to wait_s for others to be freed; None (nothing taken) when fewer
-        are free by then, or at once when the pool is smaller than num_blocks."""
+        are free by then, or at once when the pool is smaller than num_blocks. The blocks of the last free() come
+        first, in the order it listed them: a run of consecutive blocks is handed out again as one (a slice)."""
         with self._lock:
             if num_blocks > self.num_blocks or not self._lock.wait_for(lambda: len(self._free) >= num_blocks,
                                                                          wait_s):
@@ -85,7 +86,7 @@ class GroupStaging:
         """Give staging blocks back, and the engine blocks paired with them (a decode transfer that failed)."""
         with self._lock:
             paired = [self._engine_block_of.pop(b) for b in block_ids if b in self._engine_block_of]
-            self._free.extend(block_ids)
+            self._free.extend(reversed(block_ids))  # popped back in this order: a consecutive run stays one
             self._lock.notify_all()
         if paired:
             self.engine.free_blocks(paired)
@@ -112,15 +113,16 @@ class GroupStaging:
         return KVPoolView(self.kv, lambda n: paired(self.engine.reserve_blocks(n)), self.free, allocate_for_paired)
 
     def stage_out(self, engine_blocks: Sequence[int]) -> list[int]:
-        """Prefill side: copy engine_blocks' KV (every rank's heads) into new staging blocks and return them; the
-        engine blocks are freed either way. Waits up to wait_s for room (transfers in flight free theirs);
-        ValueError when there is none by then (nothing else changes)."""
+        """Prefill side: gather engine_blocks' KV (every rank's heads) into new staging blocks and return them (each
+        head written once, straight into the staging blocks: no full-head tensor between); the engine blocks are
+        freed either way. Waits up to wait_s for room (transfers in flight free theirs); ValueError when there is
+        none by then (nothing else changes)."""
         staged = self.allocate(len(engine_blocks), self.wait_s)
         try:
             if staged is None:
                 raise ValueError(f"the tensor-parallel staging pool has {self.num_free} free blocks, "
                                  f"{len(engine_blocks)} needed")
-            self.kv[:, :, staged] = self.engine.tp_leader.gather_kv_heads(list(engine_blocks))
+            self.engine.tp_leader.gather_kv_heads(list(engine_blocks), out=self.kv, out_blocks=staged)
         except BaseException:
             if staged is not None:
                 self.free(staged)
@@ -131,12 +133,13 @@ class GroupStaging:
 
     def land(self, received: ReceivedKV) -> ReceivedKV:
         """Decode side: write a delivered transfer's staging blocks into their paired engine blocks (every rank its
-        heads) and free the staging blocks; the result names the engine blocks, which the caller now owns."""
+        heads; the staging blocks are read once, into the broadcast's buffer) and free the staging blocks; the
+        result names the engine blocks, which the caller now owns."""
         staged = list(received.block_ids)
         with self._lock:
             engine_blocks = [self._engine_block_of.pop(b) for b in staged]
         try:
-            self.engine.tp_leader.scatter_kv_heads(engine_blocks, self.kv[:, :, staged])
+            self.engine.tp_leader.scatter_kv_heads(engine_blocks, self.kv, full_blocks=staged)
         except BaseException:
             self.engine.free_blocks(engine_blocks)
             raise

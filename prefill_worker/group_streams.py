@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch
-
 from kv_transfer.group_pool import GroupStaging
 from kv_transfer.layer_stream import LayerClock
 
@@ -47,14 +45,12 @@ class GroupStreams:
         """The coming step's layer callback: every rank gathers layer l of the streamed blocks to rank 0, which
         writes it into their staging blocks, then the clock hears the layer is done."""
         engine_blocks = [b for rid in self._step for b in self._blocks[rid][0]]
-        staged = torch.tensor([b for rid in self._step for b in self._blocks[rid][1]], dtype=torch.long,
-                              device=self.staging.kv.device)
+        staged = [b for rid in self._step for b in self._blocks[rid][1]]
         ids = self._leader.stream_next_step(engine_blocks)
         self._step = []
 
-        def layer_done(layer: int) -> None:
-            full = self._leader.gather_layer(layer, ids)  # [2, n, block_size, num_kv_heads, head_dim]
-            self.staging.kv[layer].index_copy_(1, staged, full)
+        def layer_done(layer: int) -> None:  # every head written once, straight into the staging blocks' layer
+            self._leader.gather_layer(layer, ids, out=self.staging.kv[layer], out_blocks=staged)
             clock.layer_done(layer)
 
         return layer_done

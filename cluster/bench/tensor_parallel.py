@@ -9,8 +9,10 @@ prompt). TP=1 runs on --threads torch threads, each TP rank on --threads / N, so
 over the rounds; the ratio TP / TP=1 is what is reported. On a CPU a TP step cannot be faster: the ranks share
 the cores, and the all-reduces (two per layer, one for the embedding) and the logits gather are the extra cost.
 Issue 29's bound: TP=2 costs at most 2x a TP=1 step; the last line says whether this run kept it. The KV
-hand-off row: reading and writing back the full-head KV of one --prefill-tokens prompt's blocks, as a transfer
-does (TP=1: its own pool; TP=N: gathered to and scattered from rank 0, engine/runner/group_kv.py), not a step.
+hand-off row: moving the full-head KV of one --prefill-tokens prompt's blocks out and back in, as a transfer's
+ends do (TP=1: index_select from and index_copy_ into its own pool; TP=N: GroupStaging.stage_out, every rank's heads
+gathered into rank 0's staging blocks, and GroupStaging.land, scattered back from there: kv_transfer/group_pool.py,
+engine/runner/group_kv.py), out + in ms (each also shown), not a step.
 """
 from __future__ import annotations
 
@@ -92,38 +94,67 @@ def measure(engines: dict, args: argparse.Namespace) -> dict:
     return results
 
 
-def handoff_ms(engine, tokens: int) -> tuple[float, int]:
-    """ms to gather and scatter back the full-head KV of `tokens` tokens' blocks, and its bytes: a single rank's
-    own pool (index_select / index_copy), a group's through rank 0. The blocks' contents are left as they were."""
+def handoff_ms(engine, tokens: int, staging=None) -> tuple[float, float, int]:
+    """ms to move the full-head KV of `tokens` tokens' blocks out of the engine and ms to move it back in, as a
+    transfer's two ends do, and its bytes. A single rank: index_select from its own pool, index_copy_ back. A group
+    (staging: its GroupStaging): stage_out (every rank's heads gathered into staging blocks, the engine blocks
+    freed), then land (other staging blocks, each paired with a reserved engine block, scattered to every rank).
+    Every block is free again afterwards."""
     import torch
 
-    blocks = engine.reserve_blocks(-(-tokens // engine.config.block_size))
-    try:
-        leader, kv = engine.tp_leader, engine.kv_cache.kv
-        ids = torch.tensor(blocks, dtype=torch.long)
-        start = time.perf_counter()
-        if leader is None:
+    from kv_transfer.results import ReceivedKV
+
+    num_blocks = -(-tokens // engine.config.block_size)
+    blocks = engine.reserve_blocks(num_blocks)
+    if staging is None:
+        try:
+            kv, ids = engine.kv_cache.kv, torch.tensor(blocks, dtype=torch.long)
+            start = time.perf_counter()
             full = kv.index_select(2, ids)  # [L, 2, n, bs, H, D]
+            middle = time.perf_counter()
             kv.index_copy_(2, ids, full)
-        else:
-            full = leader.gather_kv_heads(blocks)
-            leader.scatter_kv_heads(blocks, full)
-        return (time.perf_counter() - start) * 1e3, full.numel() * full.element_size()
+            return (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3, full.numel() * full.element_size()
+        finally:
+            engine.free_blocks(blocks)
+    start = time.perf_counter()
+    staged = staging.stage_out(blocks)  # frees the engine blocks
+    out_ms = (time.perf_counter() - start) * 1e3
+    try:
+        landing = staging.receiver_view().allocate(num_blocks)  # paired with reserved engine blocks
+        start = time.perf_counter()
+        landed = staging.land(ReceivedKV(None, tuple(landing), 0, 0.0))
+        in_ms = (time.perf_counter() - start) * 1e3
+        engine.free_blocks(list(landed.block_ids))
     finally:
-        engine.free_blocks(blocks)
+        staging.free(staged)
+    return out_ms, in_ms, len(staged) * staging.kv[:, :, 0].numel() * staging.kv.element_size()
 
 
 def measure_handoff(engines: dict, args: argparse.Namespace) -> dict:
-    """{label: (ms per round, bytes)}: handoff_ms of a --prefill-tokens prompt, rounds alternating (one warm-up)."""
+    """{label: (out ms per round, in ms per round, bytes)}: handoff_ms of a --prefill-tokens prompt, rounds
+    alternating (one warm-up); each group through a staging pool of twice the prompt's blocks. Every round moves
+    the same engine blocks (all the others are held meanwhile), so what is timed is the copies and collectives, not
+    the first writes to pages of the pool that no round touched before (the pools are allocated untouched)."""
     import torch
 
-    results = {label: ([], 0) for label in engines}
-    for round_index in range(args.rounds + 1):
-        for label, (llm, threads) in engines.items():
-            torch.set_num_threads(threads)
-            ms, nbytes = handoff_ms(llm.engine, args.prefill_tokens)
-            if round_index:
-                results[label] = (results[label][0] + [ms], nbytes)
+    from kv_transfer.group_pool import GroupStaging
+
+    results, stagings, held = {label: ([], [], 0) for label in engines}, {}, {}
+    for label, (llm, _) in engines.items():
+        num_blocks = -(-args.prefill_tokens // llm.engine.config.block_size)
+        held[label] = llm.engine.reserve_blocks(llm.engine.num_free_blocks - num_blocks)
+        if llm.engine.tp_leader is not None:
+            stagings[label] = GroupStaging(llm.engine, 2 * num_blocks)
+    try:
+        for round_index in range(args.rounds + 1):
+            for label, (llm, threads) in engines.items():
+                torch.set_num_threads(threads)
+                out_ms, in_ms, nbytes = handoff_ms(llm.engine, args.prefill_tokens, stagings.get(label))
+                if round_index:
+                    results[label] = (results[label][0] + [out_ms], results[label][1] + [in_ms], nbytes)
+    finally:
+        for label, (llm, _) in engines.items():
+            llm.engine.free_blocks(held[label])
     return results
 
 
@@ -172,10 +203,13 @@ def report(results: dict, args: argparse.Namespace, load: tuple[float, float], h
             worst[label] = max(worst.get(label, 0.0), ratio)
         print(f"{name:<30}" + "".join(f"{t:>14.2f}" for t in times) + "".join(f"{r:>15.2f}x" for r in ratios))
     if handoff:
-        times = [median(handoff[label][0]) for label in labels]
-        mib = handoff[labels[0]][1] / (1 << 20)
-        print(f"{f'KV hand-off ({mib:.1f} MiB)':<30}" + "".join(f"{t:>14.2f}" for t in times)
-              + "".join(f"{t / times[0]:>15.2f}x" for t in times[1:]) + "   (gather + scatter, not a step)")
+        totals = [median(o + i for o, i in zip(*handoff[label][:2])) for label in labels]
+        split = ", ".join(f"{label} {median(handoff[label][0]):.2f} + {median(handoff[label][1]):.2f}"
+                          for label in labels)
+        mib = handoff[labels[0]][2] / (1 << 20)
+        print(f"{f'KV hand-off ({mib:.1f} MiB)':<30}" + "".join(f"{t:>14.2f}" for t in totals)
+              + "".join(f"{t / totals[0]:>15.2f}x" for t in totals[1:])
+              + f"   (out + in, not a step: {split})")
     for label, ratio in worst.items():
         verdict = "within" if ratio <= 2.0 else "OVER"
         print(f"{label} costs at most {ratio:.2f}x a TP=1 step: {verdict} issue 29's bound of 2x")

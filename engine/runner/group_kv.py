@@ -2,15 +2,23 @@
 
 Each rank's pool holds the KV heads of its layout (engine/parallel/layout.py: kv_heads), under the same block ids
 on every rank. A KV transfer from or to a group goes through rank 0 (kv_transfer/group_pool.py): before a prefill
-group ships a request, `gather_kv_heads` assembles the blocks' full heads on rank 0; when a decode group admits
-one, `scatter_kv_heads` writes each rank's heads of a full-head tensor into its own blocks. Both are collectives:
-rank 0 announces them with one KVMove on the step channel (engine/parallel/step_message.py) and its followers,
-which run rank 0's messages in order, take part (`run_kv_move`). A step whose message names stream_blocks gathers
-every layer of those blocks to rank 0 as soon as the forward has written it (`gather_layer_heads`, on every rank
-from the forward's layer callback): a prefill group's layer-streamed transfer. Heads replicated on several ranks
-(fewer KV heads than ranks) are taken from the first rank that holds them and written to every rank holding them.
+group ships a request, `gather_kv_heads` writes the blocks' full heads on rank 0, straight into the staging pool's
+blocks when given one (`out`, `out_blocks`); when a decode group admits one, `scatter_kv_heads` writes each rank's
+heads of a full-head tensor (or of a staging pool's blocks: `full_blocks`) into its own blocks. Both are
+collectives: rank 0 announces them with one KVMove on the step channel (engine/parallel/step_message.py) and its
+followers, which run rank 0's messages in order, take part (`run_kv_move`). A step whose message names
+stream_blocks gathers every layer of those blocks to rank 0 as soon as the forward has written it
+(`gather_layer_heads`, on every rank from the forward's layer callback): a prefill group's layer-streamed transfer.
+Heads replicated on several ranks (fewer KV heads than ranks) are taken from the first rank that holds them
+(written once) and written to every rank holding them.
+
+Bytes on rank 0: a gather receives every rank's heads (the collective's buffers) and writes each head once into
+its destination, no merged tensor between; a scatter reads the source blocks once into the broadcast's buffer
+(a slice copy when they are consecutive, one index_select else), which every rank writes its heads from.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -20,6 +28,9 @@ from engine.parallel.group import TPGroup
 from engine.parallel.layout import tp_layout
 from engine.parallel.step_message import KV_GATHER, KV_SCATTER, KVMove, StepChannel
 
+Blocks = Sequence[int] | torch.Tensor  # block ids of a pool: a list, or [n] long on the pool's device
+BlockIndex = int | torch.Tensor  # the first of n consecutive blocks (a slice), or their ids [n]
+
 
 def full_head_shape(kv_cache: KVCache, num_kv_heads: int, num_blocks: int) -> tuple[int, ...]:
     """[L, 2, num_blocks, block_size, num_kv_heads, head_dim]: num_blocks blocks of the model's every KV head."""
@@ -28,22 +39,34 @@ def full_head_shape(kv_cache: KVCache, num_kv_heads: int, num_blocks: int) -> tu
 
 
 def gather_kv_heads(channel: StepChannel, kv_cache: KVCache, model_config: ModelConfig, block_ids: list[int],
-                    copies: tuple[list[int], list[int]] = ((), ())) -> torch.Tensor:
-    """Rank 0: the KV of block_ids with every head of the model, [L, 2, n, block_size, num_kv_heads, head_dim], on
-    the group's device. copies: block copies rank 0 made since its last message, which the followers make first.
-    Reads every rank's pool, changes none (but the copies)."""
-    group = channel.group
+                    copies: tuple[list[int], list[int]] = ((), ()), out: torch.Tensor | None = None,
+                    out_blocks: Blocks | None = None) -> torch.Tensor:
+    """Rank 0: the KV of block_ids with every head of the model, on the group's device; returns it.
+    Without out: a new [L, 2, n, block_size, num_kv_heads, head_dim]. With out, a full-head pool on the group's
+    device ([L, 2, N, block_size, num_kv_heads, head_dim], e.g. GroupStaging.kv) and out_blocks (n of its block
+    ids): every head of block_ids[i] is written once, straight into out's block out_blocks[i] (no merged tensor
+    between), the rest of out is unchanged, and out is returned. copies: block copies rank 0 made since its last
+    message, which the followers make first. Reads every rank's pool, changes none (but the copies)."""
     channel.send_kv_move(KVMove(KV_GATHER, list(block_ids), copies))
-    return _merge_heads(group.gather(_read_blocks(kv_cache, block_ids)), model_config)  # size x [L, 2, n, bs, h, D]
+    parts = channel.group.gather(_read_blocks(kv_cache, block_ids))  # size x [L, 2, n, bs, h, D]
+    if out is None:
+        out = parts[0].new_empty(full_head_shape(kv_cache, model_config.num_kv_heads, len(block_ids)))
+    _write_heads(parts, model_config, out, 2, _block_index(out_blocks, len(block_ids), out.device))
+    return out
 
 
 def scatter_kv_heads(channel: StepChannel, kv_cache: KVCache, block_ids: list[int], full: torch.Tensor,
-                     copies: tuple[list[int], list[int]] = ((), ())) -> None:
-    """Rank 0: write full ([L, 2, n, block_size, num_kv_heads, head_dim], n = len(block_ids)) into block_ids of
-    every rank's pool, each rank its own heads (copies as gather_kv_heads). Changes only those blocks."""
+                     copies: tuple[list[int], list[int]] = ((), ()), full_blocks: Blocks | None = None) -> None:
+    """Rank 0: write the full-head KV of n = len(block_ids) blocks into block_ids of every rank's pool, each rank
+    its own heads (copies as gather_kv_heads). full: [L, 2, n, block_size, num_kv_heads, head_dim], or with
+    full_blocks a full-head pool [L, 2, N, ...] (e.g. GroupStaging.kv) whose blocks full_blocks[i] go to
+    block_ids[i]: read once into the broadcast's contiguous buffer (a slice copy when they are consecutive, one
+    index_select else). Changes only block_ids of the pools; full is unchanged."""
     channel.send_kv_move(KVMove(KV_SCATTER, list(block_ids), copies))
-    channel.group.broadcast_(full.to(kv_cache.kv.device).contiguous())
-    _write_blocks(kv_cache, block_ids, full)
+    sent = _read_pool(full, 2, _block_index(full_blocks, len(block_ids), full.device), len(block_ids))
+    sent = sent.to(kv_cache.kv.device).contiguous()  # [L, 2, n, bs, H, D]
+    channel.group.broadcast_(sent)
+    _write_blocks(kv_cache, block_ids, sent)
 
 
 def run_kv_move(move: KVMove, group: TPGroup, kv_cache: KVCache, model_config: ModelConfig) -> None:
@@ -60,30 +83,66 @@ def run_kv_move(move: KVMove, group: TPGroup, kv_cache: KVCache, model_config: M
 
 
 def gather_layer_heads(group: TPGroup, kv_cache: KVCache, model_config: ModelConfig, layer: int,
-                       ids: torch.Tensor) -> torch.Tensor | None:
+                       ids: torch.Tensor, out: torch.Tensor | None = None,
+                       out_blocks: Blocks | None = None) -> torch.Tensor | None:
     """Every rank, at the same layer of the same forward: layer `layer` of blocks `ids` ([n] on the pool's device)
-    with every head of the model, on rank 0 ([2, n, block_size, num_kv_heads, head_dim]); None on the others."""
+    with every head of the model, on rank 0; None on the others. Rank 0 returns a new [2, n, block_size,
+    num_kv_heads, head_dim], or with out (one layer of a full-head pool, [2, N, block_size, num_kv_heads, head_dim])
+    writes every head once straight into its blocks out_blocks (n ids) and returns out (the rest unchanged)."""
     parts = group.gather(kv_cache.kv[layer].index_select(1, ids))  # size x [2, n, bs, h, D] on rank 0
-    return None if parts is None else _merge_heads(parts, model_config)
+    if parts is None:
+        return None
+    if out is None:
+        out = parts[0].new_empty(parts[0].shape[:-2] + (model_config.num_kv_heads, parts[0].shape[-1]))
+    _write_heads(parts, model_config, out, 1, _block_index(out_blocks, len(ids), out.device))
+    return out
 
 
-def _merge_heads(parts: list[torch.Tensor], model_config: ModelConfig) -> torch.Tensor:
-    """Every rank's heads ([..., h, D] each, rank order) as one tensor of the model's heads ([..., num_kv_heads, D]);
-    a replicated head is taken from its first holder (written last)."""
-    first = parts[0]
-    full = first.new_empty(first.shape[:-2] + (model_config.num_kv_heads, first.shape[-1]))
-    for rank in reversed(range(len(parts))):
+def _write_heads(parts: list[torch.Tensor], model_config: ModelConfig, out: torch.Tensor, dim: int,
+                 index: BlockIndex) -> None:
+    """Every rank's heads (parts: [..., n, ..., h, D] each, rank order, blocks on dim `dim`) into out's blocks
+    `index` ([..., N, ..., num_kv_heads, D]): one copy per rank, of the heads no earlier rank holds (a replicated
+    head is written once, from its first holder)."""
+    written = 0  # heads [0, written) are in out; a rank's heads start at or after its predecessor's
+    for rank, part in enumerate(parts):
         lo, hi = tp_layout(model_config, rank, len(parts)).kv_heads
-        full[..., lo:hi, :] = parts[rank]
-    return full
+        if hi > written:
+            # [..., N, ..., hi - written, D] of out <- [..., n, ..., hi - written, D] of the rank's part
+            _write_pool(out[..., written:hi, :], dim, index, part[..., written - lo:hi - lo, :])
+            written = hi
+
+
+def _block_index(blocks: Blocks | None, n: int, device: torch.device) -> BlockIndex:
+    """Where n blocks are in a pool: the first one when they are consecutive (None: blocks 0..n-1), else their ids
+    as a long tensor on `device` (a tensor is taken as it is: its values are not read back)."""
+    if blocks is None or isinstance(blocks, torch.Tensor):
+        return 0 if blocks is None else blocks
+    blocks = list(blocks)
+    first = blocks[0] if blocks else 0
+    if blocks == list(range(first, first + len(blocks))):
+        return first
+    return torch.tensor(blocks, dtype=torch.long, device=device)  # [n]
+
+
+def _read_pool(pool: torch.Tensor, dim: int, index: BlockIndex, n: int) -> torch.Tensor:
+    """n blocks of pool along dim: a view when they are consecutive, else one index_select (a copy)."""
+    return pool.narrow(dim, index, n) if isinstance(index, int) else pool.index_select(dim, index)
+
+
+def _write_pool(pool: torch.Tensor, dim: int, index: BlockIndex, values: torch.Tensor) -> None:
+    """values' blocks (along dim) into pool's blocks `index`, in place: one copy (a slice, or one index_copy_)."""
+    if isinstance(index, int):
+        pool.narrow(dim, index, values.shape[dim]).copy_(values)
+    else:
+        pool.index_copy_(dim, index, values)
 
 
 def _read_blocks(kv_cache: KVCache, block_ids: list[int]) -> torch.Tensor:
-    ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.kv.device)
-    return kv_cache.kv.index_select(2, ids)  # [L, 2, n, bs, h, D]
+    index = _block_index(block_ids, len(block_ids), kv_cache.kv.device)
+    return _read_pool(kv_cache.kv, 2, index, len(block_ids)).contiguous()  # [L, 2, n, bs, h, D]
 
 
 def _write_blocks(kv_cache: KVCache, block_ids: list[int], full: torch.Tensor) -> None:
     lo, hi = kv_cache.head_range
-    ids = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.kv.device)
-    kv_cache.kv.index_copy_(2, ids, full[..., lo:hi, :].to(kv_cache.kv.device))  # [L, 2, n, bs, h, D]
+    index = _block_index(block_ids, len(block_ids), kv_cache.kv.device)
+    _write_pool(kv_cache.kv, 2, index, full[..., lo:hi, :].to(kv_cache.kv.device))  # [L, 2, n, bs, h, D]

@@ -27,7 +27,7 @@ from engine.model.tp_layers import TPShard
 from engine.parallel.group import CONNECT_TIMEOUT_S, Rendezvous, TPGroup, connect_group, open_store
 from engine.parallel.group_files import private_store_path, remove_group_files, remove_stale_group_files
 from engine.parallel.host_reduce import MAX_SLOT_BYTES, create_file, shared_memory_dir
-from engine.runner.group_kv import gather_kv_heads, gather_layer_heads, scatter_kv_heads
+from engine.runner.group_kv import Blocks, gather_kv_heads, gather_layer_heads, scatter_kv_heads
 from engine.parallel.layout import tp_layout
 from engine.parallel.step_message import StepChannel, StepInputs
 from engine.runner.tp_follower import FollowerSpec, follower_main, status_key
@@ -175,16 +175,19 @@ class TPLeader:
                                          head_range=self.shard.layout.kv_heads, leader=self)
         return self.pool
 
-    def gather_kv_heads(self, block_ids: list[int]) -> torch.Tensor:
-        """The KV of block_ids with every head of the model, from every rank's pool (engine/runner/group_kv.py:
-        [L, 2, n, block_size, num_kv_heads, head_dim]). Call it on the thread that steps the engine."""
+    def gather_kv_heads(self, block_ids: list[int], out: torch.Tensor | None = None,
+                        out_blocks: Blocks | None = None) -> torch.Tensor:
+        """The KV of block_ids with every head of the model, from every rank's pool (engine/runner/group_kv.py):
+        a new [L, 2, n, block_size, num_kv_heads, head_dim], or written straight into blocks out_blocks of the
+        full-head pool out (returned; nothing else of it changes). Call it on the thread that steps the engine."""
         copies, self._copies = self._copies, ([], [])
-        return gather_kv_heads(self.channel, self.pool, self.model_config, block_ids, copies)
+        return gather_kv_heads(self.channel, self.pool, self.model_config, block_ids, copies, out, out_blocks)
 
-    def scatter_kv_heads(self, block_ids: list[int], full: torch.Tensor) -> None:
-        """Write full's heads into block_ids of every rank's pool, each rank its own. On the stepping thread."""
+    def scatter_kv_heads(self, block_ids: list[int], full: torch.Tensor, full_blocks: Blocks | None = None) -> None:
+        """Write full's heads ([L, 2, n, ...], or blocks full_blocks of the full-head pool full) into block_ids of
+        every rank's pool, each rank its own; full is unchanged. On the stepping thread."""
         copies, self._copies = self._copies, ([], [])
-        scatter_kv_heads(self.channel, self.pool, block_ids, full, copies)
+        scatter_kv_heads(self.channel, self.pool, block_ids, full, copies, full_blocks)
 
     def queue_copies(self, sources: list[int], targets: list[int]) -> None:
         self._copies[0].extend(sources)
@@ -196,9 +199,11 @@ class TPLeader:
         self._stream_blocks = list(block_ids)
         return torch.tensor(self._stream_blocks, dtype=torch.long, device=self.pool.kv.device)
 
-    def gather_layer(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """Layer `layer` of the streamed blocks with every head ([2, n, block_size, num_kv_heads, head_dim])."""
-        return gather_layer_heads(self.group, self.pool, self.model_config, layer, ids)
+    def gather_layer(self, layer: int, ids: torch.Tensor, out: torch.Tensor | None = None,
+                     out_blocks: Blocks | None = None) -> torch.Tensor:
+        """Layer `layer` of the streamed blocks with every head: a new [2, n, block_size, num_kv_heads, head_dim],
+        or written straight into blocks out_blocks of out (one layer of a full-head pool, returned)."""
+        return gather_layer_heads(self.group, self.pool, self.model_config, layer, ids, out, out_blocks)
 
     def send_step(self, step: StepInputs) -> None:
         """Send the step (with the block copies queued since the last one, and the blocks it streams) to every

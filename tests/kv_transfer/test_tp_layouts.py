@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from kv_transfer import ReceivedKV, TransferConfig, create_receiver, create_sender
@@ -136,3 +137,31 @@ def test_a_delivery_nobody_waits_for_and_a_full_staging_pool_free_everything(ckp
             time.sleep(0.05)
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("arch,size", [("llama", 2), ("llama3", 4)])  # llama3 at 4: 2 KV heads, each on 2 ranks
+def test_staging_round_trip_is_bit_exact_with_the_gather_and_scatter_of_full_tensors(arch, size, tiny_checkpoint):
+    """stage_out gathers into staging blocks, land scatters from them (consecutive runs and scattered blocks):
+    each equal to gather_kv_heads / scatter_kv_heads of a full-head tensor, bit for bit; every block free after."""
+    with LLM(str(tiny_checkpoint(arch)), tensor_parallel_size=size, **OPTIONS) as group:
+        engine, leader = group.engine, group.engine.tp_leader
+        staging, kv = GroupStaging(engine, num_blocks=8), engine.kv_cache.kv
+        full = torch.randn(kv.shape[0], 2, 3, kv.shape[3], engine.model_config.num_kv_heads, kv.shape[5])
+        blocks = engine.reserve_blocks(3)
+        leader.scatter_kv_heads(blocks, full)  # every rank its heads, from a full tensor
+        staged = staging.stage_out(blocks)  # frees the engine blocks
+        assert staged == [0, 1, 2] and torch.equal(staging.kv[:, :, staged], full)
+        held = staging.allocate(5)
+        staging.free(staged)  # handed out again as one run: [0, 1, 2], after the blocks freed last
+        staging.free([held[3], held[0], held[2]])  # [6, 3, 5]: no run
+        view = staging.receiver_view()
+        deliveries = [view.allocate(3), view.allocate(3)]  # each block paired with an engine block
+        assert deliveries == [[6, 3, 5], [0, 1, 2]]
+        for landed in deliveries:
+            staging.kv[:, :, landed] = full.flip(2)
+            engine_blocks = list(staging.land(ReceivedKV(None, tuple(landed), 0, 0.0)).block_ids)
+            assert torch.equal(leader.gather_kv_heads(engine_blocks), full.flip(2))  # every rank's, bit for bit
+            engine.free_blocks(engine_blocks)
+        staging.free([held[1], held[4]])
+        assert staging.num_free == staging.num_blocks
+        assert_all_blocks_free(group)
