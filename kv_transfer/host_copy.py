@@ -1,4 +1,4 @@
-"""Host copies and sums of the transfer plane, on the calling thread alone.
+"""Host copies and sums of the transfer plane, on threads of the plane's own (never an OpenMP team).
 
 A transfer thread runs beside an engine whose steps already keep the cores busy with torch's intra-op threads. A
 torch op on a large CPU tensor, called from a transfer thread, starts an OpenMP team of its own: on a busy host each
@@ -6,8 +6,9 @@ such region waits for cores, and its threads spin after it, taking CPU from the 
 other one busy: a 1 MiB checksum 0.13 ms on one thread, 7.9 ms on two). So the plane's host copies and checksum
 sums go through numpy, which runs them on the calling thread at memory speed; an operation of SPLIT_BYTES or more
 is cut in two halves, the second on a short-lived thread of its own (numpy releases the GIL), which a busy host
-schedules like any thread instead of spinning for it. CUDA tensors keep torch (on the transfer's copy stream). Every function here moves bytes exactly: tensors are viewed as integers of their element
-size (numpy has no bfloat16), so the dtype never matters.
+schedules like any thread instead of spinning for it. CUDA tensors keep torch (on the transfer's copy stream).
+Every function here moves bytes exactly: tensors are viewed as integers of their element size (numpy has no
+bfloat16), so the dtype never matters.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def random_pool(dtype: torch.dtype, seed: int, num_blocks: int = 12) -> torch.Tensor:
     kv = torch.empty(3, 2, num_blocks, 4, 2, 16, dtype=dtype)  # [L, 2, N, bs, H, D]
-    kv.view(torch.int16 if kv.element_size() == 2 else torch.int32).random_(generator=torch.Generator().manual_seed(seed))
+    words = kv.view(torch.int16 if kv.element_size() == 2 else torch.int32)
+    words.random_(generator=torch.Generator().manual_seed(seed))
     return kv
 
 

@@ -4,14 +4,19 @@ over it, epoch 0's gloo group, as a real SenderLink opens them. Tests then speak
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from kv_transfer import ReceiverAddress, TransferConfig
 from kv_transfer.control.connection import ControlConnection, Kind
+from kv_transfer.control.exchange import TransferFrame, await_status
 from kv_transfer.control.handshake import PeerHello
 from kv_transfer.dist.channel import SENDER, PairChannel
+from kv_transfer.dist.inline import send_inline
 from kv_transfer.dist.sender import open_control
+from kv_transfer.outgoing import OutgoingTransfer
+from kv_transfer.status import KVTransferError, TransferStatus
 
 
 @contextlib.contextmanager
@@ -30,3 +35,29 @@ def hand_link(to: ReceiverAddress, config: TransferConfig, namespace: str, rank:
         if channel is not None:
             channel.close()
         conn.close()
+
+
+def inline_fault(mode: str, stall_s: float, outgoing: OutgoingTransfer, conn: ControlConnection, deadline: float,
+                 stalled: Callable[[], None]) -> tuple[bool, str, str]:
+    """An inline transfer (bytes behind the frame on conn) with a fault: 'corrupt' (a byte changed after its
+    checksum), else half its bytes, stalled(), stall_s seconds, the rest. (ok, final status, message)."""
+    if mode == "corrupt":
+        outgoing.run_payloads[-1][-3] ^= 0x5A
+        try:
+            send_inline(conn, None, outgoing, 0, deadline, threading.Event(), lambda: None)
+        except KVTransferError as exc:
+            return False, exc.status.name, exc.message
+        return True, "OK", ""
+    data = b"".join(memoryview(p.numpy()) for p in outgoing.run_payloads)  # every run gathered, in order
+    frame = TransferFrame(0, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=len(data))
+    conn.send_with_bytes(Kind.TRANSFER, frame.encode(), [memoryview(data)[: len(data) // 2]], deadline)
+    stalled()
+    time.sleep(stall_s)
+    try:
+        conn.sock.sendall(memoryview(data)[len(data) // 2:])
+        status, _ = await_status(conn, 0, deadline)
+    except OSError:  # the receiver gave up and closed the connection
+        return False, TransferStatus.PEER_FAILED.name, "connection closed"
+    except KVTransferError as exc:
+        return False, exc.status.name, exc.message
+    return status == TransferStatus.OK, status.name, ""

@@ -19,7 +19,6 @@ from kv_transfer import (DistRendezvous, KVTransferError, ModelFingerprint, Rece
                          TransferConfig, create_sender)
 from kv_transfer.control.connection import Kind
 from kv_transfer.control.exchange import TransferFrame, await_status
-from kv_transfer.dist.inline import send_inline
 from kv_transfer.dist.protocol import send_pieces, send_transfer
 from kv_transfer.grpc.codec import PUSH_PATH, encode_checksum_chunk, encode_data_chunk, encode_manifest_chunk
 from kv_transfer.manifest import encode_manifest
@@ -27,7 +26,7 @@ from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import TransferStatus
 from kv_transfer.testing import FreeListPool, fill_blocks
-from tests.support.kv_hand_link import hand_link
+from tests.support.kv_hand_link import hand_link, inline_fault
 from proto import tandem_pb2
 
 FP32 = ModelFingerprint(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=4)
@@ -186,25 +185,11 @@ class _Peer:
             return Outcome(status == TransferStatus.OK, status.name)
 
     def inline_fault(self, cmd: Fault, outgoing: OutgoingTransfer, conn, deadline: float) -> Outcome:
-        """The same faults for a transfer whose bytes follow its frame on the control connection: a corrupted
-        byte, or half the bytes and then a stall (for ever: 'hang')."""
-        if cmd.mode == "corrupt":
-            outgoing.run_payloads[-1][-3] ^= 0x5A
-            send_inline(conn, None, outgoing, 0, deadline, threading.Event(), lambda: None)
-            return Outcome(True, "OK")
-        data = b"".join(memoryview(p.numpy()) for p in outgoing.run_payloads)  # every run gathered, in order
-        frame = TransferFrame(0, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=len(data))
-        conn.send_with_bytes(Kind.TRANSFER, frame.encode(), [memoryview(data)[: len(data) // 2]], deadline)
-        self.conn.send(Outcome(True, "STALLED"))
-        time.sleep(cmd.stall_s if cmd.mode == "stall" else 3600)
-        try:
-            conn.sock.sendall(memoryview(data)[len(data) // 2:])
-            status, _ = await_status(conn, 0, deadline)
-        except OSError:  # the receiver gave up and closed the connection
-            return Outcome(False, TransferStatus.PEER_FAILED.name, "connection closed")
-        except KVTransferError as exc:
-            return Outcome(False, exc.status.name, exc.message)
-        return Outcome(status == TransferStatus.OK, status.name)
+        """The same faults for a transfer whose bytes follow its frame on the control connection."""
+        stall_s = cmd.stall_s if cmd.mode == "stall" else 3600.0
+        ok, status, message = inline_fault(cmd.mode, stall_s, outgoing, conn, deadline,
+                                           lambda: self.conn.send(Outcome(True, "STALLED")))
+        return Outcome(ok, status, message)
 
     def serve(self) -> None:
         while True:
