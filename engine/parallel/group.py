@@ -76,6 +76,12 @@ class TPGroup:
         self._device_group.broadcast(x, 0).wait()
         return x
 
+    def scatter(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's parts[r] (one per rank, each shaped as out, contiguous, on the group's device) into rank r's
+        out, in place (parts None on the other ranks); returns out."""
+        self._device_group.scatter(out, parts if self.rank == 0 else [], 0).wait()
+        return out
+
     def broadcast_control_(self, buffer: torch.Tensor, idle: bool = False) -> torch.Tensor:
         """Rank 0's host `buffer` into every rank's (same shape and dtype), in place. idle: the caller may wait
         for rank 0 indefinitely (a follower between steps)."""

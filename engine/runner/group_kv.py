@@ -13,8 +13,8 @@ Heads replicated on several ranks (fewer KV heads than ranks) are taken from the
 (written once) and written to every rank holding them.
 
 Bytes on rank 0: a gather receives every rank's heads (the collective's buffers) and writes each head once into
-its destination, no merged tensor between; a scatter reads the source blocks once into the broadcast's buffer
-(a slice copy when they are consecutive, one index_select else), which every rank writes its heads from.
+its destination, no merged tensor between; a scatter reads each rank's heads of the source blocks once into that
+rank's part, and each rank receives and writes only its own heads.
 """
 from __future__ import annotations
 
@@ -55,18 +55,25 @@ def gather_kv_heads(channel: StepChannel, kv_cache: KVCache, model_config: Model
     return out
 
 
-def scatter_kv_heads(channel: StepChannel, kv_cache: KVCache, block_ids: list[int], full: torch.Tensor,
-                     copies: tuple[list[int], list[int]] = ((), ()), full_blocks: Blocks | None = None) -> None:
+def scatter_kv_heads(channel: StepChannel, kv_cache: KVCache, model_config: ModelConfig, block_ids: list[int],
+                     full: torch.Tensor, copies: tuple[list[int], list[int]] = ((), ()),
+                     full_blocks: Blocks | None = None) -> None:
     """Rank 0: write the full-head KV of n = len(block_ids) blocks into block_ids of every rank's pool, each rank
     its own heads (copies as gather_kv_heads). full: [L, 2, n, block_size, num_kv_heads, head_dim], or with
     full_blocks a full-head pool [L, 2, N, ...] (e.g. GroupStaging.kv) whose blocks full_blocks[i] go to
-    block_ids[i]: read once into the broadcast's contiguous buffer (a slice copy when they are consecutive, one
-    index_select else). Changes only block_ids of the pools; full is unchanged."""
+    block_ids[i]. Each rank's heads are read once into its part of a scatter (each rank receives only its
+    heads: 1/size of the bytes a broadcast of every head would send it). Changes only block_ids of the pools;
+    full is unchanged."""
     channel.send_kv_move(KVMove(KV_SCATTER, list(block_ids), copies))
-    sent = _read_pool(full, 2, _block_index(full_blocks, len(block_ids), full.device), len(block_ids))
-    sent = sent.to(kv_cache.kv.device).contiguous()  # [L, 2, n, bs, H, D]
-    channel.group.broadcast_(sent)
-    _write_blocks(kv_cache, block_ids, sent)
+    group, n = channel.group, len(block_ids)
+    index = _block_index(full_blocks, n, full.device)
+    parts = []
+    for rank in range(group.size):
+        lo, hi = tp_layout(model_config, rank, group.size).kv_heads
+        heads = _read_pool(full[..., lo:hi, :], 2, index, n)  # [L, 2, n, bs, h, D]: a view, or one index_select
+        parts.append(heads.to(kv_cache.kv.device).contiguous())
+    group.scatter(parts, torch.empty_like(parts[0]))
+    _write_blocks(kv_cache, block_ids, parts[0])
 
 
 def run_kv_move(move: KVMove, group: TPGroup, kv_cache: KVCache, model_config: ModelConfig) -> None:
@@ -76,10 +83,11 @@ def run_kv_move(move: KVMove, group: TPGroup, kv_cache: KVCache, model_config: M
     if move.kind == KV_GATHER:
         group.gather(_read_blocks(kv_cache, move.block_ids))
         return
-    full = torch.empty(full_head_shape(kv_cache, model_config.num_kv_heads, len(move.block_ids)),
-                       dtype=kv_cache.kv.dtype, device=kv_cache.kv.device)
-    group.broadcast_(full)
-    _write_blocks(kv_cache, move.block_ids, full)
+    lo, hi = kv_cache.head_range
+    mine = torch.empty(full_head_shape(kv_cache, hi - lo, len(move.block_ids)), dtype=kv_cache.kv.dtype,
+                       device=kv_cache.kv.device)  # [L, 2, n, bs, h, D]: this rank's heads
+    group.scatter(None, mine)
+    _write_blocks(kv_cache, move.block_ids, mine)
 
 
 def gather_layer_heads(group: TPGroup, kv_cache: KVCache, model_config: ModelConfig, layer: int,
@@ -142,7 +150,7 @@ def _read_blocks(kv_cache: KVCache, block_ids: list[int]) -> torch.Tensor:
     return _read_pool(kv_cache.kv, 2, index, len(block_ids)).contiguous()  # [L, 2, n, bs, h, D]
 
 
-def _write_blocks(kv_cache: KVCache, block_ids: list[int], full: torch.Tensor) -> None:
-    lo, hi = kv_cache.head_range
+def _write_blocks(kv_cache: KVCache, block_ids: list[int], heads: torch.Tensor) -> None:
+    """This rank's heads of n blocks ([L, 2, n, bs, h, D]) into block_ids of its pool."""
     index = _block_index(block_ids, len(block_ids), kv_cache.kv.device)
-    _write_pool(kv_cache.kv, 2, index, full[..., lo:hi, :].to(kv_cache.kv.device))  # [L, 2, n, bs, h, D]
+    _write_pool(kv_cache.kv, 2, index, heads.to(kv_cache.kv.device))

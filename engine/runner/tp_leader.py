@@ -187,7 +187,7 @@ class TPLeader:
         """Write full's heads ([L, 2, n, ...], or blocks full_blocks of the full-head pool full) into block_ids of
         every rank's pool, each rank its own; full is unchanged. On the stepping thread."""
         copies, self._copies = self._copies, ([], [])
-        scatter_kv_heads(self.channel, self.pool, block_ids, full, copies, full_blocks)
+        scatter_kv_heads(self.channel, self.pool, self.model_config, block_ids, full, copies, full_blocks)
 
     def queue_copies(self, sources: list[int], targets: list[int]) -> None:
         self._copies[0].extend(sources)

@@ -3,7 +3,7 @@
 the same prompt, a scatter writes each rank exactly its heads (replicated heads on every rank that holds them).
 In this process, with the other ranks' parts ready-made, what rank 0 allocates and writes (every aten op, counted
 against a torch reference): a gather writes each head once straight into the staging blocks, no merged tensor
-between; a scatter reads the staging blocks once, into the broadcast's buffer."""
+between; a scatter reads each rank's heads of the staging blocks once and sends each rank only its own."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -74,7 +74,8 @@ L, BS, D, ENGINE_BLOCKS, STAGING_BLOCKS = 2, 4, 8, 8, 10
 
 
 class _Rank0Group:
-    """Rank 0's side of the collectives: gather returns rank 0's x and the others' ready parts; broadcast_ keeps x."""
+    """Rank 0's side of the collectives: gather returns rank 0's x and the others' ready parts; scatter keeps the
+    parts it was given (`sent`) and writes rank 0's into out."""
 
     def __init__(self, others: list[torch.Tensor]) -> None:
         self.others, self.size, self.sent = others, len(others) + 1, []
@@ -82,9 +83,9 @@ class _Rank0Group:
     def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         return [x.contiguous()] + self.others
 
-    def broadcast_(self, x: torch.Tensor) -> torch.Tensor:
-        self.sent.append(x)
-        return x
+    def scatter(self, parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        self.sent.append(parts)
+        return out.copy_(parts[0])
 
 
 class _Channel:
@@ -184,16 +185,23 @@ def _ranks_layer_part(reference, model, rank: int, size: int, layer: int, ids: t
     return reference[layer][..., lo:hi, :].index_select(1, ids)  # [2, n, BS, h, D]
 
 
+@pytest.mark.parametrize("heads, size", [(4, 2), (2, 4), (1, 2)])
 @pytest.mark.parametrize("staged", [[3, 4, 5], [6, 1, 4]])
-def test_a_scatter_reads_the_staging_blocks_once_into_the_broadcast(staged):
-    model, block_ids = _model(4), [5, 2, 7]
-    _, pool, channel = _ranks(model, 2, block_ids)
-    staging = torch.randn(L, 2, STAGING_BLOCKS, BS, 4, D)
+def test_a_scatter_sends_each_rank_only_its_heads_read_once_from_the_staging_blocks(heads, size, staged):
+    model, block_ids = _model(heads), [5, 2, 7]
+    _, pool, channel = _ranks(model, size, block_ids)
+    staging = torch.randn(L, 2, STAGING_BLOCKS, BS, heads, D)
     before, kept = staging.clone(), pool.kv.clone()
     with _CopyLog(pool.kv) as log:
-        scatter_kv_heads(channel, pool, block_ids, staging, full_blocks=staged)
+        scatter_kv_heads(channel, pool, model, block_ids, staging, full_blocks=staged)
     full = before[:, :, staged]  # [L, 2, n, BS, H, D]
-    assert [shape for shape in log.allocated if len(shape) > 1] == [full.shape]  # the broadcast's buffer, once
-    assert torch.equal(channel.group.sent[0], full) and torch.equal(staging, before)
-    kept[:, :, block_ids] = full[..., 0:2, :]
+    parts = channel.group.sent[0]
+    for rank, part in enumerate(parts):  # each rank gets its heads and no others: 1/size of a broadcast's bytes
+        lo, hi = tp_layout(model, rank, size).kv_heads
+        assert torch.equal(part, full[..., lo:hi, :])
+    big = [shape for shape in log.allocated if len(shape) > 1]
+    assert big == [parts[0].shape] * (size + 1)  # each rank's part, and rank 0's receive buffer: no full tensor
+    assert torch.equal(staging, before)
+    lo, hi = pool.head_range
+    kept[:, :, block_ids] = full[..., lo:hi, :]
     assert torch.equal(pool.kv, kept) and sum(log.written) == kept[:, :, block_ids].numel()  # its heads, once
