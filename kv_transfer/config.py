@@ -41,9 +41,9 @@ class TransferConfig:
     # device; smaller runs are gathered into one message. None: every run is gathered. The receiver takes a
     # direct run (gloo/nccl) or any run (gRPC) straight into its blocks when their ids are consecutive.
     direct_min_plane_bytes: int | None = 256 << 10
-    # gloo: a whole-request transfer of at most this many bytes travels inline, right behind its TRANSFER frame
-    # on the pair's control connection (kv_transfer/dist/inline.py), not on the process group; 0: never.
-    # A receiver reads at most its own value so: both ends should agree.
+    # gloo: a transfer of at most this many bytes of KV (whole or layer-streamed) travels inline, behind its
+    # TRANSFER frame on the pair's control connection (kv_transfer/dist/inline.py), not on the process group;
+    # 0: never. A receiver reads at most its own value so: both ends should agree.
     inline_max_bytes: int = 4 << 20
     # The cluster's KV secret (gRPC): a sender sends it with every Push stream; a receiver that has one
     # refuses, before reading anything, a stream without it (UNAUTHENTICATED); gloo/nccl/ipc: both ends of a
