@@ -3,6 +3,7 @@ lists onto the device one by one for calls made outside a step (to_device), and 
 host list (HostCopy)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,12 @@ class Uploads:
         self.arrays.append((np.dtype(dtype), values, count))
         return Key(len(self.arrays) - 1)
 
+    def add_filled(self, count: int, dtype, fill: Callable[[np.ndarray], None]) -> Key:
+        """count values of the numpy dtype that fill(view) writes straight into their place when the step is staged
+        (view: 1-D, host): nothing is built first and copied in after (a step's grammar bitmasks)."""
+        self.arrays.append((np.dtype(dtype), fill, count))
+        return Key(len(self.arrays) - 1)
+
     def shared_or_add(self, values: list, dtype) -> float | int | Key:
         """The value every row shares (nothing to upload: a batch whose rows share their parameters), else
         the values' Key ([R])."""
@@ -52,7 +59,10 @@ class Uploads:
     def write(self, views: list[np.ndarray]) -> None:
         """Each array into its host view (views[i] has arrays[i]'s dtype and count)."""
         for view, (_, values, _) in zip(views, self.arrays):
-            view[:] = values.reshape(-1).numpy() if isinstance(values, torch.Tensor) else values
+            if callable(values):  # add_filled
+                values(view)
+            else:
+                view[:] = values.reshape(-1).numpy() if isinstance(values, torch.Tensor) else values
 
     def bind(self, tensors: list[torch.Tensor]) -> None:
         """The arrays' device tensors (1-D, in key order): what `get` returns from now on."""
@@ -60,7 +70,8 @@ class Uploads:
 
     def bind_each(self, device: torch.device) -> None:
         """Copies every array to device on its own (calls made outside a step: tests, benchmarks)."""
-        self._device = [_host_tensor(values, dtype).to(device, non_blocking=True) for dtype, values, _ in self.arrays]
+        self._device = [_host_tensor(values, dtype, count).to(device, non_blocking=True)
+                        for dtype, values, count in self.arrays]
 
     def get(self, key: Key) -> torch.Tensor:
         """The array of key on the device, 1-D."""
@@ -71,7 +82,11 @@ class Uploads:
         return self.get(value).unsqueeze(1) if isinstance(value, Key) else value
 
 
-def _host_tensor(values, dtype: np.dtype) -> torch.Tensor:
+def _host_tensor(values, dtype: np.dtype, count: int) -> torch.Tensor:
+    if callable(values):  # add_filled
+        array = np.empty(count, dtype=dtype)
+        values(array)
+        return torch.from_numpy(array)
     if isinstance(values, torch.Tensor):
         return values.reshape(-1)
     return torch.from_numpy(np.asarray(values, dtype=dtype))

@@ -39,15 +39,14 @@ class _TimedFiller:
     """The engine's TokenMaskFiller, timing each fill of a whole batch."""
 
     def __init__(self, inner, batch: int) -> None:
-        self.inner, self.batch, self.seconds = inner, batch, []
+        self.inner, self.batch, self.seconds, self.words = inner, batch, [], inner.words
 
-    def fill(self, grammars):
+    def fill_into(self, grammars, out) -> None:
         started = time.perf_counter()
-        bitmask = self.inner.fill(grammars)
+        self.inner.fill_into(grammars, out)
         if len(grammars) == self.batch:
             self.seconds.append(time.perf_counter() - started)
-            self.last = bitmask.clone()
-        return bitmask
+            self.last = out.copy()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,8 +91,10 @@ def _apply_seconds(llm, batch: int, bitmask) -> float:
     from engine.sampling.token_mask import apply_token_masks
 
     class Fixed:
-        def fill(self, grammars):
-            return bitmask
+        words = bitmask.shape[1]
+
+        def fill_into(self, grammars, out) -> None:
+            out[:] = bitmask
 
     logits = torch.randn(batch, llm.engine.model_config.vocab_size, device=llm.engine.device)
     times = []

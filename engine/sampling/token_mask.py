@@ -1,10 +1,10 @@
 """Token masks of constrained rows (structured outputs), applied to the logits before anything else.
 
 The sampler holds a TokenMaskFiller (engine/structured/ implements it) and is handed, per row, the row's
-grammar state or None. Only when some row has one does it ask the filler, while the step is planned on the host,
-for one packed bitmask of those rows ([R, words] int32: bit t % 32 of word t // 32 allows token t); the bitmask
-(and the rows' indexes) cross in the step's one upload (engine/host_lists.py Uploads), and every disallowed logit of
-those rows is set to -inf on the device. Tokens past the mask's width (a model's padded vocabulary) are disallowed.
+grammar state or None. Only when some row has one does it ask the filler, when the step is staged on the host,
+for one packed bitmask of those rows ([R, words] int32: bit t % 32 of word t // 32 allows token t), written straight
+into the step's staging buffer; the bitmask (and the rows' indexes) cross in the step's one upload
+(engine/host_lists.py Uploads), and every disallowed logit of those rows is set to -inf on the device. Tokens past the mask's width (a model's padded vocabulary) are disallowed.
 Unconstrained rows are untouched.
 """
 from __future__ import annotations
@@ -20,8 +20,10 @@ from engine.host_lists import Key, Uploads
 
 
 class TokenMaskFiller(Protocol):
-    def fill(self, grammars: Sequence[object]) -> torch.Tensor:
-        """[len(grammars), words] int32 on the host: the tokens each grammar allows next."""
+    words: int  # int32 words of one row's bitmask
+
+    def fill_into(self, grammars: Sequence[object], out: np.ndarray) -> None:
+        """Writes out ([len(grammars), words] int32, host, C-contiguous): row i the tokens grammars[i] allows next."""
 
 
 @dataclass(frozen=True)
@@ -43,17 +45,19 @@ def constrained_rows(constraints: Sequence[object | None] | None) -> list[int]:
 
 def plan_token_masks(constraints: Sequence[object | None] | None, filler: TokenMaskFiller | None,
                      uploads: Uploads) -> MaskPlan | None:
-    """Fills the constrained rows' bitmask (reads the grammar states, never advances them) and adds it to uploads;
-    None (nothing filled or added) when no row is constrained."""
+    """Adds the constrained rows' bitmask to uploads, filled (the grammar states read, never advanced) straight
+    into its staged place when the step is staged; None (nothing added) when no row is constrained."""
     rows = constrained_rows(constraints)
     if not rows:
         return None
     if filler is None:
         raise RuntimeError("constrained rows reached a sampler without a token mask filler")
-    bitmask = filler.fill([constraints[i] for i in rows])  # [C, words] int32 on the host
+    grammars, words = [constraints[i] for i in rows], filler.words
     every_row = len(rows) == len(constraints)
-    return MaskPlan(None if every_row else uploads.add(rows, np.int64), uploads.add(bitmask, np.int32), len(rows),
-                    bitmask.shape[1])
+    row_keys = None if every_row else uploads.add(rows, np.int64)
+    bits = uploads.add_filled(len(rows) * words, np.int32,  # [C * words], filled in place when the step is staged
+                              lambda view: filler.fill_into(grammars, view.reshape(len(rows), words)))
+    return MaskPlan(row_keys, bits, len(rows), words)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import llguidance
-import torch
+import numpy as np
 
 
 class SequenceGrammar:
@@ -53,31 +53,24 @@ class TokenMaskFiller:
         self.words = (vocab_size + 31) // 32
         self.eos_token_ids = tuple(t for t in eos_token_ids if t < vocab_size)
         self._executor = llguidance.LLExecutor(threads)
-        self._buffers = [torch.empty(0, self.words, dtype=torch.int32)] * 2
-        self._calls = 0
 
-    def fill(self, grammars: Sequence[SequenceGrammar]) -> torch.Tensor:
-        """[len(grammars), words] int32 on the host (pinned where CUDA is), row i the tokens grammars[i] allows
-        next. Two buffers alternate: the tensor stays valid until the call after next, so a non-blocking copy
-        of it to the device may still be in flight during the next step's fill."""
-        rows, slot = len(grammars), self._calls % 2
-        self._calls += 1
-        if self._buffers[slot].shape[0] < rows:
-            self._buffers[slot] = torch.empty(max(rows, 2 * self._buffers[slot].shape[0]), self.words,
-                                              dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        bitmask = self._buffers[slot][:rows]
-        row_bytes = self.words * 4
+    def fill_into(self, grammars: Sequence[SequenceGrammar], out: np.ndarray) -> None:
+        """Writes out ([len(grammars), words] int32, host, C-contiguous: the step's staged bitmask): row i the tokens
+        grammars[i] allows next (only EOS for a failed one)."""
+        rows, row_bytes = len(grammars), self.words * 4
+        if out.shape != (rows, self.words) or out.dtype != np.int32 or not out.flags.c_contiguous:
+            raise ValueError(f"a bitmask must be a C-contiguous int32 [{rows}, {self.words}], got {out.dtype} "
+                             f"{out.shape}")
         if rows == 1:
-            grammars[0].matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
+            grammars[0].matcher.unsafe_compute_mask_ptr(out.ctypes.data, row_bytes)
         else:
             self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
-                                                   bitmask.data_ptr(), row_bytes, rows)
+                                                   out.ctypes.data, row_bytes, rows)
         for i, grammar in enumerate(grammars):
             if grammar.failed:
-                self._only_eos(bitmask[i])
-        return bitmask
+                self._only_eos(out[i].view(np.uint32))
 
-    def _only_eos(self, row: torch.Tensor) -> None:
-        row.zero_()
+    def _only_eos(self, row: np.ndarray) -> None:
+        row[:] = 0
         for token in self.eos_token_ids:
-            row[token // 32] |= 1 << (token % 32)
+            row[token // 32] |= np.uint32(1 << (token % 32))

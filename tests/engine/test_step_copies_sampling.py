@@ -117,3 +117,30 @@ def test_a_sampler_on_its_own_uploads_only_what_differs_between_rows():
     again = sampler.sample(logits, mixed, [5, 6, 7, 8], [([1, 2, 3], 1)] * 4)
     assert copies.host_to_device == 1
     assert again.tokens[0] == Sampler(1).sample(logits[:1], [seeded], [5]).tokens[0]  # whatever its batch
+
+
+def test_a_grammar_bitmask_is_filled_straight_into_the_step_staging_buffer(tiny_checkpoint):
+    """The filler writes the constrained rows' bitmask in place in the staged upload (no bitmask built on the host and
+    copied in after): the array it is handed is a view of the runner's staging bytes."""
+    import numpy as np
+
+    llm = make_llm(str(tiny_checkpoint("llama")), device="cpu", block_size=4, async_scheduling=False)
+    prompt = random_prompts([6], llm.get_tokenizer().vocab_size, seed=8)[0]
+    run_counted(llm.engine, [prompt], [CHOICE])  # the first constrained request makes the filler
+    sampler, runner = llm.engine.runner.sampler, llm.engine.runner
+    inner, seen = sampler.mask_filler, []
+
+    class Spy:
+        words = inner.words
+
+        def fill_into(self, grammars, out):
+            buffers = [runner.io.staging] + ([runner.decode_graphs.staging] if runner.decode_graphs else [])
+            seen.append(any(np.shares_memory(out, b._host_bytes) for b in buffers))
+            inner.fill_into(grammars, out)
+
+    sampler.mask_filler = Spy()
+    counts, tokens = run_counted(llm.engine, [prompt], [CHOICE])
+    assert seen and all(seen) and counts == [(1, 1)] * len(counts)
+    assert llm.get_tokenizer().decode(tokens["r0"]).strip() in ("red", "green", "blue")
+    assert_all_blocks_free(llm)
+    llm.close()

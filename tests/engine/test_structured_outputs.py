@@ -244,13 +244,12 @@ def test_a_compiling_request_waits_outside_the_schedule_while_others_run(llm):
 
 def test_the_sampler_masks_only_constrained_rows_and_does_no_work_without_them():
     class Filler:
-        calls = 0
+        calls, words = 0, 2
 
-        def fill(self, grammars):
+        def fill_into(self, grammars, out):
             Filler.calls += 1
-            bitmask = torch.zeros(len(grammars), 2, dtype=torch.int32)
-            bitmask[:, 0] = 0b1010  # tokens 1 and 3
-            return bitmask
+            out[:] = 0
+            out[:, 0] = 0b1010  # tokens 1 and 3
 
     logits = torch.randn(3, 40)
     assert apply_token_masks(logits, [None, None, None], Filler()) is logits and Filler.calls == 0
