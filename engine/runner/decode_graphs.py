@@ -106,6 +106,11 @@ class DecodeGraphs:
         if capture:
             self._capture_all()
 
+    def takes(self, num_rows: int, num_tokens: int, num_samples: int) -> bool:
+        """Whether a step replays a graph: one token per row, no more sampled rows than rows, a captured size that
+        covers them (rank 0 and its followers decide by this one rule)."""
+        return num_tokens == num_rows >= num_samples and self.covers(num_rows)
+
     def covers(self, num_rows: int) -> bool:
         return self.staging is not None and 0 < num_rows <= self.sizes[-1]
 

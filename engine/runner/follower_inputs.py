@@ -151,11 +151,9 @@ class FollowerInputs:
                             _get(uploads, prompt), _get(uploads, streamed))
 
     def _graphed(self, step: StepInputs) -> bool:
-        """Rank 0's test for a graphed step (ModelRunner.prepare): single-token rows only, no more sampled rows
-        than rows, a captured size that covers them, no layer callback (a streaming step)."""
-        rows = len(step.num_new)
+        """Rank 0's rule for a graphed step (DecodeGraphs.takes), and no layer callback (a streaming step)."""
         return self.graphs is not None and not step.stream_blocks \
-            and len(step.input_ids) == rows >= len(step.sample_rows) and self.graphs.covers(rows)
+            and self.graphs.takes(len(step.num_new), len(step.input_ids), len(step.sample_rows))
 
     def _stage_graph(self, step: StepInputs, table_rows: list[int], updates: TableUpdates,
                      uploads: Uploads) -> DecodeBatch:

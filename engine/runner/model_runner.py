@@ -160,8 +160,7 @@ class ModelRunner:
         prompt = plan_prompt_logprobs(batch.prompt, uploads)
         in_order = batch.sample_rows == list(range(len(batch.sample_rows)))
         graphs = self.decode_graphs
-        if graphed and graphs is not None and len(batch.input_ids) == len(seqs) >= len(batch.sample_rows) \
-                and graphs.covers(len(seqs)):
+        if graphed and graphs is not None and graphs.takes(len(seqs), len(batch.input_ids), len(batch.sample_rows)):
             if len(updates) > UPDATE_CAPACITY:  # more than the graphs' upload has room for: a copy of their own
                 stage_eager(self.io, self.tables, HostBatch(), [], updates, uploads)
                 updates = TableUpdates()
