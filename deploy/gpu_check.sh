@@ -61,13 +61,17 @@ step selftest 170 "$PY" -m cluster.selftest --json "$OUT/selftest.json"
 step bench-engine 100 "$PY" -m cluster.cli bench engine --shape qwen2.5-0.5b --device cuda --dtype bfloat16 \
   --skip-transformers --json "$OUT/bench_engine.json"
 step bench-memory 90 "$PY" -m cluster.cli bench memory --json "$OUT/memory.json"
-step bench-transfer 40 "$PY" -m kv_transfer.bench --transport ipc --sizes-mib 1,4,16,64 --json "$OUT/transfer.json"
+# one layer: 64 KiB blocks, so the 64 KiB transfer shows the fixed cost and the sizes above it the per-byte rate
+step bench-transfer 40 "$PY" -m kv_transfer.bench --transport ipc --num-layers 1 --sizes-mib 0.0625,1,4,16,64 \
+  --json "$OUT/transfer.json"
 if "$PY" -c "import ray" 2>/dev/null; then
   step serve-1p1d 150 "$PY" deploy/gpu_serve_smoke.py --out "$OUT"
 else
   printf 'serve-1p1d\tskipped (no ray)\t0\t%s\n' "deploy/gpu_serve_smoke.py --out $OUT" >> "$OUT/steps.tsv"
 fi
-PARALLEL=(); "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 4)
+# -n 4 (-n 8 on a host of 16 cores or more) where pytest-xdist is there: each engine on CUDA takes a small KV pool
+WORKERS=$(( $(nproc) >= 16 ? 8 : 4 ))
+PARALLEL=(); "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$WORKERS")
 step pytest 240 "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" tests/engine tests/kv_transfer -rfE
 
 "$PY" deploy/gpu_check_report.py "$OUT" > "$OUT/report.md"

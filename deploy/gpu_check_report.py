@@ -78,13 +78,17 @@ def _memory(out: Path) -> str:
 
 
 def _transfer(out: Path) -> str:
-    rows_in = _json(out, "transfer.json")
-    if rows_in is None:
-        return "### KV transfer (ipc, two processes, one card)\n\nno transfer.json"
-    rows = ["### KV transfer (ipc, two processes, one card)", "",
-            "| size MiB | ms | GB/s | raw socket GB/s | bit exact |", "|---|---|---|---|---|"]
-    rows += [f"| {r['size_bytes'] / 2**20:.0f} | {r['seconds'] * 1e3:.2f} | {r['gbps']:.2f} | {r['baseline_gbps']:.2f} "
-             f"| {r['bit_exact']} |" for r in rows_in]
+    result = _json(out, "transfer.json")
+    title = "### KV transfer (ipc, two processes, one card)"
+    if result is None:
+        return f"{title}\n\nno transfer.json"
+    rows = [title, "", "| size MiB | ms | GB/s | raw socket GB/s | bit exact |", "|---|---|---|---|---|"]
+    rows += [f"| {r['size_bytes'] / 2**20:g} | {r['seconds'] * 1e3:.2f} | {r['gbps']:.2f} | {r['baseline_gbps']:.2f} "
+             f"| {r['bit_exact']} |" for r in result["rows"]]
+    cost = result.get("cost")
+    if cost:
+        rows += ["", f"fixed cost {cost['fixed_ms']:.3f} ms per transfer, then {cost['per_byte_gbps']:.2f} GB/s "
+                     f"(raw socket: {cost['raw_fixed_ms']:.3f} ms, {cost['raw_per_byte_gbps']:.2f} GB/s)"]
     return "\n".join(rows)
 
 

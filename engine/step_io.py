@@ -29,6 +29,24 @@ _TORCH_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int6
                  np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
 
 
+class LandingRing:
+    """LANDING_RING host buffers of one dtype taken in turn, so a buffer is reused only after LANDING_RING - 1
+    later copies were started (an async engine has at most two outstanding)."""
+
+    def __init__(self, dtype: torch.dtype, pin_memory: bool) -> None:
+        self.dtype, self.pin_memory = dtype, pin_memory
+        self.buffers = [torch.empty(0, dtype=dtype) for _ in range(LANDING_RING)]
+        self.turn = -1
+
+    def next(self, numel: int) -> torch.Tensor:
+        """The next buffer in turn, replaced by a larger one (at least 1,024 elements) when it holds fewer than
+        numel."""
+        self.turn = (self.turn + 1) % LANDING_RING
+        if self.buffers[self.turn].numel() < numel:
+            self.buffers[self.turn] = torch.empty(max(numel, 1024), dtype=self.dtype, pin_memory=self.pin_memory)
+        return self.buffers[self.turn]
+
+
 @dataclass
 class CopyCounter:
     """Copies made through StepIO since it was created (or last reset): what a test of a step counts."""
@@ -132,8 +150,7 @@ class StepIO:
         self.copies = CopyCounter()
         self.staging = StagingBuffer(capacity, device, self.copies)
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._landing: dict[torch.dtype, list[torch.Tensor]] = {}  # rings of pinned tensors the results land in
-        self._turn = 0
+        self._landing: dict[torch.dtype, LandingRing] = {}  # per dtype, the pinned tensors the results land in
 
     def staging_for(self, nbytes: int) -> StagingBuffer:
         """The eager staging buffer, grown (doubled) first when nbytes do not fit."""
@@ -179,10 +196,5 @@ class StepIO:
         return HostCopy(landing, values.numel(), copied)
 
     def _landing_for(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        ring = self._landing.setdefault(dtype, [])
-        self._turn = (self._turn + 1) % LANDING_RING
-        if len(ring) < LANDING_RING:
-            ring.append(torch.empty(0, dtype=dtype))
-        if ring[self._turn].numel() < numel:
-            ring[self._turn] = torch.empty(max(numel, 1024), dtype=dtype, pin_memory=True)
-        return ring[self._turn]
+        """The next pinned buffer of dtype's ring, at least numel long (grown in place when it is not)."""
+        return self._landing.setdefault(dtype, LandingRing(dtype, pin_memory=True)).next(numel)

@@ -188,14 +188,25 @@ class DecodeGraphs:
                                  decode_len_bound=self.max_model_len)
         return self.model(static["input_ids"], static["positions"], meta, self.kv_cache)
 
+    def _capture_inputs(self, size: int) -> dict[str, torch.Tensor]:
+        """The static inputs of a graph of `size` rows set to a harmless step before its warm-up and capture: token
+        0 at position 0 in every row, K/V written nowhere (slot -1), one token attended through an all-zero table
+        row. The device buffer holds whatever its memory held before (on CUDA, often a freed tensor's bytes): an
+        id or position past the embedding or the rotary table fails the gather on the device."""
+        static = self._static(size)
+        for tensor in static.values():
+            tensor.zero_()
+        static["slots"].fill_(-1)
+        static["seq_lens"].fill_(1)
+        self.block_tables.zero_()
+        return static
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_allocated()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
-            static = self._static(size)
-            static["slots"].fill_(-1)
-            static["seq_lens"].fill_(1)
+            self._capture_inputs(size)
             self._forward(size)  # warm-up: kernels compiled and autotuned outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

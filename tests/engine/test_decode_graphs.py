@@ -82,3 +82,27 @@ def test_captured_graphs_match_transformers_on_cuda(tiny_checkpoint, hf_greedy):
     eager = make_llm(str(path), dtype="float32", device="cuda", max_num_seqs=8, enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
     assert_all_blocks_free(llm)
+
+
+@needs_triton
+def test_capture_runs_on_harmless_inputs_whatever_the_buffers_held(tiny_checkpoint):
+    """Before its warm-up and capture, a graph's static inputs are set to a harmless step: on CUDA the buffers
+    hold a freed tensor's bytes, and an id or position past the embedding or the rotary table failed the gather on
+    the device (the Llama-3-8B shape on an H100, session 22). Garbage in, then the capture's inputs: the forward
+    runs and writes nothing into the pool."""
+    llm = make_llm(str(tiny_checkpoint("llama")), dtype="float32", device=TEST_DEVICE.type,
+                   attention_backend="triton", max_num_seqs=4)
+    engine = llm.engine
+    graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention, max_num_seqs=4,
+                          max_model_len=engine.max_model_len, device=TEST_DEVICE, capture=False)
+    for tensor in graphs._static(4).values():
+        tensor.fill_(1 << 30)
+    graphs.block_tables.fill_(1 << 30)
+    static = graphs._capture_inputs(4)
+    assert static["input_ids"].eq(0).all() and static["positions"].eq(0).all()
+    assert static["slots"].eq(-1).all() and static["seq_lens"].eq(1).all() and graphs.block_tables.eq(0).all()
+    pool = engine.kv_cache.kv.clone()
+    hidden = graphs._forward(4)
+    assert hidden.shape[0] == 4 and torch.isfinite(hidden).all()
+    assert torch.equal(engine.kv_cache.kv, pool)
+    assert_all_blocks_free(llm)

@@ -5,10 +5,12 @@ grammar masks, penalties, prompt logprobs): tests/engine/test_step_copies_sampli
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.attention.backends import triton_available
 from engine.runner.decode_graphs import DecodeGraphs
+from engine.step_io import LANDING_RING, LandingRing
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.engines import TEST_DEVICE, make_llm
 
@@ -69,3 +71,16 @@ def test_a_graph_decode_step_copies_once_each_way(tiny_checkpoint, hf_greedy):
     assert len(replayed) == steps - 1 and 0 < sum(replayed) < 3 * (steps - 1)  # only new blocks travel
     assert [got[f"r{i}"] for i in range(3)] == hf_greedy(path, prompts, 8)
     assert_all_blocks_free(llm)
+
+
+def test_landing_ring_takes_its_buffers_in_turn_from_the_first_copy():
+    """The pinned buffers a CUDA step's picks land in (pin_memory off here): the first copy already has a buffer
+    (the H100 run of session 22 found the first copy indexing past a ring that was still being filled), each of
+    LANDING_RING buffers is taken once before one is reused, and a buffer too small for a copy is replaced."""
+    ring = LandingRing(torch.int64, pin_memory=False)
+    taken = [ring.next(4) for _ in range(2 * LANDING_RING)]
+    assert len({id(buffer) for buffer in taken}) == LANDING_RING
+    assert all(taken[i] is taken[i + LANDING_RING] for i in range(LANDING_RING))
+    assert all(buffer.numel() >= 4 and buffer.dtype == torch.int64 for buffer in taken)
+    grown = ring.next(5000)
+    assert grown.numel() >= 5000 and grown is not taken[0]
