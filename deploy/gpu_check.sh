@@ -72,7 +72,11 @@ fi
 # -n 4 (-n 8 on a host of 16 cores or more) where pytest-xdist is there: each engine on CUDA takes a small KV pool
 WORKERS=$(( $(nproc) >= 16 ? 8 : 4 ))
 PARALLEL=(); "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$WORKERS")
-step pytest 240 "$PY" -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" tests/engine tests/kv_transfer -rfE
+# -v: each test's result is in the log as it ends, so a step cut by its timeout still names what failed;
+# --timeout (pytest-timeout, where installed): one hung test does not take the step's whole time.
+"$PY" -c "import pytest_timeout" 2>/dev/null && PARALLEL+=(--timeout 120)
+step pytest 240 "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${PARALLEL[@]}" --durations 20 \
+  tests/engine tests/kv_transfer -rfE
 
 "$PY" deploy/gpu_check_report.py "$OUT" > "$OUT/report.md"
 echo "report: $OUT/report.md ($(( $(date +%s) - T0 )) s in all)"

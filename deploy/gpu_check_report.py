@@ -116,7 +116,10 @@ def _suite(out: Path) -> str:
         return "### suite\n\nno pytest.log"
     lines = path.read_text(errors="replace").splitlines()
     summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed|error)", line)), "no summary")
-    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    # -rfE's summary, or, for a run cut by its timeout, the -v lines of the tests that had failed by then
+    failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))] or sorted(
+        {f"{match[1]} {match[2]}" for match in (re.search(r"\b(FAILED|ERROR) (tests/\S+)", line) for line in lines)
+         if match})
     return "\n".join(["### suite (tests/engine tests/kv_transfer)", "", f"`{summary.strip('= ')}`", *failures])
 
 

@@ -44,8 +44,10 @@ def test_the_report_carries_every_number(tmp_path):
         {"phase": "decode step", "batch": "1 seqs x 128 ctx", "engine_ms": 3.1, "floor_ms": 0.3, "floor": "weights"}]}))
     (tmp_path / "memory.json").write_text(json.dumps({"shape": "llama-3-8b", "slowest_step_ms_during": 682.95,
                                                       "memory_plan": "KV cache 56183 blocks"}))
-    (tmp_path / "transfer.json").write_text(json.dumps([{"size_bytes": 1 << 20, "seconds": 0.00367, "gbps": 0.29,
-                                                         "baseline_gbps": 2.14, "bit_exact": True}]))
+    (tmp_path / "transfer.json").write_text(json.dumps({  # kv_transfer.bench --json: the rows and the fitted cost
+        "rows": [{"size_bytes": 1 << 16, "seconds": 0.0013, "gbps": 0.05, "baseline_gbps": 0.52, "bit_exact": True},
+                 {"size_bytes": 1 << 20, "seconds": 0.00367, "gbps": 0.29, "baseline_gbps": 2.14, "bit_exact": True}],
+        "cost": {"fixed_ms": 1.492, "per_byte_gbps": 20.31, "raw_fixed_ms": 0.313, "raw_per_byte_gbps": 3.11}}))
     (tmp_path / "bench_serve.json").write_text(json.dumps({"completed": 64, "failed": 0, "output_throughput": 512.0,
                                                            "median_ttft_ms": 20.5, "p99_ttft_ms": 850.0,
                                                            "disagg": {"transfer_ms_p50": 4.19}}))
@@ -54,7 +56,18 @@ def test_the_report_carries_every_number(tmp_path):
     report = render_report(tmp_path)
     for expected in ("NVIDIA H100 80GB HBM3", "| selftest | ok | 73 |", "| pytest | timed out | 240 |",
                      "max \\|err\\| 5.4e-07", "4,590 useful tok/s", "| 3.10 | 0.30 | 10.3x |", "682.95",
-                     "KV cache 56183 blocks", "| 1 | 3.67 | 0.29 | 2.14 | True |", "| completed / failed | 64 / 0 |",
+                     "KV cache 56183 blocks", "| 0.0625 | 1.30 | 0.05 | 0.52 | True |",
+                     "| 1 | 3.67 | 0.29 | 2.14 | True |", "fixed cost 1.492 ms per transfer, then 20.31 GB/s", "| completed / failed | 64 / 0 |",
                      "20.50 / 850.00", "| KV transfer p50 ms | 4.19 |", "`1 failed, 345 passed in 226.72s`",
                      "FAILED tests/engine/test_x.py::test_y"):
         assert expected in report, expected
+
+
+def test_a_suite_cut_by_its_timeout_still_names_its_failures(tmp_path):
+    """pytest -v under xdist writes each result as it ends; a run killed before -rfE's summary is still read."""
+    (tmp_path / "pytest.log").write_text("[gw1] [  3%] FAILED tests/engine/test_a.py::test_one \n"
+                                         "[gw2] [  4%] PASSED tests/engine/test_a.py::test_two \n"
+                                         "[gw0] [  5%] ERROR tests/kv_transfer/test_b.py::test_three \n")
+    report = render_report(tmp_path)
+    assert "FAILED tests/engine/test_a.py::test_one" in report
+    assert "ERROR tests/kv_transfer/test_b.py::test_three" in report and "test_two" not in report
