@@ -59,7 +59,7 @@ PY
 
 step selftest 170 "$PY" -m cluster.selftest --json "$OUT/selftest.json"
 step bench-engine 100 "$PY" -m cluster.cli bench engine --shape qwen2.5-0.5b --device cuda --dtype bfloat16 \
-  --skip-transformers --json "$OUT/bench_engine.json"
+  --skip-transformers --profile-steps --json "$OUT/bench_engine.json"
 step bench-memory 90 "$PY" -m cluster.cli bench memory --json "$OUT/memory.json"
 # one layer: 64 KiB blocks, so the 64 KiB transfer shows the fixed cost and the sizes above it the per-byte rate
 step bench-transfer 40 "$PY" -m kv_transfer.bench --transport ipc --num-layers 1 --sizes-mib 0.0625,1,4,16,64 \

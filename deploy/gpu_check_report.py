@@ -58,12 +58,26 @@ def _engine(out: Path) -> str:
         return "### bench engine (qwen2.5-0.5b shape, bfloat16)\n\nno bench_engine.json"
     rows = ["### bench engine (qwen2.5-0.5b shape, bfloat16)", "",
             f"{bench['engine_tok_s']:,.0f} useful tok/s over {bench['num_requests']} requests", "",
-            "| phase | batch | engine ms | floor ms | engine / floor | floor |", "|---|---|---|---|---|---|"]
+            "| phase | batch | engine ms | host ms | device ms | floor ms | engine / floor | floor |",
+            "|---|---|---|---|---|---|---|---|"]
     for limit in bench.get("limits", []):
         ratio = limit["engine_ms"] / limit["floor_ms"] if limit.get("floor_ms") else float("nan")
-        rows.append(f"| {limit['phase']} | {limit['batch']} | {limit['engine_ms']:.2f} | {limit['floor_ms']:.2f} "
+        rows.append(f"| {limit['phase']} | {limit['batch']} | {limit['engine_ms']:.2f} | "
+                    f"{_number(limit.get('host_ms'))} | {_number(limit.get('device_ms'))} | {limit['floor_ms']:.2f} "
                     f"| {ratio:.1f}x | {limit['floor']} |")
-    return "\n".join(rows)
+    return "\n".join(rows + _step_profiles(bench.get("step_profiles", [])))
+
+
+def _step_profiles(profiles: list[dict]) -> list[str]:
+    """bench engine --profile-steps: per step, the kernels, their device time and the heaviest of them."""
+    rows = []
+    for profile in profiles:
+        calls = ", ".join(f"{name} {count:g}" for name, count in sorted(profile.get("runtime", {}).items()))
+        rows += ["", f"**{profile['phase']}**, per step: {profile['kernels']:g} kernels, {profile['busy_ms']:.3f} ms "
+                     f"on the device" + (f"; {calls}" if calls else ""), "",
+                 "| ms | count | kernel |", "|---|---|---|"]
+        rows += [f"| {ms:.3f} | {count:g} | `{_cell(name[:100])}` |" for name, count, ms in profile["top"]]
+    return rows
 
 
 def _memory(out: Path) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cluster.bench.checkpoint import SHAPES, build_bench_checkpoint
 from cluster.bench.limits import measure_limits
+from cluster.bench.step_profile import profile_steps
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
     parser.add_argument("--profile", action="store_true",
                         help="profile the engine's run with torch.profiler and print the top operators")
+    parser.add_argument("--profile-steps", action="store_true",
+                        help="profile one step of each kind (prefill, decode at batch 1 and 32, mixed): kernels, "
+                             "device time and the heaviest kernels per step (cluster/bench/step_profile.py)")
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -180,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
                   f"  (engine at {results['engine_tok_s'] / results['vllm_tok_s']:.2f}x vLLM)")
         if not args.skip_limits:
             results["limits"] = [asdict(row) for row in measure_limits(llm)]
+        if args.profile_steps:
+            results["step_profiles"] = [asdict(p) for p in profile_steps(llm)]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -73,23 +73,30 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
-def _forward_seconds(llm, prompts: list[list[int]], max_tokens: int) -> float:
+def _prefill_ms(llm, prompts: list[list[int]]) -> tuple[float, float, float | None]:
+    """Generating one token for each prompt: the steps' forward time, the host's time to issue them and the
+    device's time for them (engine/core/step_log.py StepRecord; None off CUDA), in ms."""
     from engine import SamplingParams
-    stats = llm.engine.stats
-    before = stats.forward_seconds
+    stats, log = llm.engine.stats, llm.engine.step_log
+    before, started = stats.forward_seconds, time.perf_counter()
     llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                 sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    return stats.forward_seconds - before
+                 sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    records = [r for r in log.records() if r.started_at >= started and r.prompt_tokens]
+    device = [r.device_s for r in records if r.device_s is not None]
+    return ((stats.forward_seconds - before) * 1e3, sum(r.issue_s for r in records) * 1e3,
+            sum(device) * 1e3 if device and len(device) == len(records) else None)
 
 
 def prefill_row(llm, prompts: int = PREFILL_PROMPTS, length: int = PREFILL_LEN, repeats: int = 3) -> LimitRow:
     vocab = llm.engine.model_config.vocab_size
-    times = [_forward_seconds(llm, _prompts(prompts, length, vocab, seed), 1) for seed in range(repeats)]
+    runs = [_prefill_ms(llm, _prompts(prompts, length, vocab, seed)) for seed in range(repeats)]
     tokens = prompts * length
-    engine_ms = statistics.median(times) * 1e3
+    engine_ms = statistics.median(run[0] for run in runs)
+    device = [run[2] for run in runs if run[2] is not None]
     bare_ms = _bare_matmul_ms(llm.engine.runner.model, tokens, prompts, llm.engine.device)
     return LimitRow("prefill", f"{prompts} x {length} tokens", engine_ms, bare_ms,
-                    f"bare matmuls of the same layers ({tokens / engine_ms * 1e3:.0f} tok/s engine)")
+                    f"bare matmuls of the same layers ({tokens / engine_ms * 1e3:.0f} tok/s engine)",
+                    statistics.median(run[1] for run in runs), statistics.median(device) if device else None)
 
 
 def _decode_step_ms(llm, batch: int, context: int, steps: int) -> tuple[float, float, float | None]:

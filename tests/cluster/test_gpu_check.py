@@ -41,7 +41,10 @@ def test_the_report_carries_every_number(tmp_path):
     (tmp_path / "selftest.json").write_text(json.dumps({"checks": [
         {"name": "kernels triton fp32", "status": "PASS", "detail": "max |err| 5.4e-07"}]}))
     (tmp_path / "bench_engine.json").write_text(json.dumps({"num_requests": 48, "engine_tok_s": 4589.5, "limits": [
-        {"phase": "decode step", "batch": "1 seqs x 128 ctx", "engine_ms": 3.1, "floor_ms": 0.3, "floor": "weights"}]}))
+        {"phase": "decode step", "batch": "1 seqs x 128 ctx", "engine_ms": 3.1, "floor_ms": 0.3, "floor": "weights",
+         "host_ms": 1.29, "device_ms": 1.49}],
+        "step_profiles": [{"phase": "decode b=1", "steps": 8, "kernels": 250.0, "busy_ms": 1.402,
+                           "top": [["_decode_attention_kernel", 24.0, 0.311]], "runtime": {"cudaGraphLaunch": 1.0}}]}))
     (tmp_path / "memory.json").write_text(json.dumps({"shape": "llama-3-8b", "slowest_step_ms_during": 682.95,
                                                       "memory_plan": "KV cache 56183 blocks"}))
     (tmp_path / "transfer.json").write_text(json.dumps({  # kv_transfer.bench --json: the rows and the fitted cost
@@ -55,7 +58,9 @@ def test_the_report_carries_every_number(tmp_path):
                                          "1 failed, 345 passed in 226.72s\n")
     report = render_report(tmp_path)
     for expected in ("NVIDIA H100 80GB HBM3", "| selftest | ok | 73 |", "| pytest | timed out | 240 |",
-                     "max \\|err\\| 5.4e-07", "4,590 useful tok/s", "| 3.10 | 0.30 | 10.3x |", "682.95",
+                     "max \\|err\\| 5.4e-07", "4,590 useful tok/s", "| 3.10 | 1.29 | 1.49 | 0.30 | 10.3x |",
+                     "**decode b=1**, per step: 250 kernels, 1.402 ms on the device; cudaGraphLaunch 1",
+                     "| 0.311 | 24 | `_decode_attention_kernel` |", "682.95",
                      "KV cache 56183 blocks", "| 0.0625 | 1.30 | 0.05 | 0.52 | True |",
                      "| 1 | 3.67 | 0.29 | 2.14 | True |", "fixed cost 1.492 ms per transfer, then 20.31 GB/s", "| completed / failed | 64 / 0 |",
                      "20.50 / 850.00", "| KV transfer p50 ms | 4.19 |", "`1 failed, 345 passed in 226.72s`",

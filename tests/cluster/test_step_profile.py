@@ -1,0 +1,30 @@
+"""`tandem bench engine --profile-steps` and the limits table's prefill row on CPU: what a GPU host runs to see
+where a step's time goes (cluster/bench/step_profile.py), shaped as the GPU run reads it; timings are not checked."""
+from __future__ import annotations
+
+from cluster.bench.limits import prefill_row
+from cluster.bench.step_profile import profile_steps
+from tests.support.engine_checks import assert_all_blocks_free
+from tests.support.engines import make_llm
+
+
+def test_each_kind_of_step_is_profiled_and_nothing_is_left_running():
+    with make_llm("tiny", device="cpu") as llm:
+        profiles = profile_steps(llm, top=5)
+        assert [p.phase for p in profiles] == ["prefill 8 x 256", "decode b=1", "decode b=32", "mixed 32d + 512"]
+        assert [p.steps for p in profiles] == [1, 8, 8, 1]
+        for profile in profiles:
+            assert profile.kernels > 0 and profile.busy_ms > 0 and 0 < len(profile.top) <= 5
+            assert all(name.startswith("aten::") and count > 0 for name, count, _ in profile.top)
+            assert profile.runtime == {}  # no CUDA runtime calls on a CPU
+        by_phase = {p.phase: p for p in profiles}
+        assert by_phase["mixed 32d + 512"].kernels > by_phase["decode b=32"].kernels  # the chunk's prefill ops too
+        assert_all_blocks_free(llm)
+
+
+def test_the_prefill_row_takes_its_host_time_from_the_step_log():
+    with make_llm("tiny", device="cpu") as llm:
+        row = prefill_row(llm, prompts=2, length=32, repeats=1)
+        assert row.phase == "prefill" and row.batch == "2 x 32 tokens"
+        assert row.host_ms > 0 and row.device_ms is None  # no device time off CUDA
+        assert_all_blocks_free(llm)
