@@ -34,9 +34,10 @@ from cluster.api.metrics import ServingMetrics
 from cluster.backend import Backend
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
-from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_ray_arguments, add_scaling_arguments,
-                                 engine_config_from_args, http_limits_from_args, mode_and_workers_from_args,
-                                 scaling_from_args, served_names_from_args, tp_sizes_from_args)
+from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_kv_inline_argument, add_ray_arguments,
+                                 add_scaling_arguments, engine_config_from_args, http_limits_from_args,
+                                 kv_inline_bytes_from_args, mode_and_workers_from_args, scaling_from_args,
+                                 served_names_from_args, tp_sizes_from_args)
 from cluster.workers.bounded import abandoned_calls
 from cluster.workers.cluster_config import DISAGG_POLICIES, KV_HOST_GONE, PLACEMENT_STRATEGIES, ClusterConfig
 from cluster.workers.host_memory import cpu_kv_share
@@ -44,6 +45,7 @@ from cluster.workers.placement_check import role_resources
 from cluster.workers.startup_heap import freeze_startup_heap
 from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import EngineConfig
+from kv_transfer.config import TransferConfig
 from kv_transfer.layer_stream import STREAMING_MODES
 
 logger = logging.getLogger("tandem.serve")
@@ -78,6 +80,7 @@ class ServeConfig:
     replicas: int = 0  # colocated: 0 = one engine in this process, N = N replica actors on Ray
     served_model_names: tuple[str, ...] = ()  # empty: the model path (or "tandem-default")
     kv_streaming: str = "layer"  # disaggregated: KV sent layer by layer under the prefill, or whole after it
+    kv_inline_max_bytes: int = TransferConfig.inline_max_bytes  # gloo: transfers this small ride the control link
     disagg_policy: str = "uncached"
     decode_prefix_reuse: bool = True
     bounds: WorkerBounds = field(default_factory=WorkerBounds)  # of the worker set while serving (on Ray)
@@ -125,6 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-streaming", default="layer", choices=list(STREAMING_MODES),
                         help="disaggregated: send each prompt's KV layer by layer while its last prefill step "
                              "runs (layer, default), or whole once the step is done (request); ipc sends whole")
+    add_kv_inline_argument(parser)
     parser.add_argument("--local-prefill-tokens", type=int, default=0,
                         help="conditional disaggregation's threshold: prompts with fewer tokens than this (left "
                              "uncached on their decode worker, by --disagg-policy) are prefilled on their decode "
@@ -184,8 +188,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          args.cpu_threads, args.local_prefill_tokens, args.worker_stall_timeout_s,
                          args.max_prefill_queue_tokens, args.shutdown_grace_s, args.gpus_per_worker, **placement,
                          replicas=replicas, served_model_names=served_names_from_args(args),
-                         kv_streaming=args.kv_streaming, disagg_policy=args.disagg_policy,
-                         decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
+                         kv_streaming=args.kv_streaming, kv_inline_max_bytes=kv_inline_bytes_from_args(args, mode),
+                         disagg_policy=args.disagg_policy, decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
                          drain_timeout_s=args.drain_timeout_s, autoscale=autoscale, tokenizer=args.tokenizer,
                          **http_limits_from_args(args), **tp_sizes_from_args(args, mode))
     if mode == "disaggregated" or replicas:
@@ -246,7 +250,7 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          decode_resources=config.decode_resources, kv_streaming=config.kv_streaming,
                          disagg_policy=config.disagg_policy, decode_prefix_reuse=config.decode_prefix_reuse,
                          bounds=config.bounds, drain_timeout_s=config.drain_timeout_s, prefill_tp=config.prefill_tp,
-                         decode_tp=config.decode_tp)
+                         decode_tp=config.decode_tp, transfer=TransferConfig(inline_max_bytes=config.kv_inline_max_bytes))
 
 
 async def serve(config: ServeConfig) -> None:

@@ -1,6 +1,6 @@
 """The flag groups of `tandem serve` beside its main ones (cluster/serve.py): the API (served names, the
-admission bound, the HTTP read deadline and connection cap), the Ray cluster, the engine, and scaling (the
-worker set's bounds, the autoscaler); and the serving mode with its worker counts, read from the main flags.
+admission bound, the HTTP read deadline and connection cap), the Ray cluster, the engine, scaling (the
+worker set's bounds, the autoscaler) and which KV transfers ride the control connection; and the serving mode with its worker counts, read from the main flags.
 Each group is added by one function, and the values that need checking are read back by another (ValueError
 names the flag)."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ import argparse
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import ATTENTION_BACKENDS, PREFILL_FIRST_MODES, EngineConfig
+from kv_transfer.config import TransferConfig
 
 # Serving: while requests decode, a step takes at most this many prompt tokens (one 512-token prompt), so a decode
 # waits at most one such step's prompt work between two tokens: ~0.5-1 s on 2 CPU cores (docs/architecture.md,
@@ -81,6 +82,22 @@ def mode_and_workers_from_args(args: argparse.Namespace) -> tuple[str, int, int,
     if prefill_workers < 1 or args.decode_workers < 1:
         raise ValueError("disaggregated serving needs --prefill-workers >= 1 and --decode-workers >= 1")
     return mode, prefill_workers, args.decode_workers, 0
+
+
+def add_kv_inline_argument(parser) -> None:
+    parser.add_argument("--kv-inline-max-mib", type=float, default=TransferConfig.inline_max_bytes / 2**20,
+                        help="transport gloo: transfers of at most this many MiB travel on the pair's authenticated "
+                             "control connection, larger ones on a gloo process group, whose listener Tandem cannot "
+                             "authenticate (1024: every transfer inline, no gloo listener; docs/architecture.md)")
+
+
+def kv_inline_bytes_from_args(args: argparse.Namespace, mode: str) -> int:
+    """--kv-inline-max-mib in bytes (TransferConfig.inline_max_bytes); ValueError out of range or off its mode."""
+    if not 0 <= args.kv_inline_max_mib <= 1024:
+        raise ValueError(f"--kv-inline-max-mib must be in [0, 1024], got {args.kv_inline_max_mib}")
+    if mode == "colocated" and args.kv_inline_max_mib != TransferConfig.inline_max_bytes / 2**20:
+        raise ValueError("--kv-inline-max-mib needs --mode disaggregated (colocated engines move no KV)")
+    return int(args.kv_inline_max_mib * 2**20)
 
 
 def add_tp_arguments(group) -> None:
