@@ -14,6 +14,10 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu_kernel")
 PREFILL_FIRST_MODES = ("auto", "on", "off")
+# On CUDA, while sequences decode, a step takes at most this many prompt tokens by default: a Llama-3-8B-shaped
+# 2,048-token chunk is ~33 TFLOP, ~60 ms of an H100's bf16 matmuls, so 256 decodes beside a 16k prompt wait well
+# under issue 27's 150 ms per step (an H100 took 352 ms with the 8,192-token steps of an unbounded budget).
+CUDA_PREFILL_BOUND = 2048
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,8 @@ class EngineConfig:
     the same name); 0 lets one prompt take the whole budget.
     max_prefill_tokens_while_decoding (> 0, with chunked prefill): while any sequence decodes, no step takes
     more prompt tokens than this, so no decode waits more than one such step's prompt work between two tokens
-    (engine/core/scheduler.py); 0: max_num_batched_tokens is the only bound.
+    (engine/core/scheduler.py); 0: max_num_batched_tokens is the only bound. None (auto): CUDA_PREFILL_BOUND on
+    CUDA with chunked prefill, no bound on CPU (`prefill_bound_on`).
     attention_backend: "auto" (triton on CUDA, the numba kernel on CPU float32, torch otherwise),
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
@@ -181,7 +186,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    max_prefill_tokens_while_decoding: int = 0
+    max_prefill_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
@@ -204,9 +209,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        if self.max_prefill_tokens_while_decoding < 0:
-            raise ValueError("max_prefill_tokens_while_decoding must be >= 0 (0: no bound but "
-                             f"max_num_batched_tokens), got {self.max_prefill_tokens_while_decoding}")
+        bound = self.max_prefill_tokens_while_decoding
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+            raise ValueError("max_prefill_tokens_while_decoding must be None (auto) or an int >= 0 (0: no bound "
+                             f"but max_num_batched_tokens), got {bound!r}")
         if self.max_prefill_tokens_while_decoding and not self.enable_chunked_prefill:
             raise ValueError("max_prefill_tokens_while_decoding needs enable_chunked_prefill")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
@@ -232,6 +238,13 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1: the other ranks take each step's token "
                              "ids from rank 0's host message, which cannot carry picks still on the device")
+
+    def prefill_bound_on(self, device_type: str) -> int:
+        """max_prefill_tokens_while_decoding resolved for a device type (None: CUDA_PREFILL_BOUND on CUDA with
+        chunked prefill, else 0, no bound)."""
+        if self.max_prefill_tokens_while_decoding is None:
+            return CUDA_PREFILL_BOUND if device_type == "cuda" and self.enable_chunked_prefill else 0
+        return self.max_prefill_tokens_while_decoding
 
     def async_scheduling_on(self, device_type: str) -> bool:
         """async_scheduling resolved for a device type (None: on for CUDA with one rank)."""

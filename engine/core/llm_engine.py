@@ -73,7 +73,7 @@ class LLMEngine(KVHandoff):
         self.max_model_len = max_model_len(model_config, config, num_blocks)
         check_step_budget(config, self.max_model_len)
         self.scheduler = Scheduler(config, self.kv_cache.allocator, prefill_first_enabled(config, device.type),
-                                   self.max_model_len)
+                                   self.max_model_len, config.prefill_bound_on(device.type))
         io = StepIO(device)  # a step's copies: one upload of its inputs, one copy of its picks back
         sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids, start_copy=io.start_to_host)
         self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention,

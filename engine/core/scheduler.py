@@ -43,11 +43,13 @@ def prefill_first_enabled(config: EngineConfig, device_type: str) -> bool:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, prefill_first: bool = False,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, prefill_bound: int | None = None) -> None:
         """prefill_first: while sequences decode, waiting prompts one step finishes get a step of their own
         (see the module docstring). max_model_len: the engine's context limit (a sequence whose pending token
-        reaches it is not scheduled again)."""
+        reaches it is not scheduled again). prefill_bound: the prompt tokens a step may take while sequences
+        decode (0: no bound; None: config.max_prefill_tokens_while_decoding, auto meaning none)."""
         self.config = config
+        self.prefill_bound = (config.max_prefill_tokens_while_decoding or 0) if prefill_bound is None else prefill_bound
         self.max_model_len = max_model_len
         self.prefill_first = prefill_first
         self._last_was_prompts_only = False
@@ -78,7 +80,7 @@ class Scheduler:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
         decoding = self._num_decoding()
-        bound = self.config.max_prefill_tokens_while_decoding
+        bound = self.prefill_bound
         prompt_budget = min(budget, bound) if bound and decoding else budget
         if self.prefill_first and self.waiting and not self._last_was_prompts_only and decoding:
             # []: no prompt finishes within the bound now: the usual step

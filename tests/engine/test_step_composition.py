@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
+from engine import EngineConfig, SamplingParams
+from engine.config import CUDA_PREFILL_BOUND
 from engine.core.step_log import StepLog, StepRecord
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.engines import make_llm
@@ -59,6 +60,22 @@ def test_the_bound_needs_chunked_prefill_and_is_not_negative(ckpt):
         make_llm(ckpt, max_prefill_tokens_while_decoding=-1)
     with pytest.raises(ValueError, match="needs enable_chunked_prefill"):
         make_llm(ckpt, max_prefill_tokens_while_decoding=64, enable_chunked_prefill=False)
+
+
+def test_the_engine_bounds_steps_beside_decodes_on_cuda_by_default(ckpt):
+    """Issue 27: on CUDA, while sequences decode, a step takes at most CUDA_PREFILL_BOUND prompt tokens unless the
+    config says otherwise; on CPU no bound by default (the serving default is SERVING_PREFILL_BOUND, below)."""
+    auto = EngineConfig()
+    assert auto.prefill_bound_on("cuda") == CUDA_PREFILL_BOUND and auto.prefill_bound_on("cpu") == 0
+    assert EngineConfig(enable_chunked_prefill=False).prefill_bound_on("cuda") == 0  # nothing to split prompts by
+    assert EngineConfig(max_prefill_tokens_while_decoding=0).prefill_bound_on("cuda") == 0
+    assert EngineConfig(max_prefill_tokens_while_decoding=96).prefill_bound_on("cpu") == 96
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        EngineConfig(max_prefill_tokens_while_decoding=1.5)
+    with make_llm(ckpt) as llm:  # what the engine's scheduler was given on this machine's device
+        assert llm.engine.scheduler.prefill_bound == auto.prefill_bound_on(llm.engine.device.type)
+    with make_llm(ckpt, max_prefill_tokens_while_decoding=BOUND) as llm:
+        assert llm.engine.scheduler.prefill_bound == BOUND
 
 
 def test_the_step_log_summary_splits_decode_only_steps_from_steps_with_prompts():
