@@ -119,6 +119,11 @@ def _serving(out: Path) -> str:
              ("ITL median / p99 ms", _pair(result, "itl")),
              ("KV transfer p50 ms", _number(disagg.get("transfer_ms_p50"))),
              ("transfer share of TTFT p50", _number(disagg.get("transfer_share_of_ttft_p50")))]
+    first = _json(out, "first_requests.json")
+    if first:
+        ttfts = first["ttft_ms"]
+        pairs.append((f"TTFT of the first {len(ttfts)} requests, one at a time ({first['prompt_tokens']} tokens), ms",
+                      " / ".join(f"{ttft:.1f}" for ttft in ttfts) + f" (first / last {first['first_over_tenth']:.2f})"))
     smoke = (out / "serve-1p1d.log").read_text().strip() if (out / "serve-1p1d.log").exists() else ""
     rows = [title, "", "| what | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in pairs]
     return "\n".join(rows + ([f"\n{smoke.splitlines()[-1]}"] if smoke else []))

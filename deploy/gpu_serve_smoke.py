@@ -1,7 +1,9 @@
 """A 1P1D serving smoke test on one GPU, for `make gpu-check`: `tandem serve` with one prefill and one decode
-worker sharing the card (transport auto: CUDA IPC), `tandem bench serve` of the mixed dataset against it, then a
-clean stop. Writes OUT/serve.log, OUT/bench_serve.log and OUT/bench_serve.json; exits non-zero when the server
-did not come up, the benchmark failed, or the server did not stop within 60 s. The serve log is also searched
+worker sharing the card (transport auto: CUDA IPC); its first ten requests one at a time, each's time to first
+token taken (issue 27: the first within 1.2x the tenth, nothing compiled while serving); `tandem bench serve` of
+the mixed dataset; then a clean stop. Writes OUT/serve.log, OUT/first_requests.json, OUT/bench_serve.log and
+OUT/bench_serve.json; exits non-zero when the server did not come up, the benchmark failed, or the server did not
+stop within 60 s. The serve log is also searched
 for torch's warning that a process ended while another still mapped its CUDA memory (the ipc shutdown order).
 
     python deploy/gpu_serve_smoke.py --out OUT [--num-prompts 64] [--request-rate 16]
@@ -9,18 +11,22 @@ for torch's warning that a process ended while another still mapped its CUDA mem
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 TANDEM = [sys.executable, "-m", "cluster.cli"]
 BANNER = re.compile(r"gRPC 127\.0\.0\.1:(\d+), HTTP http://127\.0\.0\.1:(\d+)/v1")
 IPC_WARNING = "Producer process has been terminated before all shared CUDA tensors released"
 START_TIMEOUT_S = 120
+FIRST_REQUESTS, FIRST_PROMPT_TOKENS = 10, 512
 
 
 def main() -> int:
@@ -36,12 +42,36 @@ def main() -> int:
                                    "--http-port", "0"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             http_port = _wait_for_banner(log_path, server)
+            ttfts = first_request_ttfts(http_port, FIRST_REQUESTS)
+            (args.out / "first_requests.json").write_text(json.dumps(
+                {"ttft_ms": ttfts, "first_over_tenth": ttfts[0] / ttfts[-1], "prompt_tokens": FIRST_PROMPT_TOKENS}))
             bench = _bench(args, http_port)
         finally:
             stopped = _stop(server)
     warned = IPC_WARNING in log_path.read_text(errors="replace")
     print(f"bench serve rc={bench}, server stopped cleanly: {stopped}, ipc shutdown warning: {warned}")
     return 0 if bench == 0 and stopped and not warned else 1
+
+
+def first_request_ttfts(http_port: int, count: int, prompt_tokens: int = 0) -> list[float]:
+    """The time to first token (ms) of `count` streamed completions sent one after another to a fresh server, each a
+    prompt of its own random token ids (no prefix-cache hit) and 2 output tokens."""
+    ttfts = []
+    for index in range(count):
+        rng = random.Random(index)
+        prompt = [rng.randrange(100, 250) for _ in range(prompt_tokens or FIRST_PROMPT_TOKENS)]
+        body = json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                           "stream": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            for line in reply:  # server-sent events: the first data line carries the first token
+                if line.startswith(b"data: {"):
+                    ttfts.append((time.perf_counter() - started) * 1e3)
+                    break
+            reply.read()
+    return ttfts
 
 
 def _wait_for_banner(log_path: Path, server: subprocess.Popen) -> int:

@@ -9,15 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.serve_process import start_serve
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def render_report(out: Path) -> str:
-    """deploy/gpu_check_report.py's main(out), the script loaded from its file (deploy/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("gpu_check_report", REPO / "deploy" / "gpu_check_report.py")
+def load_script(name: str):
+    """A deploy/ script as a module (deploy/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "deploy" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(out)
+    return module
+
+
+def render_report(out: Path) -> str:
+    """deploy/gpu_check_report.py's main(out)."""
+    return load_script("gpu_check_report").main(out)
 
 
 def test_a_spent_budget_skips_every_step_and_still_reports(tmp_path):
@@ -54,6 +61,8 @@ def test_the_report_carries_every_number(tmp_path):
     (tmp_path / "bench_serve.json").write_text(json.dumps({"completed": 64, "failed": 0, "output_throughput": 512.0,
                                                            "median_ttft_ms": 20.5, "p99_ttft_ms": 850.0,
                                                            "disagg": {"transfer_ms_p50": 4.19}}))
+    (tmp_path / "first_requests.json").write_text(json.dumps({"ttft_ms": [827.0, 16.5], "first_over_tenth": 50.12,
+                                                              "prompt_tokens": 512}))
     (tmp_path / "pytest.log").write_text("....\nFAILED tests/engine/test_x.py::test_y\n"
                                          "1 failed, 345 passed in 226.72s\n")
     report = render_report(tmp_path)
@@ -63,7 +72,8 @@ def test_the_report_carries_every_number(tmp_path):
                      "| 0.311 | 24 | `_decode_attention_kernel` |", "682.95",
                      "KV cache 56183 blocks", "| 0.0625 | 1.30 | 0.05 | 0.52 | True |",
                      "| 1 | 3.67 | 0.29 | 2.14 | True |", "fixed cost 1.492 ms per transfer, then 20.31 GB/s", "| completed / failed | 64 / 0 |",
-                     "20.50 / 850.00", "| KV transfer p50 ms | 4.19 |", "`1 failed, 345 passed in 226.72s`",
+                     "20.50 / 850.00", "| KV transfer p50 ms | 4.19 |",
+                     "one at a time (512 tokens), ms | 827.0 / 16.5 (first / last 50.12) |", "`1 failed, 345 passed in 226.72s`",
                      "FAILED tests/engine/test_x.py::test_y"):
         assert expected in report, expected
 
@@ -76,3 +86,12 @@ def test_a_suite_cut_by_its_timeout_still_names_its_failures(tmp_path):
     report = render_report(tmp_path)
     assert "FAILED tests/engine/test_a.py::test_one" in report
     assert "ERROR tests/kv_transfer/test_b.py::test_three" in report and "test_two" not in report
+
+
+def test_the_smoke_test_times_a_fresh_servers_first_requests():
+    """deploy/gpu_serve_smoke.py's first_request_ttfts against a real `tandem serve` (the tiny model on CPU): one
+    time to first token per request, each a streamed completion that did produce a token."""
+    smoke = load_script("gpu_serve_smoke")
+    with start_serve("--device", "cpu") as (_, _, http_port):
+        ttfts = smoke.first_request_ttfts(http_port, 3, prompt_tokens=24)
+    assert len(ttfts) == 3 and all(ttft > 0 for ttft in ttfts)
