@@ -41,6 +41,15 @@ def test_a_spent_budget_skips_every_step_and_still_reports(tmp_path):
     assert "no selftest.json" in report and "no pytest.log" in report
 
 
+def test_only_the_steps_asked_for_run(tmp_path):
+    env = {**os.environ, "GPU_CHECK_BUDGET_S": "5", "PYTHON": sys.executable, "GPU_CHECK_STEPS": "serve-1p1d,pytest"}
+    done = subprocess.run(["bash", str(REPO / "deploy" / "gpu_check.sh"), str(tmp_path / "out")], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    steps = [line.split("\t")[0] for line in (tmp_path / "out" / "steps.tsv").read_text().splitlines()]
+    assert steps == ["serve-1p1d", "pytest"]
+
+
 def test_the_report_carries_every_number(tmp_path):
     (tmp_path / "env.txt").write_text("card 0: NVIDIA H100 80GB HBM3, 79.1 GiB\ntorch: 2.11.0 CUDA 13.0\n")
     (tmp_path / "steps.tsv").write_text("selftest\t0\t73\tpython -m cluster.selftest\n"
