@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Executor, Future
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -34,20 +35,24 @@ class IncomingTransfer:
         self.manifest, self.pool, self.block_ids = manifest, pool, tuple(block_ids)
         self.started = time.monotonic()
         self._staging_pool, self._lander = staging_pool, lander
-        sizes = manifest.piece_nbytes  # a run each, or (streamed) a layer each
-        offsets, total = staging_offsets(sizes)
-        self._staging: torch.Tensor | None = staging_pool.acquire(total)
-        self.payloads = [self._staging[off : off + size] for off, size in zip(offsets, sizes)]  # flat uint8
-        self._first_block = np.cumsum([0] + [r.num_blocks for r in manifest.runs]).tolist()
+        self._staging, self.payloads = self._stage(manifest.piece_nbytes)  # a run each, or (streamed) a layer each
+        self._first_block = list(accumulate((r.num_blocks for r in manifest.runs), initial=0))
         self._landings: list[Future | None] = []
         self._cursor = (0, 0, 0)  # (run index, target piece, byte offset in it) of the next streamed byte
         self._stream_targets: tuple[list[np.ndarray], bool] | None = None  # pieces of the streamed run
-        self._checksums: list[int | None] = [None] * len(sizes) if manifest.streamed else \
+        self._checksums: list[int | None] = [None] * len(self.payloads) if manifest.streamed else \
             [run.checksum for run in manifest.runs]
         self._awaiting_checksum: tuple[int, bool] | None = None  # (run, in place): bytes in, checksum not yet
         self.bytes_written = 0
         self._settle_lock = threading.Lock()
         self._settled = False
+
+    def _stage(self, sizes: list[int]) -> tuple[torch.Tensor | None, list]:
+        """Acquires this transfer's staging for pieces of `sizes` bytes; returns it and each piece's flat uint8
+        view into it, in order (released by commit or fail)."""
+        offsets, total = staging_offsets(sizes)
+        staging = self._staging_pool.acquire(total)
+        return staging, [staging[off : off + size] for off, size in zip(offsets, sizes)]
 
     @classmethod
     def accept(cls, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool,

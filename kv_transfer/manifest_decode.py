@@ -19,12 +19,14 @@ from kv_transfer.token_logprobs import MAX_TOP_LOGPROBS, FirstTokenLogprobs, Log
 _TOP_KEYS = {"version", "request_id", "fingerprint", "num_tokens", "block_ids", "first_token", "checksum_algo", "runs"}
 _OPTIONAL_TOP_KEYS = {"first_logprobs", "streamed", "prefix_blocks"}
 _FP_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"}
+_ALL_TOP_KEYS = _TOP_KEYS | _OPTIONAL_TOP_KEYS
 
 
 def _expect_map(value: Any, keys: set[str], name: str, optional: set[str] = frozenset()) -> dict:
     if not isinstance(value, dict):
         raise ManifestError(f"{name} must be a map, got {type(value).__name__}")
-    if not keys <= set(value) <= keys | optional:
+    present = value.keys()
+    if not (keys <= present and (present <= keys or present - keys <= optional)):
         missing, extra = sorted(keys - set(value)), sorted(map(str, set(value) - keys - optional))
         raise ManifestError(f"{name} keys wrong: missing {missing}, unexpected {extra}")
     return value
@@ -36,6 +38,17 @@ def _decode_run(i: int, raw: Any) -> RunInfo:
     return RunInfo(*raw)
 
 
+def _decode_fingerprint(raw: Any, limits: ManifestLimits | None) -> ModelFingerprint:
+    """The manifest's fingerprint: the receiver's own (limits.fingerprint, already validated) when the map
+    holds exactly its values with exactly their types, else one built (and validated) from the map."""
+    fields = _expect_map(raw, _FP_KEYS, "fingerprint")
+    if limits is not None and fields == limits.fingerprint.encode() and type(fields["num_layers"]) is int \
+            and type(fields["num_kv_heads"]) is int and type(fields["head_dim"]) is int \
+            and type(fields["block_size"]) is int:  # equal ints that are not ints: bool or float; a str is a str
+        return limits.fingerprint
+    return ModelFingerprint(**fields)
+
+
 def _unpack(data: bytes, limits: ManifestLimits | None) -> Any:
     """msgpack-decodes data; with limits, every list holds at most max(limits.max_blocks, 20) entries (20:
     the first token's logprobs) and the whole encoding fits limits.max_manifest_bytes, checked before (and
@@ -44,15 +57,21 @@ def _unpack(data: bytes, limits: ManifestLimits | None) -> Any:
     if len(data) > max_bytes:
         raise ManifestError(f"manifest of {len(data)} bytes exceeds {max_bytes}"
                             + ("" if limits is None else f" (the most {limits.max_blocks} blocks can take)"))
-    max_list = 0 if limits is None else max(limits.max_blocks, 4, MAX_TOP_LOGPROBS)
-    bounds = {} if limits is None else {
-        "max_array_len": max_list, "max_map_len": len(_TOP_KEYS) + len(_OPTIONAL_TOP_KEYS),
-        "max_str_len": MAX_STRING_BYTES, "max_bin_len": 0, "max_ext_len": 0}
+    max_list = 0 if limits is None else _max_list(limits)
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, **bounds)
+        if limits is None:
+            return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=max_list,
+                               max_map_len=len(_ALL_TOP_KEYS), max_str_len=MAX_STRING_BYTES, max_bin_len=0,
+                               max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types
         within = "" if limits is None else f" within this receiver's bounds (lists of at most {max_list} entries)"
         raise ManifestError(f"manifest is not valid msgpack{within}: {exc}") from None
+
+
+def _max_list(limits: ManifestLimits) -> int:
+    """The longest list a manifest within limits holds: its block list, a run, or the first token's logprobs."""
+    return max(limits.max_blocks, 4, MAX_TOP_LOGPROBS)
 
 
 def _check_limits(top: dict, fingerprint: ModelFingerprint, limits: ManifestLimits) -> None:
@@ -81,7 +100,7 @@ def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manife
     if not isinstance(top["block_ids"], list) or not isinstance(top["runs"], list):
         raise ManifestError("block_ids and runs must be lists")
     try:
-        fingerprint = ModelFingerprint(**_expect_map(top["fingerprint"], _FP_KEYS, "fingerprint"))
+        fingerprint = _decode_fingerprint(top["fingerprint"], limits)
         if limits is not None:
             _check_limits(top, fingerprint, limits)
         return Manifest(

@@ -29,12 +29,18 @@ def group_runs(block_ids: Sequence[int], max_blocks: int = 0) -> list[BlockRun]:
     """Splits block ids, in order, into runs of consecutive ascending ids of at most max_blocks each
     (0: unbounded). Bounded runs let gather, wire and scatter of neighbouring runs overlap."""
     runs: list[BlockRun] = []
-    for block in block_ids:
-        last = runs[-1] if runs else None
-        if last and last.start + last.num_blocks == block and (not max_blocks or last.num_blocks < max_blocks):
-            runs[-1] = BlockRun(runs[-1].start, runs[-1].num_blocks + 1)
+    start = previous = None
+    count = 0
+    for block in block_ids:  # one BlockRun per run, made once the run ends
+        if count and previous + 1 == block and (not max_blocks or count < max_blocks):
+            count += 1
         else:
-            runs.append(BlockRun(block, 1))
+            if count:
+                runs.append(BlockRun(start, count))
+            start, count = block, 1
+        previous = block
+    if count:
+        runs.append(BlockRun(start, count))
     return runs
 
 

@@ -68,11 +68,13 @@ class ControlConnection:
     def send(self, kind: Kind, payload: object, deadline: float | None) -> None:
         """Sends one frame; raises ControlClosed (or KVTransferError TIMEOUT past deadline)."""
         body = msgpack.packb(payload, use_bin_type=True)
+        frame = _HEADER.pack(len(body), kind) + body
         with self._send_lock:
-            if self._raw_writer not in (None, threading.get_ident()):  # not between an inline transfer's bytes
-                self._deferred.append(_HEADER.pack(len(body), kind) + body)
+            writer = self._raw_writer
+            if writer is not None and writer != threading.get_ident():  # not between an inline transfer's bytes
+                self._deferred.append(frame)
             else:
-                self._io(lambda: self.sock.sendall(_HEADER.pack(len(body), kind) + body), deadline, "send")
+                self._io(self.sock.sendall, deadline, "send", frame)
             self.sent[kind] += 1
 
     @contextlib.contextmanager
@@ -88,7 +90,7 @@ class ControlConnection:
                 self._raw_writer, deferred, self._deferred = None, self._deferred, []
                 for data in deferred:
                     try:
-                        self._io(lambda: self.sock.sendall(data), deadline, "send")
+                        self._io(self.sock.sendall, deadline, "send", data)
                     except KVTransferError:  # the connection failed: the reply's read says so
                         break
 
@@ -97,9 +99,9 @@ class ControlConnection:
         between (an inline transfer's KV: the receiver knows their length from the frame). Raises as send()."""
         body = msgpack.packb(payload, use_bin_type=True)
         with self._send_lock:
-            self._io(lambda: self.sock.sendall(_HEADER.pack(len(body), kind) + body), deadline, "send")
+            self._io(self.sock.sendall, deadline, "send", _HEADER.pack(len(body), kind) + body)
             for buffer in buffers:
-                self._io(lambda: self.sock.sendall(buffer), deadline, "send")
+                self._io(self.sock.sendall, deadline, "send", buffer)
             self.sent[kind] += 1
 
     def send_bytes(self, buffers: list[memoryview], deadline: float) -> None:
@@ -107,7 +109,7 @@ class ControlConnection:
         sure no other frame may come between its pieces (only its own thread writes on the connection then)."""
         with self._send_lock:
             for buffer in buffers:
-                self._io(lambda: self.sock.sendall(buffer), deadline, "send")
+                self._io(self.sock.sendall, deadline, "send", buffer)
 
     def poll(self, max_bytes: int, kinds: tuple[Kind, ...], wait_s: float = 1.0) -> tuple[Kind, object] | None:
         """The next frame if one has begun to arrive (read within wait_s), else None without blocking."""
@@ -122,7 +124,8 @@ class ControlConnection:
         ControlClosed at the end of the stream, KVTransferError MALFORMED for a frame over max_bytes, of an
         unknown kind or (if given) not one of `kinds`, or whose payload is not msgpack; TIMEOUT past deadline."""
         length, kind = _HEADER.unpack(self._read(_HEADER.size, deadline))
-        if kind not in Kind._value2member_map_ or (kinds and kind not in kinds):
+        member = Kind._value2member_map_.get(kind)
+        if member is None or (kinds and member not in kinds):
             raise KVTransferError(TransferStatus.MALFORMED, f"unexpected control frame kind {kind} from {self.peer}")
         if length > max_bytes:
             raise KVTransferError(TransferStatus.MALFORMED, f"control frame of {length} bytes from {self.peer} "
@@ -132,15 +135,15 @@ class ControlConnection:
             payload = msgpack.unpackb(raw, raw=False, strict_map_key=True)
         except Exception as exc:  # noqa: BLE001 - msgpack raises several types for bad bytes
             raise KVTransferError(TransferStatus.MALFORMED, f"undecodable control frame: {exc}") from None
-        self.received[Kind(kind)] += 1
-        return Kind(kind), payload
+        self.received[member] += 1
+        return member, payload
 
     def read_into(self, view: memoryview, deadline: float | None) -> None:
         """Fills `view` (a flat byte view) with the next len(view) raw bytes of the stream. Raises ControlClosed
         at the end of the stream, KVTransferError TIMEOUT past deadline (the stream is then out of step)."""
         got, nbytes = 0, len(view)
         while got < nbytes:
-            count = self._io(lambda: self.sock.recv_into(view[got:], nbytes - got), deadline, "receive")
+            count = self._io(self.sock.recv_into, deadline, "receive", view[got:], nbytes - got)
             if count == 0:
                 raise ControlClosed(f"control connection to {self.peer} closed")
             got += count
@@ -171,7 +174,9 @@ class ControlConnection:
         self.read_into(memoryview(buffer), deadline)
         return buffer
 
-    def _io(self, op, deadline: float | None, what: str):
+    def _io(self, op, deadline: float | None, what: str, *args):
+        """op(*args) on the socket within deadline (None: no limit). Raises ControlClosed, or KVTransferError
+        TIMEOUT."""
         if self._closed:
             raise ControlClosed(f"control connection to {self.peer} is closed")
         timeout = None if deadline is None else deadline - time.monotonic()
@@ -179,7 +184,7 @@ class ControlConnection:
             raise KVTransferError(TransferStatus.TIMEOUT, f"control {what} to {self.peer}: deadline passed")
         try:
             self.sock.settimeout(timeout)
-            return op()
+            return op(*args)
         except socket.timeout:
             raise KVTransferError(TransferStatus.TIMEOUT, f"control {what} to {self.peer} timed out") from None
         except OSError as exc:

@@ -62,7 +62,7 @@ def await_status(conn: ControlConnection, seq: int, deadline: float) -> tuple[Tr
     if not (isinstance(payload, list) and len(payload) == 3 and payload[0] == seq
             and payload[1] in TransferStatus._value2member_map_ and isinstance(payload[2], bool)):
         raise KVTransferError(TransferStatus.MALFORMED, f"bad STATUS frame for transfer {seq}: {payload!r}")
-    return TransferStatus(payload[1]), payload[2]
+    return TransferStatus._value2member_map_[payload[1]], payload[2]
 
 
 def answer_manifest(conn: ControlConnection, frame: TransferFrame, pool: KVPoolView, inbox: ReceiveInbox,

@@ -9,12 +9,14 @@ import torch
 from kv_transfer.checksum import checksum_blocks
 from kv_transfer.device_sync import copy_stream
 from kv_transfer.incoming import IncomingTransfer
+from kv_transfer.manifest import RunInfo
 from kv_transfer.status import KVTransferError, TransferStatus
 
 
 class NoStaging:
     """The StagingPool of a transport that stages nothing: every run goes pool to pool. Hands out meta
-    tensors (no memory), so IncomingTransfer / prepare_outgoing can lay out their run views for free."""
+    tensors (no memory), so prepare_outgoing can lay out its run views without memory (a MappedIncoming
+    takes no staging at all)."""
 
     device = torch.device("meta")
 
@@ -42,16 +44,38 @@ def copy_blocks(src: torch.Tensor, kv: torch.Tensor, dst_ids: Sequence[int]) -> 
     return kv.index_select(2, index)  # [L, 2, n, bs, H, D]
 
 
-def copy_block_lists(src_kv: torch.Tensor, src_ids: Sequence[int], kv: torch.Tensor, dst_ids: Sequence[int]) -> None:
-    """kv[:, :, dst_ids] = src_kv[:, :, src_ids] (pools [L, 2, N, bs, H, D]): a slice copy when both id lists
-    are consecutive, else one index_select and one index_copy_ (two launches on CUDA, whatever the runs)."""
-    n = len(src_ids)
-    if tuple(src_ids) == tuple(range(src_ids[0], src_ids[0] + n)):
-        src = src_kv[:, :, src_ids[0] : src_ids[0] + n]  # [L, 2, n, bs, H, D], a view of the sender's blocks
+def consecutive_start(ids: Sequence[int]) -> int | None:
+    """ids[0] when ids (at least one) are consecutive ascending ids, else None. Reads only the ends of a
+    list that is plainly not consecutive."""
+    first, n = ids[0], len(ids)
+    if ids[-1] - first != n - 1 or tuple(ids) != tuple(range(first, first + n)):
+        return None
+    return first
+
+
+def runs_start(runs: Sequence[RunInfo]) -> int | None:
+    """The first block of runs (at least one) that follow each other without a gap, else None; O(runs)."""
+    start = cursor = runs[0].start_block
+    for run in runs:
+        if run.start_block != cursor:
+            return None
+        cursor += run.num_blocks
+    return start
+
+
+def copy_block_lists(src_kv: torch.Tensor, src_runs: Sequence[RunInfo], kv: torch.Tensor,
+                     dst_ids: Sequence[int]) -> None:
+    """kv[:, :, dst_ids] = src_kv[:, :, the runs' blocks, in order] (pools [L, 2, N, bs, H, D]; the runs cover
+    len(dst_ids) blocks): a slice copy when both sides' blocks are consecutive, else one index_select and
+    one index_copy_ (two launches on CUDA, whatever the runs)."""
+    n, src_start, dst_start = len(dst_ids), runs_start(src_runs), consecutive_start(dst_ids)
+    if src_start is not None:
+        src = src_kv.narrow(2, src_start, n)  # [L, 2, n, bs, H, D], a view of the sender's blocks
     else:
-        src = src_kv.index_select(2, torch.tensor(list(src_ids), dtype=torch.long, device=src_kv.device))
-    if tuple(dst_ids) == tuple(range(dst_ids[0], dst_ids[0] + n)):
-        kv[:, :, dst_ids[0] : dst_ids[0] + n].copy_(src)
+        src_ids = [block for run in src_runs for block in range(run.start_block, run.start_block + run.num_blocks)]
+        src = src_kv.index_select(2, torch.tensor(src_ids, dtype=torch.long, device=src_kv.device))
+    if dst_start is not None:
+        kv.narrow(2, dst_start, n).copy_(src)
     else:
         kv.index_copy_(2, torch.tensor(list(dst_ids), dtype=torch.long, device=kv.device), src)
 
@@ -68,6 +92,10 @@ class MappedIncoming(IncomingTransfer):
     way. The sender's blocks are only read, and only while the sender waits for the final ack."""
 
     source: torch.Tensor | None = None
+
+    def _stage(self, sizes: list[int]) -> tuple[None, list[None]]:
+        """No staging and no payload views: every run goes pool to pool (land / land_all)."""
+        return None, [None] * len(sizes)
 
     @classmethod
     def accept_mapped(cls, manifest, pool, lander) -> "MappedIncoming":
@@ -94,10 +122,8 @@ class MappedIncoming(IncomingTransfer):
         """Copies every run from the sender's blocks into this side's blocks: one copy when both sides' ids
         are consecutive, else one gather and one scatter over the block lists. On CUDA on a side stream,
         complete on return."""
-        src_ids = [block for run in self.manifest.runs for block in range(run.start_block,
-                                                                              run.start_block + run.num_blocks)]
         with copy_stream(self.pool.device):
-            copy_block_lists(self.source, src_ids, self.pool.kv, self.block_ids)
+            copy_block_lists(self.source, self.manifest.runs, self.pool.kv, self.block_ids)
 
     def land(self, index: int, in_place: bool = False) -> None:
         """Copies run `index` from the sender's blocks into this side's blocks and verifies them; raises

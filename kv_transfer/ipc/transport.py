@@ -88,7 +88,8 @@ class IpcSender(TorchDistSender):
         link thread waits for the ready event here, so the KV is complete before the TRANSFER frame leaves."""
         if ready is not None:
             ready.synchronize()
-        return prepare_outgoing(self.pool, request, self.staging, ready, max_run_bytes=0, trailing_checksums=True)
+        return prepare_outgoing(self.pool, request, self.staging, ready, max_run_bytes=0, trailing_checksums=True,
+                                read_in_place=True)
 
     def _new_link(self, peer: ReceiverAddress, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
         return _IpcSenderLink(self, peer, lane, jobs)
