@@ -250,7 +250,8 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          decode_resources=config.decode_resources, kv_streaming=config.kv_streaming,
                          disagg_policy=config.disagg_policy, decode_prefix_reuse=config.decode_prefix_reuse,
                          bounds=config.bounds, drain_timeout_s=config.drain_timeout_s, prefill_tp=config.prefill_tp,
-                         decode_tp=config.decode_tp, transfer=TransferConfig(inline_max_bytes=config.kv_inline_max_bytes))
+                         decode_tp=config.decode_tp,
+                         transfer=TransferConfig(inline_max_bytes=config.kv_inline_max_bytes))
 
 
 async def serve(config: ServeConfig) -> None:

@@ -1,6 +1,7 @@
 """The flag groups of `tandem serve` beside its main ones (cluster/serve.py): the API (served names, the
 admission bound, the HTTP read deadline and connection cap), the Ray cluster, the engine, scaling (the
-worker set's bounds, the autoscaler) and which KV transfers ride the control connection; and the serving mode with its worker counts, read from the main flags.
+worker set's bounds, the autoscaler) and which KV transfers ride the control connection; and the serving
+mode with its worker counts, read from the main flags.
 Each group is added by one function, and the values that need checking are read back by another (ValueError
 names the flag)."""
 from __future__ import annotations

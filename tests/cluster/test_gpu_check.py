@@ -80,9 +80,11 @@ def test_the_report_carries_every_number(tmp_path):
                      "**decode b=1**, per step: 250 kernels, 1.402 ms on the device; cudaGraphLaunch 1",
                      "| 0.311 | 24 | `_decode_attention_kernel` |", "682.95",
                      "KV cache 56183 blocks", "| 0.0625 | 1.30 | 0.05 | 0.52 | True |",
-                     "| 1 | 3.67 | 0.29 | 2.14 | True |", "fixed cost 1.492 ms per transfer, then 20.31 GB/s", "| completed / failed | 64 / 0 |",
+                     "| 1 | 3.67 | 0.29 | 2.14 | True |", "fixed cost 1.492 ms per transfer, then 20.31 GB/s",
+                     "| completed / failed | 64 / 0 |",
                      "20.50 / 850.00", "| KV transfer p50 ms | 4.19 |",
-                     "one at a time (512 tokens), ms | 827.0 / 16.5 (first / last 50.12) |", "`1 failed, 345 passed in 226.72s`",
+                     "one at a time (512 tokens), ms | 827.0 / 16.5 (first / last 50.12) |",
+                     "`1 failed, 345 passed in 226.72s`",
                      "FAILED tests/engine/test_x.py::test_y"):
         assert expected in report, expected
 
