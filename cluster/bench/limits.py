@@ -68,8 +68,10 @@ def _cell(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.2f}"
 
 
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)  # fresh tokens per call, so the prefix cache never helps
+def fresh_prompts(count: int, length: int, vocab: int, seed: int | None = None) -> list[list[int]]:
+    """count prompts of length random ids in [3, vocab): seeded, or (seed None) different at every call; fresh
+    tokens, so the prefix cache never helps."""
+    rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
 
 
@@ -89,7 +91,7 @@ def _prefill_ms(llm, prompts: list[list[int]]) -> tuple[float, float, float | No
 
 def prefill_row(llm, prompts: int = PREFILL_PROMPTS, length: int = PREFILL_LEN, repeats: int = 3) -> LimitRow:
     vocab = llm.engine.model_config.vocab_size
-    runs = [_prefill_ms(llm, _prompts(prompts, length, vocab, seed)) for seed in range(repeats)]
+    runs = [_prefill_ms(llm, fresh_prompts(prompts, length, vocab, seed)) for seed in range(repeats)]
     tokens = prompts * length
     engine_ms = statistics.median(run[0] for run in runs)
     device = [run[2] for run in runs if run[2] is not None]
@@ -107,7 +109,7 @@ def _decode_step_ms(llm, batch: int, context: int, steps: int) -> tuple[float, f
     engine, stats = llm.engine, llm.engine.stats
     params = SamplingParams(max_tokens=1 + steps, temperature=0.0, ignore_eos=True)
     ids = [f"limits-decode-{batch}-{i}" for i in range(batch)]
-    for request_id, prompt in zip(ids, _prompts(batch, context, llm.engine.model_config.vocab_size, 200 + batch)):
+    for request_id, prompt in zip(ids, fresh_prompts(batch, context, llm.engine.model_config.vocab_size, 200 + batch)):
         engine.add_request(request_id, prompt, params)
     times, records = [], []
     try:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import DeviceType
 
+from cluster.bench.limits import fresh_prompts
+
 PREFILL, DECODE_SMALL, DECODE_LARGE, MIXED_DECODES, MIXED_CHUNK = (8, 256), 1, 32, 32, 512
 CONTEXT, DECODE_STEPS = 128, 8
 RUNTIME_CALLS = ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaStreamSynchronize",
@@ -66,11 +68,6 @@ def _drain(engine, ids: list[str]) -> None:
         engine.step()
 
 
-def _prompts(count: int, length: int, vocab: int) -> list[list[int]]:
-    rng = random.Random()  # fresh tokens each time: the prefix cache never helps
-    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
-
-
 def _add(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[str]:
     from engine import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -81,7 +78,7 @@ def _add(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> list[st
 
 
 def _prefill(engine, vocab: int):
-    ids = _add(engine, _prompts(*PREFILL, vocab), 1, "prefill")
+    ids = _add(engine, fresh_prompts(*PREFILL, vocab), 1, "prefill")
 
     def run() -> int:
         steps = 0
@@ -93,17 +90,17 @@ def _prefill(engine, vocab: int):
 
 
 def _decode(engine, vocab: int, batch: int):
-    ids = _add(engine, _prompts(batch, CONTEXT, vocab), 4 * DECODE_STEPS + 4, f"decode{batch}")
+    ids = _add(engine, fresh_prompts(batch, CONTEXT, vocab), 4 * DECODE_STEPS + 4, f"decode{batch}")
     _until_decoding(engine, batch)
     return lambda: _steps(engine, DECODE_STEPS), ids
 
 
 def _mixed(engine, vocab: int):
-    ids = _add(engine, _prompts(MIXED_DECODES, CONTEXT, vocab), 64, "mixed")
+    ids = _add(engine, fresh_prompts(MIXED_DECODES, CONTEXT, vocab), 64, "mixed")
     _until_decoding(engine, MIXED_DECODES)
 
     def run() -> int:  # the chunk's request joins the ids the caller aborts
-        ids.extend(_add(engine, _prompts(1, MIXED_CHUNK, vocab), 2, "chunk"))
+        ids.extend(_add(engine, fresh_prompts(1, MIXED_CHUNK, vocab), 2, "chunk"))
         return _steps(engine, 1)
     return run, ids
 

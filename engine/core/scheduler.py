@@ -43,13 +43,13 @@ def prefill_first_enabled(config: EngineConfig, device_type: str) -> bool:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, allocator: BlockAllocator, prefill_first: bool = False,
-                 max_model_len: int | None = None, prefill_bound: int | None = None) -> None:
+                 max_model_len: int | None = None, prefill_bound: int = 0) -> None:
         """prefill_first: while sequences decode, waiting prompts one step finishes get a step of their own
         (see the module docstring). max_model_len: the engine's context limit (a sequence whose pending token
         reaches it is not scheduled again). prefill_bound: the prompt tokens a step may take while sequences
-        decode (0: no bound; None: config.max_prefill_tokens_while_decoding, auto meaning none)."""
+        decode (0: no bound), as EngineConfig.prefill_bound_on resolves it for the engine's device."""
         self.config = config
-        self.prefill_bound = (config.max_prefill_tokens_while_decoding or 0) if prefill_bound is None else prefill_bound
+        self.prefill_bound = prefill_bound
         self.max_model_len = max_model_len
         self.prefill_first = prefill_first
         self._last_was_prompts_only = False

@@ -34,8 +34,8 @@ def copy_blocks(src: torch.Tensor, kv: torch.Tensor, dst_ids: Sequence[int]) -> 
     """Copies src [L, 2, n, bs, H, D] (a run of the sender's mapped pool) into kv's blocks dst_ids (n ids,
     any order) with one copy, and returns those blocks in run order for the checksum: a view of kv when the
     ids are consecutive, else a gathered copy (at most one run, max_run_bytes)."""
-    n, start = len(dst_ids), dst_ids[0]
-    if tuple(dst_ids) == tuple(range(start, start + n)):
+    n, start = len(dst_ids), consecutive_start(dst_ids)
+    if start is not None:
         target = kv[:, :, start : start + n]  # [L, 2, n, bs, H, D], a view of this side's blocks
         target.copy_(src)
         return target
