@@ -49,13 +49,13 @@ BACKENDS = ["torch", pytest.param("cpu_kernel", marks=needs_numba), pytest.param
 def test_each_backend_matches_transformers_greedy(backend, tiny_checkpoint, hf_greedy):
     """Short and long prompts, a prompt chunked over several steps (its later chunks attend to the cached
     earlier ones), a repeated prompt that hits the prefix cache, and decode steps mixed with prefills."""
-    path = tiny_checkpoint("llama3")
     device = TEST_DEVICE.type if backend == "triton" else "cpu"  # triton: the GPU, or the interpreter on CPU
+    path = tiny_checkpoint("llama3")  # two layers: each reads and writes its own part of the pool
     llm = make_llm(str(path), dtype="float32", device=device, attention_backend=backend,
-                   max_num_batched_tokens=48, block_size=16)
+                   max_num_batched_tokens=16, block_size=8, max_model_len=64)  # small: Triton's interpreter
     assert llm.engine.runner.attention.name == backend
-    prompts = random_prompts([1, 9, 40, 130], llm.get_tokenizer().vocab_size, seed=9)
-    prompts.append(prompts[3][:100] + prompts[1])  # shares 96 tokens (6 blocks) with prompt 3
+    prompts = random_prompts([1, 9, 20, 40], llm.get_tokenizer().vocab_size, seed=9)  # 40: three chunks
+    prompts.append(prompts[3][:36] + prompts[1])  # shares 32 tokens (4 blocks) with prompt 3
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert got == hf_greedy(path, prompts, 6)

@@ -23,10 +23,11 @@ def test_ladder_doubles_up_to_max_num_seqs():
 
 @needs_triton
 def test_padded_static_decode_matches_transformers(tiny_checkpoint, hf_greedy):
-    """Five requests of different lengths finish at different steps, so decode batches of 5, 4, 3, 2, 1
-    rows replay the 8-, 4- and 2-row graphs with padding rows; every token equals transformers'."""
+    """Five requests of different lengths finish at different steps (one step apart), so decode batches of 5, 4, 3,
+    2, 1 rows replay the 8-, 4- and 2-row graphs with padding rows; every token equals transformers'."""
     path = tiny_checkpoint("qwen2")
-    llm = make_llm(str(path), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton", max_num_seqs=8)
+    llm = make_llm(str(path), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton", max_num_seqs=8,
+                   max_num_batched_tokens=96, max_model_len=64)  # every prompt in one step, none default-sized
     engine = llm.engine
     graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention, max_num_seqs=8,
                           max_model_len=engine.max_model_len, device=TEST_DEVICE, capture=False)
@@ -34,8 +35,8 @@ def test_padded_static_decode_matches_transformers(tiny_checkpoint, hf_greedy):
     run = graphs.run_staged
     graphs.run_staged = lambda batch, *rest: replayed.append(len(batch.input_ids)) or run(batch, *rest)
     engine.runner.decode_graphs = graphs
-    prompts = random_prompts([3, 20, 33, 7, 50], llm.get_tokenizer().vocab_size, seed=5)
-    max_tokens = [2, 4, 6, 8, 10]
+    prompts = random_prompts([3, 12, 21, 7, 30], llm.get_tokenizer().vocab_size, seed=5)
+    max_tokens = [2, 3, 4, 5, 6]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     expected = hf_greedy(path, prompts, max(max_tokens))
@@ -91,7 +92,7 @@ def test_capture_runs_on_harmless_inputs_whatever_the_buffers_held(tiny_checkpoi
     the device (the Llama-3-8B shape on an H100, session 22). Garbage in, then the capture's inputs: the forward
     runs and writes nothing into the pool."""
     llm = make_llm(str(tiny_checkpoint("llama")), dtype="float32", device=TEST_DEVICE.type,
-                   attention_backend="triton", max_num_seqs=4)
+                   attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     engine = llm.engine
     graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention, max_num_seqs=4,
                           max_model_len=engine.max_model_len, device=TEST_DEVICE, capture=False)

@@ -168,7 +168,7 @@ def test_fast_dequantize_equals_the_gguf_reference(quant):
     assert (fast - torch.from_numpy(values)).abs().max() <= step  # and it is the matrix that was quantized
 
 
-def test_convert_writes_a_checkpoint_transformers_loads(tmp_path, gguf_file):
+def test_convert_writes_a_checkpoint_transformers_loads(tmp_path, gguf_file, capsys):
     """`tandem convert`: transformers reads the directory back; its greedy tokens equal its own GGUF loading's,
     its tokenizer encodes as ours, and the engine serves the directory as it serves the file."""
     import subprocess
@@ -190,9 +190,10 @@ def test_convert_writes_a_checkpoint_transformers_loads(tmp_path, gguf_file):
         for llm in (from_file, from_dir):
             outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
             assert [o.outputs[0].token_ids for o in outputs] == expected
-    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "convert", str(out / "config.json"),
-                          str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "config.json is not a GGUF file" in bad.stderr
+    from cluster.cli import main  # the same command line, in this process: no second interpreter start
+    capsys.readouterr()
+    assert main(["convert", str(out / "config.json"), str(tmp_path / "x")]) == 2
+    assert "config.json is not a GGUF file" in capsys.readouterr().err
 
 
 def test_sentencepiece_vocabulary_encodes_as_transformers_does(tmp_path):

@@ -51,7 +51,8 @@ def test_a_graph_decode_step_copies_once_each_way(tiny_checkpoint, hf_greedy):
     updates land in one upload, the tokens equal transformers'."""
     path = tiny_checkpoint("qwen2")
     llm = make_llm(str(path), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton", max_num_seqs=4,
-                   block_size=4, async_scheduling=False)  # a step's copies, step by step
+                   block_size=4, async_scheduling=False,  # a step's copies, step by step
+                   max_num_batched_tokens=64, max_model_len=64)  # no default-sized step through the interpreter
     engine = llm.engine
     graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention, max_num_seqs=4,
                           max_model_len=engine.max_model_len, device=TEST_DEVICE, capture=False, io=engine.runner.io)
@@ -60,16 +61,17 @@ def test_a_graph_decode_step_copies_once_each_way(tiny_checkpoint, hf_greedy):
     run = graphs.run_staged
     graphs.run_staged = lambda batch, *rest: replayed.append(len(batch.updates)) or run(batch, *rest)
     prompts = random_prompts([3, 6, 11], llm.get_tokenizer().vocab_size, seed=4)
+    few = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)  # each row crosses into a new block
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, GREEDY)
+        engine.add_request(f"r{i}", prompt, few)
     got = {}
     counts = []
     while engine.has_unfinished_requests():
         counts += copies_per_step(engine, 1, got)
-    steps = 8  # one prefill step, then 7 decode steps
+    steps = 5  # one prefill step, then 4 decode steps
     assert counts == [(1, 1)] * steps
     assert len(replayed) == steps - 1 and 0 < sum(replayed) < 3 * (steps - 1)  # only new blocks travel
-    assert [got[f"r{i}"] for i in range(3)] == hf_greedy(path, prompts, 8)
+    assert [got[f"r{i}"] for i in range(3)] == hf_greedy(path, prompts, 5)
     assert_all_blocks_free(llm)
 
 

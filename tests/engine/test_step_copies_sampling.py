@@ -63,42 +63,52 @@ def test_a_prompt_chunk_that_samples_nothing_brings_its_prompt_logprobs_back_in_
     llm.close()
 
 
+GRAPH_ROWS = 5  # the graphs' largest batch: the five rows of MIXED, no padding row to run through the interpreter
+
+
 def graph_llm(path, cramped: bool = False):
     """An engine whose decode steps go through uncaptured decode graphs (their staged inputs, eagerly); cramped:
-    their staging buffer holds their own fields and 5 table updates, no more."""
-    llm = make_llm(str(path), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton", max_num_seqs=8,
-                   block_size=4, async_scheduling=False)
+    their staging buffer holds their own fields and 5 table updates, no more. A small step budget and context
+    (the prompts are short): the engine starts without pushing a default-sized step through the interpreter."""
+    llm = make_llm(str(path), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton",
+                   max_num_seqs=GRAPH_ROWS, block_size=4, async_scheduling=False, max_num_batched_tokens=64,
+                   max_model_len=64)
     engine = llm.engine
     engine.runner.decode_graphs = DecodeGraphs(engine.runner.model, engine.kv_cache, engine.runner.attention,
-                                               max_num_seqs=8, max_model_len=engine.max_model_len,
+                                               max_num_seqs=GRAPH_ROWS, max_model_len=engine.max_model_len,
                                                device=TEST_DEVICE, capture=False, io=engine.runner.io)
     if cramped:
         graphs = engine.runner.decode_graphs
-        graphs.staging = StagingBuffer(staged_layout(8, 5)[1], TEST_DEVICE, engine.runner.io.copies)
+        graphs.staging = StagingBuffer(staged_layout(GRAPH_ROWS, 5)[1], TEST_DEVICE, engine.runner.io.copies)
     return llm
 
 
-@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_a_graph_decode_step_of_rows_that_sample_differently_copies_once_each_way(tiny_checkpoint, hf_greedy):
-    """The sampling inputs are written behind the graphs' own fields: the graphs' one upload carries them."""
+@pytest.fixture(scope="module")
+def roomy_graph_run(tiny_checkpoint):
+    """MIXED's five prompts through a graph engine with a roomy staging buffer: (path, prompts, engine, the copies
+    of every step, each request's tokens). Shared by the two tests below; it ends with every block free."""
     path = tiny_checkpoint("qwen2")
-    llm = graph_llm(path)
-    prompts = random_prompts([3, 6, 11, 4, 5], llm.get_tokenizer().vocab_size, seed=4)
-    counts, tokens = run_counted(llm.engine, prompts, MIXED)
+    with graph_llm(path) as llm:
+        prompts = random_prompts([3, 6, 11, 4, 5], llm.get_tokenizer().vocab_size, seed=4)
+        counts, tokens = run_counted(llm.engine, prompts, MIXED)
+        yield path, prompts, llm, counts, tokens
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+def test_a_graph_decode_step_of_rows_that_sample_differently_copies_once_each_way(roomy_graph_run, hf_greedy):
+    """The sampling inputs are written behind the graphs' own fields: the graphs' one upload carries them."""
+    path, prompts, llm, counts, tokens = roomy_graph_run
     assert counts == [(1, 1)] * 6  # one prefill step, then 5 decode steps
     assert [tokens["r0"], tokens["r4"]] == hf_greedy(path, [prompts[0], prompts[4]], 6)
     assert_all_blocks_free(llm)
-    llm.close()
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-def test_sampling_inputs_too_big_for_the_graphs_buffer_take_a_copy_of_their_own(tiny_checkpoint):
-    path = tiny_checkpoint("qwen2")
-    prompts = random_prompts([3, 6, 11, 4, 5], 300, seed=4)
-    with graph_llm(path) as llm:
-        _, roomy = run_counted(llm.engine, prompts, MIXED)
+def test_sampling_inputs_too_big_for_the_graphs_buffer_take_a_copy_of_their_own(roomy_graph_run):
+    path, prompts, _, _, roomy = roomy_graph_run
     with graph_llm(path, cramped=True) as llm:
         counts, cramped = run_counted(llm.engine, prompts, MIXED)
+        assert_all_blocks_free(llm)
     assert counts[0] == (1, 1) and counts[1:] == [(2, 1)] * 5  # the decode steps: the graphs' upload + their own
     assert cramped == roomy
 

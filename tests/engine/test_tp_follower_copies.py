@@ -129,7 +129,7 @@ def test_follower_graph_decode_steps_upload_once(tiny_checkpoint, hf_greedy):
     through DecodeGraphs.run_staged in one upload, only the tables' new blocks in it."""
     path = tiny_checkpoint("qwen2")
     with make_llm(str(path), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton", max_num_seqs=4,
-                  block_size=4, async_scheduling=False) as llm:
+                  block_size=4, async_scheduling=False, max_num_batched_tokens=64, max_model_len=64) as llm:
         engine = llm.engine
         follower, followed = attach_follower(engine, graphs=True, num_rows=4)
         replayed = []
@@ -137,14 +137,15 @@ def test_follower_graph_decode_steps_upload_once(tiny_checkpoint, hf_greedy):
         follower.inputs.graphs.run_staged = lambda batch, *rest: replayed.append(len(batch.updates)) or \
             run_staged(batch, *rest)
         prompts = random_prompts([3, 6, 11], llm.get_tokenizer().vocab_size, seed=4)
+        few = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)  # each row crosses into a new block
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, GREEDY)
+            engine.add_request(f"r{i}", prompt, few)
         tokens = _run_all(engine)
-        steps = 8  # one prefill step, then 7 decode steps
+        steps = 5  # one prefill step, then 4 decode steps
         assert followed.kinds == ["prefill"] + ["decode"] * (steps - 1)
         assert followed.copies == [1] * steps
         assert len(replayed) == steps - 1 and 0 < sum(replayed) < 3 * (steps - 1)  # only new blocks travel
-        want = hf_greedy(path, prompts, MAX_TOKENS)
+        want = hf_greedy(path, prompts, 5)
         assert followed.tokens() == {f"r{i}": want[i] for i in range(3)} == tokens
         assert_all_blocks_free(llm)
         follower.close()

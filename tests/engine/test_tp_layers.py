@@ -10,9 +10,25 @@ from engine.model.loader import iter_checkpoint_tensors
 from engine.model.tp_layers import ParallelLMHead, RowParallelLinear, TPShard, VocabParallelEmbedding
 from engine.parallel.layout import check_tp_shapes, kv_head_span, tp_layout
 from engine.model.tp_weights import safetensors_slices, sliced
-from tests.support.tp_ranks import run_ranks
+from tests.support.tp_ranks import RankGroup
 
 HIDDEN, INTER, VOCAB = 16, 24, 259  # 259 = 2 * 130 - 1: the last rank's vocabulary shard is padded
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """`ranks(size) -> RankGroup`: a real gloo group of `size` spawned ranks, started once for this module (each test
+    runs its function on every rank; a group that failed is started anew)."""
+    groups: dict[int, RankGroup] = {}
+
+    def get(size: int) -> RankGroup:
+        if size not in groups or groups[size].closed:
+            groups[size] = RankGroup(size)
+        return groups[size]
+
+    yield get
+    for group in groups.values():
+        group.close()
 
 
 def small_config(num_heads: int = 4, num_kv_heads: int = 2, intermediate: int = INTER) -> ModelConfig:
@@ -40,11 +56,11 @@ def _row_parallel(group, weight, bias, x):
         return [layer(x[:rows, start:stop]) for rows in (3, 300)], layer.bias is not None  # oneDNN and MKL paths
 
 
-def test_row_parallel_linear_equals_unsharded_linear():
+def test_row_parallel_linear_equals_unsharded_linear(ranks):
     generator = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(HIDDEN, INTER, generator=generator), torch.randn(HIDDEN, generator=generator)
     x = torch.randn(300, INTER, generator=generator)
-    results = run_ranks(_row_parallel, 2, weight, bias, x)
+    results = ranks(2).run(_row_parallel, weight, bias, x)
     assert [has_bias for _, has_bias in results] == [True, False]  # the bias is added once, by rank 0
     for outputs, _ in results:
         for out in outputs:
@@ -65,12 +81,12 @@ def _vocab_parallel(group, table, ids, hidden):
         return layout.vocab, embed(ids), head.gather(head(hidden))
 
 
-def test_vocab_parallel_embedding_and_lm_head_equal_unsharded():
+def test_vocab_parallel_embedding_and_lm_head_equal_unsharded(ranks):
     generator = torch.Generator().manual_seed(1)
     table = torch.randn(VOCAB, HIDDEN, generator=generator)
     ids = torch.tensor([0, 129, 130, 258, 7, 200])
     hidden = torch.randn(5, HIDDEN, generator=generator)
-    (span0, embedded0, logits0), (span1, embedded1, logits1) = run_ranks(_vocab_parallel, 2, table, ids, hidden)
+    (span0, embedded0, logits0), (span1, embedded1, logits1) = ranks(2).run(_vocab_parallel, table, ids, hidden)
     assert (span0, span1) == ((0, 130), (130, 259))
     for embedded in (embedded0, embedded1):
         torch.testing.assert_close(embedded, F.embedding(ids, table))
@@ -139,13 +155,13 @@ def _shared_memory_sums(group, path, slot_bytes, tensors):
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_shared_memory_all_reduce_equals_the_sum_on_every_rank(size, tmp_path):
+def test_shared_memory_all_reduce_equals_the_sum_on_every_rank(size, tmp_path, ranks):
     from engine.parallel.host_reduce import create_file
     generator = torch.Generator().manual_seed(5)
     tensors = [torch.randn(rows, HIDDEN, generator=generator) for rows in (8, 1, 300, 8, 5, 64)]
     slot_bytes = 300 * HIDDEN * 4
     create_file(tmp_path / "reduce", size, slot_bytes)
-    results = run_ranks(_shared_memory_sums, size, str(tmp_path / "reduce"), slot_bytes, tensors)
+    results = ranks(size).run(_shared_memory_sums, str(tmp_path / "reduce"), slot_bytes, tensors)
     for op, tensor in enumerate(tensors):
         expected = sum(tensor * (r + 1) + r for r in range(size))
         for rank in range(size):

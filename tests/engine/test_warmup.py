@@ -16,8 +16,9 @@ from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.engines import TEST_DEVICE, make_llm
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-# small enough for Triton's interpreter: two budgets of prompt, a mixed step of 32
-SMALL = dict(max_num_batched_tokens=32, max_model_len=96, max_num_seqs=8)
+# small enough for Triton's interpreter (its cost grows with every token a kernel sees): two budgets of prompt,
+# a mixed step of 16, blocks of 8 (so a 9-token short prompt of the mixed phase ends mid-block)
+SMALL = dict(max_num_batched_tokens=16, max_model_len=48, max_num_seqs=8, block_size=8)
 
 
 def triton_llm(path):
@@ -34,14 +35,14 @@ def assert_untouched(llm) -> None:
 
 @needs_triton
 def test_warm_up_runs_every_step_kind_then_serving_equals_transformers(tiny_checkpoint, hf_greedy):
-    path = tiny_checkpoint("qwen2")
+    path = tiny_checkpoint("qwen2", num_hidden_layers=1)  # the interpreter runs each layer: one is enough here
     llm = triton_llm(path)
     report = warm_up(llm.engine)
     assert report.prefill_steps >= 2 and report.mixed_steps >= 1 and report.decode_steps >= 1, report
     assert report.longest_context == 2 * SMALL["max_num_batched_tokens"] + 2  # two budgets of prompt, two tokens
     assert "warm-up" in report.describe()
     assert_untouched(llm)
-    prompts = random_prompts([3, 40, 17], llm.get_tokenizer().vocab_size, seed=7)
+    prompts = random_prompts([3, 21, 9], llm.get_tokenizer().vocab_size, seed=7)  # one longer than a step
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=6, temperature=0,
                                                                                     ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 6)
@@ -58,12 +59,12 @@ def test_nothing_serving_launches_needs_a_compile_the_warm_up_did_not_do(tiny_ch
     from engine.model import fused_triton
     from tests.support.triton_specialisations import SpecialisationRecorder, new_keys
 
-    llm = triton_llm(tiny_checkpoint("llama"))
+    llm = triton_llm(tiny_checkpoint("llama", num_hidden_layers=1))  # every layer launches the same kernels
     with SpecialisationRecorder(triton_decode, triton_prefill, triton_store, fused_triton) as recorder:
         warm_up(llm.engine)
         warmed = recorder.snapshot()
-        prompts = random_prompts([70, 5, 33, 2, 12], llm.get_tokenizer().vocab_size, seed=3)
-        prompts.append(prompts[2][:20] + [1, 2, 3])  # shares a cached block with the third prompt
+        prompts = random_prompts([35, 5, 17, 2, 6], llm.get_tokenizer().vocab_size, seed=3)  # 35: three steps
+        prompts.append(prompts[2][:10] + [1, 2, 3])  # shares a cached block with the third prompt
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 9, 5, 7, 2, 4)]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert set(warmed) == set(recorder.keys), "a kernel ran while serving that the warm-up never launched"

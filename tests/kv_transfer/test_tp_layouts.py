@@ -26,17 +26,42 @@ VOCAB = 300
 OPTIONS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 << 20)
 
 
+class Side:
+    """One engine and its end of the gRPC link, as a worker holds them: a prefill engine's sender, or a decode
+    engine's receiver; a tensor-parallel engine's staging pool (None at one rank)."""
+
+    def __init__(self, path: str, tp: int, prefill: bool) -> None:
+        self.llm = LLM(path, tensor_parallel_size=tp, **OPTIONS)
+        config = TransferConfig(transport="grpc", kv_transfer_timeout_s=20, connect_timeout_s=30)
+        view, self.staging = (sender_pool if prefill else receiver_pool)(self.llm.engine)
+        self.link = (create_sender if prefill else create_receiver)(config, view, "grpc")
+
+    def assert_all_free(self) -> None:
+        """Every staging block and every engine block free (waiting up to 10 s for a transfer's last frees)."""
+        engine, deadline = self.llm.engine, time.monotonic() + 10
+        while ((self.staging is not None and self.staging.num_free != self.staging.num_blocks)
+               or engine.num_free_blocks != engine.num_total_blocks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.staging is not None:
+            assert self.staging.num_free == self.staging.num_blocks, "a staging block leaked"
+        assert_all_blocks_free(self.llm)
+
+    def close(self) -> None:
+        try:
+            self.link.close()
+            self.assert_all_free()
+        finally:
+            self.llm.close()
+
+
 class Pair:
     """A prefill engine and a decode engine joined by a gRPC sender and receiver, as the workers join them."""
 
-    def __init__(self, path: str, prefill_tp: int, decode_tp: int) -> None:
-        self.prefill = LLM(path, tensor_parallel_size=prefill_tp, **OPTIONS)
-        self.decode = LLM(path, tensor_parallel_size=decode_tp, **OPTIONS)
-        config = TransferConfig(transport="grpc", kv_transfer_timeout_s=20, connect_timeout_s=30)
-        send_view, self.send_staging = sender_pool(self.prefill.engine)
-        receive_view, self.receive_staging = receiver_pool(self.decode.engine)
-        self.sender = create_sender(config, send_view, "grpc")
-        self.receiver = create_receiver(config, receive_view, "grpc")
+    def __init__(self, prefill: Side, decode: Side) -> None:
+        self.sides = (prefill, decode)
+        self.prefill, self.decode = prefill.llm, decode.llm
+        self.sender, self.receiver = prefill.link, decode.link
+        self.send_staging, self.receive_staging = prefill.staging, decode.staging
 
     def prefill_one(self, rid: str, prompt: list[int]) -> None:
         engine = self.prefill.engine
@@ -65,15 +90,10 @@ class Pair:
                 tokens[delta.request_id] += delta.new_token_ids
         return tokens
 
-    def close(self) -> None:
-        self.sender.close()
-        self.receiver.close()
-        for staging in (self.send_staging, self.receive_staging):
-            if staging is not None:
-                assert staging.num_free == staging.num_blocks, "a staging block leaked"
-        for llm in (self.prefill, self.decode):
-            assert_all_blocks_free(llm)
-            llm.close()
+    def assert_all_free(self) -> None:
+        """Both sides: every engine block and every staging block free."""
+        for side in self.sides:
+            side.assert_all_free()
 
 
 @pytest.fixture(scope="module")
@@ -81,62 +101,88 @@ def ckpt(tiny_checkpoint) -> str:
     return str(tiny_checkpoint("llama"))  # 4 query / 2 KV heads: one KV head per rank at TP=2
 
 
+@pytest.fixture(scope="module")
+def pairs(ckpt):
+    """`get(prefill_tp, decode_tp) -> Pair`: the module's tests share their engines (one prefill and one decode
+    engine per size, each started once with its sender or receiver). A Pair starts with both prefix caches empty,
+    as fresh engines; each test checks at its end that every block is free. Closed at the module's end."""
+    sides: dict[tuple[bool, int], Side] = {}
+
+    def side(prefill: bool, tp: int) -> Side:
+        if (prefill, tp) not in sides:
+            sides[prefill, tp] = Side(ckpt, tp, prefill)
+        return sides[prefill, tp]
+
+    def get(prefill_tp: int, decode_tp: int) -> Pair:
+        pair = Pair(side(True, prefill_tp), side(False, decode_tp))
+        for llm in (pair.prefill, pair.decode):
+            llm.engine.kv_cache.allocator.reset_prefix_cache()
+        return pair
+
+    yield get
+    errors = []
+    for one in sides.values():
+        try:
+            one.close()
+        except AssertionError as error:  # every side is closed; the first leak is reported
+            errors.append(error)
+    if errors:
+        raise errors[0]
+
+
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
-def test_greedy_across_layouts_equals_transformers_with_prefix_reuse(prefill_tp, decode_tp, ckpt, hf_greedy):
+def test_greedy_across_layouts_equals_transformers_with_prefix_reuse(prefill_tp, decode_tp, ckpt, hf_greedy,
+                                                                    pairs):
     prompts = random_prompts([1, 9, 30, 70], VOCAB, seed=21)
     again = prompts[3][:48] + random_prompts([11], VOCAB, seed=22)[0]  # 6 blocks the decode side holds
     expected = hf_greedy(ckpt, prompts + [again], MAX_TOKENS)
-    pair = Pair(ckpt, prefill_tp, decode_tp)
-    try:
-        admitted = {}
-        for i, prompt in enumerate(prompts):
-            pair.prefill_one(f"r{i}", prompt)
-            handle = pair.ship(f"r{i}")
-            admitted[f"r{i}"] = (pair.receive(), prompt, ())
-            handle.result(30)  # raises if the transfer failed
-        tokens = pair.decode_all(admitted)
-        assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:4]
-        cached = pair.decode.engine.pin_cached_prefix(again)  # the decode side's prefix cache holds r3's blocks
-        assert len(cached) == 6
-        pair.prefill_one("again", again)
-        handle = pair.ship("again", prefix_blocks=len(cached))
-        outcome = pair.receive()
-        assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
-        handle.result(30)
-        assert pair.decode_all({"again": (outcome, again, cached)})["again"] == expected[4]
-    finally:
-        pair.close()
+    pair = pairs(prefill_tp, decode_tp)
+    admitted = {}
+    for i, prompt in enumerate(prompts):
+        pair.prefill_one(f"r{i}", prompt)
+        handle = pair.ship(f"r{i}")
+        admitted[f"r{i}"] = (pair.receive(), prompt, ())
+        handle.result(30)  # raises if the transfer failed
+    tokens = pair.decode_all(admitted)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:4]
+    cached = pair.decode.engine.pin_cached_prefix(again)  # the decode side's prefix cache holds r3's blocks
+    assert len(cached) == 6
+    pair.prefill_one("again", again)
+    handle = pair.ship("again", prefix_blocks=len(cached))
+    outcome = pair.receive()
+    assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
+    handle.result(30)
+    assert pair.decode_all({"again": (outcome, again, cached)})["again"] == expected[4]
+    pair.assert_all_free()
 
 
-def test_a_delivery_nobody_waits_for_and_a_full_staging_pool_free_everything(ckpt):
-    pair = Pair(ckpt, 2, 2)
-    try:
-        prompt = random_prompts([40], VOCAB, seed=23)[0]
-        pair.prefill_one("dropped", prompt)
-        handle = pair.ship("dropped")
-        outcome = pair.receive()
-        assert pair.receive_staging.num_free < pair.receive_staging.kv.shape[2]
-        drop_delivered(pair.decode.engine, outcome, pair.receive_staging)
-        handle.result(30)
-        staging: GroupStaging = pair.send_staging
-        held = staging.allocate(staging.num_free - 2)  # 2 staging blocks left, 5 needed
-        pair.prefill_one("no-room", prompt)
-        staging.wait_s = 0.2
-        with pytest.raises(ValueError, match="staging pool has 2 free blocks, 5 needed"):
-            pair.ship("no-room")
-        pair.prefill_one("waits", prompt)  # a transfer in flight frees 3 blocks while the next waits for them
-        staging.wait_s = 20.0
-        threading.Timer(0.3, staging.free, [held[:3]]).start()
-        handle = pair.ship("waits")
-        drop_delivered(pair.decode.engine, pair.receive(), pair.receive_staging)
-        handle.result(30)
-        staging.free(held[3:])
-        deadline = time.monotonic() + 10
-        while pair.prefill.engine.num_free_blocks != pair.prefill.engine.num_total_blocks:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-    finally:
-        pair.close()
+def test_a_delivery_nobody_waits_for_and_a_full_staging_pool_free_everything(pairs):
+    pair = pairs(2, 2)
+    prompt = random_prompts([40], VOCAB, seed=23)[0]
+    pair.prefill_one("dropped", prompt)
+    handle = pair.ship("dropped")
+    outcome = pair.receive()
+    assert pair.receive_staging.num_free < pair.receive_staging.kv.shape[2]
+    drop_delivered(pair.decode.engine, outcome, pair.receive_staging)
+    handle.result(30)
+    staging: GroupStaging = pair.send_staging
+    held = staging.allocate(staging.num_free - 2)  # 2 staging blocks left, 5 needed
+    pair.prefill_one("no-room", prompt)
+    staging.wait_s = 0.2
+    with pytest.raises(ValueError, match="staging pool has 2 free blocks, 5 needed"):
+        pair.ship("no-room")
+    pair.prefill_one("waits", prompt)  # a transfer in flight frees 3 blocks while the next waits for them
+    staging.wait_s = 20.0
+    threading.Timer(0.3, staging.free, [held[:3]]).start()
+    handle = pair.ship("waits")
+    drop_delivered(pair.decode.engine, pair.receive(), pair.receive_staging)
+    handle.result(30)
+    staging.free(held[3:])
+    deadline = time.monotonic() + 10
+    while pair.prefill.engine.num_free_blocks != pair.prefill.engine.num_total_blocks:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pair.assert_all_free()
 
 
 @pytest.mark.parametrize("arch,size", [("llama", 2), ("llama3", 4)])  # llama3 at 4: 2 KV heads, each on 2 ranks

@@ -51,3 +51,70 @@ def run_ranks(fn, size: int, *args) -> list:
                 process.join()
         remove_store(rendezvous.store_path)
     return [got[r] for r in range(size)]
+
+
+def _serve_rank(rank: int, size: int, rendezvous: Rendezvous, tasks, results) -> None:
+    """A rank of a RankGroup: connects once, then runs each pickled (fn, args) it is sent until it is sent None."""
+    try:
+        torch.set_num_threads(1)
+        group = connect_group(open_store(rendezvous), rendezvous, rank, size, torch.device("cpu"))
+    except BaseException:  # noqa: BLE001 - the test process reports it
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while (task := tasks.get()) is not None:
+        try:
+            fn, args = pickle.loads(task)
+            results.put((rank, "ok", pickle.dumps(fn(group, *args))))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, "error", traceback.format_exc()))
+
+
+class RankGroup:
+    """`size` spawned ranks of one real gloo group, started once and kept for many `run` calls (a module's tests
+    share the start-up: a spawned rank imports torch and the engine). Each call behaves as run_ranks: fn(group,
+    *args) on every rank, results in rank order, AssertionError with the traceback if a rank raised; after a
+    failure the group is closed (its ranks may be stuck in a collective) and `closed` is True."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.closed = size, False
+        self.rendezvous = Rendezvous(private_store_path(), "test")
+        context = mp.get_context("spawn")
+        self.results = context.Queue()
+        self.tasks = [context.Queue() for _ in range(size)]
+        self.processes = [context.Process(target=_serve_rank, args=(r, size, self.rendezvous, self.tasks[r],
+                                                                     self.results), daemon=True)
+                          for r in range(size)]
+        for process in self.processes:
+            process.start()
+
+    def run(self, fn, *args) -> list:
+        assert not self.closed, "this rank group was closed"
+        task = pickle.dumps((fn, args))  # by value, as run_ranks sends them
+        for tasks in self.tasks:
+            tasks.put(task)
+        got = {}
+        try:
+            for _ in range(self.size):
+                rank, status, value = self.results.get(timeout=RANK_TIMEOUT_S)
+                assert status == "ok", f"rank {rank} failed:\n{value}"
+                got[rank] = pickle.loads(value)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, queue.Empty):
+                raise AssertionError(f"ranks {sorted(set(range(self.size)) - set(got))} gave no result") from exc
+            raise
+        return [got[r] for r in range(self.size)]
+
+    def close(self) -> None:
+        """Stops every rank (killed past a timeout) and removes the group's store."""
+        if self.closed:
+            return
+        self.closed = True
+        for tasks in self.tasks:
+            tasks.put(None)
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        remove_store(self.rendezvous.store_path)
