@@ -77,9 +77,12 @@ def test_a_check_that_raises_fails_with_its_traceback_and_the_next_still_runs(tm
 
 def test_selftest_runs_without_importing_ray():
     """build_parser imports every subcommand's module: none may import Ray at module level, and the
-    selftest itself never does. A command whose module cannot be imported stays, saying why when run."""
+    selftest itself never does. A command whose module cannot be imported stays, saying why when run. Given
+    the command line, it imports only the named command's module: the HTTP load client starts without torch."""
     code = ("import sys\n"
             "from cluster.cli import build_parser, main\n"
+            "build_parser(['bench', 'serve', '--base-url', 'http://127.0.0.1:1'])\n"
+            "assert 'torch' not in sys.modules, 'building the parser of tandem bench serve imported torch'\n"
             "build_parser()\n"
             "assert 'ray' not in sys.modules, 'building the tandem parser imported ray'\n"
             "rc = main(['selftest', '--device', 'cpu', '--quick', '--only', 'kernel numba'])\n"
@@ -93,6 +96,6 @@ def test_selftest_runs_without_importing_ray():
 def test_a_command_whose_module_is_missing_says_so_when_run(monkeypatch, capsys):
     parser = argparse.ArgumentParser(prog="tandem")
     _add_command(parser.add_subparsers(dest="command"), "gone", "tandem_no_such_module", "help")
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "build_parser", lambda argv=None: parser)
     assert cli.main(["gone", "--any", "flags"]) == 2
     assert "tandem gone: unavailable on this machine: No module named" in capsys.readouterr().err
