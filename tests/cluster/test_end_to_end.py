@@ -18,15 +18,13 @@ import json
 import aiohttp
 import grpc
 import pytest
-import ray
 
 from cluster.api.grpc_server import start_grpc_server
 from cluster.api.http_server import start_http_server
-from cluster.coordinator.start import start_cluster
 from cluster.workers.cluster_config import ClusterConfig
 from engine import LLM, EngineConfig
 from proto import tandem_pb2, tandem_pb2_grpc
-from tests.support.cluster_rig import start_local_ray, wait_until_idle
+from tests.support.cluster_rig import running_cluster, wait_until_idle
 from tests.support.engine_checks import random_prompts
 from tests.support.frontend_rig import local_backend
 
@@ -61,14 +59,11 @@ def colocated_engine(checkpoint):
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
     """1 prefill + 1 decode worker on this module's own local Ray."""
-    start_local_ray()
     config = ClusterConfig(model=checkpoint, device="cpu", num_prefill_workers=1, num_decode_workers=1,
                            transport="grpc", engine=EngineConfig(kv_cache_memory=POOL_BYTES),
                            expect_timeout_s=30.0, worker_start_timeout_s=60.0)
-    coordinator = start_cluster(config)
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
-    ray.shutdown()
+    with running_cluster(config) as coordinator:
+        yield coordinator
 
 
 @pytest.fixture(params=MODES)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 
 import aiohttp
 import pytest
@@ -23,15 +22,13 @@ from cluster.backend import BackendUnavailable, ScaleRefused
 from cluster.clients.scale import add_arguments as add_scale_arguments
 from cluster.clients.scale import run as run_scale
 from cluster.coordinator.autoscaler import AutoscalePolicy
-from cluster.coordinator.start import start_cluster
 from cluster.workers.worker_bounds import WorkerBounds
 from engine import LLM
-from tests.support.cluster_rig import POOL_BYTES, cluster_config, greedy, start_local_ray, wait_until_idle
+from tests.support.cluster_rig import POOL_BYTES, cluster_config, greedy, running_cluster, wait_until_idle
 from tests.support.engine_checks import random_prompts
 from tests.support.http_rig import post
-from tests.support.scaling_rig import (PARAMS, finish, released, samples, victim, wait_for, wait_gone, wave,
+from tests.support.scaling_rig import (PARAMS, finish, released, samples, victim, wait_for, wave,
                                        whereabouts, workers_in)
-from tests.support.serve_process import descendants
 
 VOCAB = 256
 KEY = "scale-s3cret"
@@ -40,29 +37,18 @@ HOLD = greedy(1500)   # a request that keeps its worker busy until the test canc
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    before = descendants(os.getpid())
-    start_local_ray()
-    yield
-    started = descendants(os.getpid()) - before
-    ray.shutdown()
-    assert wait_gone(started), "processes of the local Ray outlived it"
-
-
-@pytest.fixture(scope="module")
-def disaggregated(local_ray):
+def disaggregated():
     config = dataclasses.replace(cluster_config(1, 1, "gloo"), bounds=WorkerBounds(max_prefill=2, max_decode=2),
                                  max_live_per_decode_worker=12)
-    coordinator = start_cluster(config)
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
+    with running_cluster(config) as coordinator:
+        yield coordinator
 
 
 @pytest.fixture(scope="module")
-def replicas(local_ray):
-    coordinator = start_cluster(dataclasses.replace(cluster_config(1, 1), num_prefill_workers=0, transport="auto"))
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
+def replicas():
+    with running_cluster(dataclasses.replace(cluster_config(1, 1), num_prefill_workers=0, transport="auto")) \
+            as coordinator:
+        yield coordinator
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,10 @@ from contextlib import aclosing
 
 import jsonschema
 import pytest
-import ray
 
-from cluster.coordinator.start import start_cluster
 from cluster.workers.cluster_config import ClusterConfig
 from engine import LLM, EngineConfig, SamplingParams, StructuredOutputsParams
-from tests.support.cluster_rig import request, start_local_ray, wait_until_idle
+from tests.support.cluster_rig import request, running_cluster, wait_until_idle
 from tests.support.engine_checks import random_prompts
 
 POOL_BYTES = 4 << 20
@@ -39,15 +37,12 @@ def checkpoint(tiny_checkpoint) -> str:
 
 @pytest.fixture(scope="module", params=["disaggregated", "replicas"])
 def cluster(checkpoint, request):
-    start_local_ray()
     workers = dict(num_prefill_workers=1, num_decode_workers=1, transport="grpc") \
         if request.param == "disaggregated" else dict(num_prefill_workers=0, num_decode_workers=2)
     config = ClusterConfig(model=checkpoint, device="cpu", engine=EngineConfig(kv_cache_memory=POOL_BYTES),
                            expect_timeout_s=30.0, worker_start_timeout_s=60.0, **workers)
-    coordinator = start_cluster(config)
-    yield coordinator
-    asyncio.run(coordinator.shutdown())
-    ray.shutdown()
+    with running_cluster(config) as coordinator:
+        yield coordinator
 
 
 def params(index: int, spec: StructuredOutputsParams) -> SamplingParams:

@@ -22,6 +22,7 @@ from tests.support.ray_start import start_ray
 
 
 def _two_node_cluster() -> FakeCluster:
+    ray.shutdown()  # the session's local Ray (tests/support/cluster_rig.py), if it runs: one Ray per driver
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": NODE_IP,
                                                             "include_dashboard": False})
     fake = FakeCluster(cluster, {}, None)

@@ -30,12 +30,9 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(prompts) -> list[list[int]]:
-    pytest.importorskip("accelerate")
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(TRAINED.parent, gguf_file=TRAINED.name, dtype=torch.float32)
-    return hf_greedy_generate(model.eval(), prompts, MAX_TOKENS)
+def expected(prompts, trained_default_hf) -> list[list[int]]:
+    _, model = trained_default_hf
+    return hf_greedy_generate(model, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("transport", ["gloo", "grpc"])

@@ -27,14 +27,9 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf():
+def hf(trained_default_hf):
     """transformers' own GGUF loading of the same file: its tokenizer and float32 model."""
-    pytest.importorskip("accelerate")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(TRAINED.parent, gguf_file=TRAINED.name)
-    model = AutoModelForCausalLM.from_pretrained(TRAINED.parent, gguf_file=TRAINED.name, dtype=torch.float32)
-    return tokenizer, model.eval()
+    return trained_default_hf
 
 
 def test_llm_without_a_model_is_smollm2(llm):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import os
 import time
 from contextlib import aclosing
 
@@ -12,15 +14,28 @@ import ray
 from cluster.backend import GenerationChunk, GenerationRequest
 from cluster.workers.cluster_config import ClusterConfig
 from engine import EngineConfig, SamplingParams
+from tests.support.fake_nodes import live_placement_groups
 from tests.support.ray_start import start_ray
+from tests.support.serve_process import descendants, live_processes
 
 POOL_BYTES = 16 << 20           # 256 blocks of the default model per worker
 SMALL_ENGINE = EngineConfig(kv_cache_memory=POOL_BYTES)
+IDLE_WORKER = "ray::IDLE"       # the command line of a worker process Ray keeps pooled for the next task or actor
 
 
 def start_local_ray() -> None:
-    start_ray(lambda: ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=8,
-                               log_to_driver=False))
+    """The session's local Ray on 127.0.0.1: started by the first test that needs it and kept for the next ones
+    (a Ray start costs ~5 s on the 2-core CI machine, its stop ~1 s); tests/conftest.py stops it at the end of the
+    session. Each cluster started on it is checked released when it stops (running_cluster, stopped_cluster). A
+    test that needs a Ray of its own (other nodes, other resources) calls leave_local_ray() first."""
+    if not ray.is_initialized():
+        start_ray(lambda: ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                                   num_cpus=8, log_to_driver=False))
+
+
+def leave_local_ray() -> None:
+    """Stops the session's local Ray if it runs (the next start_local_ray() starts a new one)."""
+    ray.shutdown()
 
 
 def cluster_config(num_prefill: int, num_decode: int, transport: str = "grpc") -> ClusterConfig:
@@ -39,15 +54,53 @@ def request(request_id: str, prompt: list[int], params: SamplingParams) -> Gener
 
 @contextlib.contextmanager
 def running_cluster(config: ClusterConfig):
-    """A local Ray with a cluster started on it (the Coordinator); both shut down at the end."""
+    """A cluster (the Coordinator) started on the session's local Ray; at the end it is shut down and checked
+    released (stopped_cluster)."""
     from cluster.coordinator.start import start_cluster
     start_local_ray()
+    before = RayFootprint.now()
     coordinator = start_cluster(config)
     try:
         yield coordinator
     finally:
-        asyncio.run(coordinator.shutdown())
-        ray.shutdown()
+        stopped_cluster(coordinator, before)
+
+
+@dataclasses.dataclass(frozen=True)
+class RayFootprint:
+    """What runs in the session's Ray at one moment: live actors, placement groups, and this process's
+    descendants (Ray's own processes and its workers)."""
+    actors: frozenset[str]
+    groups: frozenset[str]
+    processes: frozenset[int]
+
+    @classmethod
+    def now(cls) -> RayFootprint:
+        actors = ray._private.state.actors()
+        return cls(frozenset(a for a, info in actors.items() if info["State"] != "DEAD"),
+                   frozenset(g["placement_group_id"] for g in live_placement_groups()),
+                   frozenset(descendants(os.getpid())))
+
+
+def stopped_cluster(coordinator, before: RayFootprint, timeout_s: float = 20.0) -> None:
+    """Shuts the cluster down and fails unless all it added to the session's Ray since `before` is gone: its
+    actors, its placement groups, and the processes started since (but the idle workers Ray keeps pooled for
+    the next cluster)."""
+    asyncio.run(coordinator.shutdown())
+    deadline = time.monotonic() + timeout_s
+    while (added := _added_since(before)) != ((), (), {}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    actors, groups, processes = added
+    assert not (actors or groups or processes), \
+        f"left by a stopped cluster: actors {actors}, placement groups {groups}, processes {processes}"
+
+
+def _added_since(before: RayFootprint) -> tuple[tuple, tuple, dict[int, str]]:
+    now = RayFootprint.now()
+    commands = live_processes()
+    processes = {pid: commands[pid].command for pid in now.processes - before.processes
+                 if pid in commands and not commands[pid].command.startswith(IDLE_WORKER)}
+    return tuple(sorted(now.actors - before.actors)), tuple(sorted(now.groups - before.groups)), processes
 
 
 async def collect(backend, generation: GenerationRequest,

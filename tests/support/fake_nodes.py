@@ -62,6 +62,7 @@ def start_fake_cluster() -> FakeCluster:
 
 
 def _start_fake_cluster() -> FakeCluster:
+    ray.shutdown()  # the session's local Ray (tests/support/cluster_rig.py), if it runs: one Ray per driver
     dashboard = ray._private.utils.get_dashboard_dependency_error() is None
     head = {"num_cpus": 0, "node_ip_address": NODE_IP, "include_dashboard": dashboard}
     if dashboard:
