@@ -79,11 +79,3 @@ def _stop_the_sessions_ray():
     if ray is not None and ray.is_initialized():
         ray.shutdown()
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under xdist (`make test` runs -n 2 --dist loadgroup): the tests that start Ray or servers (tests/cluster,
-    tests/bench) run on one worker, in their order, so no two local Rays compete for the cores and module
-    fixtures keep their clusters; the engine, transfer and planner tests share the other worker."""
-    for item in items:
-        if item.path.parent.name in ("cluster", "bench"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
