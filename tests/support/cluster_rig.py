@@ -27,15 +27,10 @@ def start_local_ray() -> None:
     """The session's local Ray on 127.0.0.1: started by the first test that needs it and kept for the next ones
     (a Ray start costs ~5 s on the 2-core CI machine, its stop ~1 s); tests/conftest.py stops it at the end of the
     session. Each cluster started on it is checked released when it stops (running_cluster, stopped_cluster). A
-    test that needs a Ray of its own (other nodes, other resources) calls leave_local_ray() first."""
+    test that needs a Ray of its own (other nodes, other resources) calls ray.shutdown() first."""
     if not ray.is_initialized():
         start_ray(lambda: ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
                                    num_cpus=8, log_to_driver=False))
-
-
-def leave_local_ray() -> None:
-    """Stops the session's local Ray if it runs (the next start_local_ray() starts a new one)."""
-    ray.shutdown()
 
 
 def cluster_config(num_prefill: int, num_decode: int, transport: str = "grpc") -> ClusterConfig:
