@@ -17,9 +17,10 @@ mixed into a decode step makes its first token wait for the whole decode batch, 
 about what mixing adds. The token bound keeps that step about as dear as the decode step it goes ahead of at
 most: a longer prompt in a step of its own would hold every decode for its whole prefill without a token,
 where mixed in, the decodes ride along for a few rows (served, 512-token prompts at 1 req/s against ~10
-decodes: TPOT 220-251 vs 255-267 ms, ITL p99 0.8-1.0 vs 1.6 s; docs/benchmarks.md). Where a step costs about the same whatever it carries (a GPU at small batch reads
-every weight each step), mixing is free and an extra step only delays the decodes. A prompt that needs several
-chunks would gain nothing from a first chunk of its own (its first token comes after the last one), so such
+decodes: TPOT 220-251 vs 255-267 ms, ITL p99 0.8-1.0 vs 1.6 s; docs/benchmarks.md). Where a step costs
+about the same whatever it carries (a GPU at small batch reads every weight each step), mixing is
+free and an extra step only delays the decodes. A prompt that needs several chunks would gain nothing from a
+first chunk of its own (its first token comes after the last one), so such
 prompts are mixed as usual, and the prompts behind them wait their turn (FCFS). Hence on for CPU and off for
 CUDA by default (EngineConfig.prefill_first "auto").
 """
