@@ -13,7 +13,8 @@ import torch
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each check runs. perf_shape: the cluster.bench checkpoint the perf checks measure."""
+    """How big each check runs. perf_shape: the cluster.bench checkpoint the perf checks measure;
+    greedy_step_tokens: the greedy checks' step budget (below the longest prompt, so its prefill is chunked)."""
 
     greedy_prompt_lengths: tuple[int, ...]
     greedy_max_tokens: int
@@ -26,6 +27,7 @@ class Sizes:
     decode_steps: int
     transfer_mib: int
     transfer_repeats: int
+    greedy_step_tokens: int = 64
 
 
 def sizes_for(device: torch.device, quick: bool) -> Sizes:
@@ -35,8 +37,8 @@ def sizes_for(device: torch.device, quick: bool) -> Sizes:
         if quick:
             return Sizes(lengths, 8, "llama-25m", 2048, 8, 256, batches, 128, 16, 16, 2)
         return Sizes(lengths, 16, "qwen2.5-0.5b", 4096, 8, 512, batches, 512, 32, 64, 3)
-    if quick:
-        return Sizes(lengths[:4], 6, "tiny-llama", 2048, 4, 64, batches, 32, 16, 4, 2)
+    if quick:  # Triton runs interpreted here: every prompt token costs, so fewer of them in a 32-token budget
+        return Sizes(lengths[:3], 6, "tiny-llama", 2048, 4, 64, batches, 32, 16, 4, 2, greedy_step_tokens=32)
     return Sizes(lengths, 12, "llama-25m", 2048, 8, 256, batches, 128, 16, 16, 3)
 
 

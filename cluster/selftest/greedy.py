@@ -1,11 +1,11 @@
 """Greedy tokens of engine.LLM against transformers on the tiny checkpoint, in float32 and bfloat16.
 
-The engine generates greedily for prompts of several lengths at once, with a 64-token step budget so decode
-rows share steps with prefill chunks and later chunks attend over a cached prefix. transformers then reads
-each prompt + the engine's tokens in one forward (teacher-forced) in the same dtype on the same device: a
-token is equal when it is transformers' argmax there. A random checkpoint has near-ties (top-2 logits
-within 1e-3 are common), so a differing token passes only when its logit is within a dtype's rounding of
-the max (1e-3 relative in float32, 3e-2 in bfloat16); anything further is a FAIL.
+The engine generates greedily for prompts of several lengths at once, with a step budget (64 tokens; 32 in the
+CPU quick run) below the longest prompt, so decode rows share steps with prefill chunks and later chunks attend
+over a cached prefix. transformers then reads each prompt + the engine's tokens in one forward (teacher-forced)
+in the same dtype on the same device: a token is equal when it is transformers' argmax there. A random
+checkpoint has near-ties (top-2 logits within 1e-3 are common), so a differing token passes only when its logit
+is within a dtype's rounding of the max (1e-3 relative in float32, 3e-2 in bfloat16); anything further is a FAIL.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from cluster.selftest.kernels import triton_unavailable
 from cluster.selftest.results import Outcome, skipped, verdict
 
 RELATIVE_TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
-STEP_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ def engine_greedy(ctx, case: GreedyCase, path: str, prompts: list[list[int]]) ->
     from engine import LLM, SamplingParams
 
     llm = LLM(path, dtype=case.dtype, device=str(ctx.device), attention_backend=case.backend,
-              enforce_eager=case.eager, max_num_batched_tokens=STEP_TOKENS, max_num_seqs=8,
+              enforce_eager=case.eager, max_num_batched_tokens=ctx.sizes.greedy_step_tokens, max_num_seqs=8,
               kv_cache_memory=64 << 20)
     try:
         params = SamplingParams(max_tokens=ctx.sizes.greedy_max_tokens, temperature=0.0, ignore_eos=True)

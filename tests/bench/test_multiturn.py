@@ -13,7 +13,7 @@ from cluster.bench.compare_report import ModeRun, format_markdown
 from cluster.bench.serve_metrics import RequestResult, compute_metrics
 from cluster.bench.serve_multiturn import MultiturnSummary
 from cluster.bench.serve_workloads import MultiturnWorkload, generate_conversations, validate_workload
-from tests.support.serve_process import TANDEM, start_serve
+from tests.support.serve_process import TANDEM
 
 
 def test_conversations_have_4_to_8_turns_and_are_reproducible():
@@ -28,14 +28,13 @@ def test_conversations_have_4_to_8_turns_and_are_reproducible():
             validate_workload(bad, 256)
 
 
-def test_bench_serve_chats_turn_by_turn_with_the_answers_it_streamed(tmp_path):
+def test_bench_serve_chats_turn_by_turn_with_the_answers_it_streamed(tmp_path, default_server_port):
     result_file = tmp_path / "multiturn.json"
-    with start_serve() as (_, _, http_port):
-        done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{http_port}",
-                               "--dataset-name", "multiturn", "--num-prompts", "3", "--multiturn-first-len", "40",
-                               "--multiturn-user-len", "8", "--multiturn-min-turns", "3", "--multiturn-max-turns", "3",
-                               "--random-output-len", "6", "--ignore-eos", "--result-json", str(result_file)],
-                              capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{default_server_port}",
+                           "--dataset-name", "multiturn", "--num-prompts", "3", "--multiturn-first-len", "40",
+                           "--multiturn-user-len", "8", "--multiturn-min-turns", "3", "--multiturn-max-turns", "3",
+                           "--random-output-len", "6", "--ignore-eos", "--result-json", str(result_file)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Multi-turn" in done.stdout and "Mean KV bytes per turn after the first:" in done.stdout
     result = json.loads(result_file.read_text())

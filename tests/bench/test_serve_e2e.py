@@ -17,13 +17,12 @@ LABELS = ("============ Serving Benchmark Result ============", "Successful requ
           "Mean E2EL (ms):", "Disaggregation", "P50 KV transfer (ms):")
 
 
-def test_bench_serve_against_tandem_serve(tmp_path):
+def test_bench_serve_against_tandem_serve(tmp_path, default_server_port):
     result_file = tmp_path / "result.json"
-    with start_serve() as (_, _, http_port):
-        done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{http_port}",
-                               "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos",
-                               "--goodput", "ttft:60000", "--result-json", str(result_file)],
-                              capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{default_server_port}",
+                           "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos",
+                           "--goodput", "ttft:60000", "--result-json", str(result_file)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for label in LABELS:
         assert label in done.stdout, label

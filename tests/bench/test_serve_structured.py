@@ -9,7 +9,7 @@ from cluster.bench.serve import with_schemas
 from cluster.bench.serve_client import _request_body
 from cluster.bench.serve_workloads import SampleRequest, fit_to_context
 from cluster.bench.structured import SCHEMAS
-from tests.support.serve_process import TANDEM, start_serve
+from tests.support.serve_process import TANDEM
 
 
 def test_schemas_go_round_robin_survive_fitting_and_reach_the_body():
@@ -23,13 +23,12 @@ def test_schemas_go_round_robin_survive_fitting_and_reach_the_body():
     assert "structured_outputs" not in _request_body(SampleRequest((1,), 2), "m", ignore_eos=False)
 
 
-def test_bench_serve_with_a_structured_workload_against_tandem_serve(tmp_path):
+def test_bench_serve_with_a_structured_workload_against_tandem_serve(tmp_path, default_server_port):
     result_file = tmp_path / "result.json"
-    with start_serve() as (_, _, http_port):
-        done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{http_port}",
-                               "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "24",
-                               "--structured-outputs", "json", "--result-json", str(result_file)],
-                              capture_output=True, text=True, timeout=180)
+    done = subprocess.run([*TANDEM, "bench", "serve", "--base-url", f"http://127.0.0.1:{default_server_port}",
+                           "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "24",
+                           "--structured-outputs", "json", "--result-json", str(result_file)],
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     result = json.loads(result_file.read_text())
     assert result["completed"] == 6 and result["failed"] == 0

@@ -1,6 +1,6 @@
 """The placement pre-check on its own (no Ray): what a cluster of given nodes can never hold, the flags that
 feed it, and where a worker added while serving may go by the placement strategy. Placement on real Ray
-nodes: tests/cluster/test_multinode.py and tests/cluster/test_multinode_scaling.py."""
+nodes: tests/cluster/multinode/ (test_multinode.py and test_multinode_scaling.py)."""
 from __future__ import annotations
 
 import argparse

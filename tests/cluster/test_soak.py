@@ -1,4 +1,4 @@
-"""Soak: 300 streaming requests of mixed lengths at ~10 requests/s through a 1 prefill + 2 decode cluster,
+"""Soak: 300 streaming requests of mixed lengths at ~20 requests/s through a 1 prefill + 2 decode cluster,
 about 20% cancelled by their client at random points, and one decode worker SIGKILLed half way.
 Bounded to about two minutes. Nothing hangs, no request that was not cancelled fails, every one of
 those gets the colocated engine's greedy tokens (migrated ones included), and every pool ends whole."""
@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, request, running_cluster, wait_until_idle
 
 NUM_REQUESTS = 300
-RATE = 10.0                 # requests per second (exponential gaps)
+RATE = 20.0                 # requests per second (exponential gaps)
 CANCEL_SHARE = 0.2
 KILL_AT = NUM_REQUESTS // 2
 DEADLINE_S = 150.0          # the whole soak; a hang fails the test instead of the CI run

@@ -1,7 +1,8 @@
-"""Tensor-parallel workers across Ray nodes (ray.cluster_utils.Cluster on 127.0.0.2: a head without CPUs and two
-nodes of 2 CPUs each): with --placement-strategy STRICT_SPREAD each replica's 2 ranks are STRICT_PACKed on one
-node and the two replicas on different nodes, and they serve transformers' greedy tokens; a third replica fits
-no node beside them; at the end nothing of the cluster is left.
+"""Tensor-parallel workers across Ray nodes (ray.cluster_utils.Cluster on 127.0.0.2: the package's cluster,
+conftest.py, whose nodes of 1 CPU hold no rank group, and two nodes of 2 CPUs each added for this module): with
+--placement-strategy STRICT_SPREAD each replica's 2 ranks are STRICT_PACKed on one node and the two replicas on
+different nodes, and they serve transformers' greedy tokens; a third replica fits no node beside them; at the end
+nothing of the cluster is left.
 """
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import asyncio
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from cluster.backend import ScaleRefused
 from cluster.coordinator.start import start_cluster
@@ -17,34 +17,20 @@ from cluster.workers.cluster_config import ClusterConfig
 from engine import EngineConfig
 from tests.support.cluster_rig import POOL_BYTES, collect, greedy, request, wait_until_idle
 from tests.support.engine_checks import random_prompts
-from tests.support.fake_nodes import NODE_IP, FakeCluster, assert_released, stop_fake_cluster
-from tests.support.ray_start import start_ray
-
-
-def _two_node_cluster() -> FakeCluster:
-    ray.shutdown()  # the session's local Ray (tests/support/cluster_rig.py), if it runs: one Ray per driver
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": NODE_IP,
-                                                            "include_dashboard": False})
-    fake = FakeCluster(cluster, {}, None)
-    try:
-        for name in ("a", "b"):
-            fake.nodes[name] = cluster.add_node(num_cpus=2, node_ip_address=NODE_IP)
-        cluster.wait_for_nodes()
-        ray.init(address=fake.address, _node_ip_address=NODE_IP, log_to_driver=False)
-    except BaseException:
-        cluster.shutdown()
-        raise
-    return fake
+from tests.support.fake_nodes import NODE_IP, assert_released
 
 
 @pytest.fixture(scope="module")
-def fake():
-    fake = start_ray(_two_node_cluster)
-    yield fake
-    stop_fake_cluster(fake)
+def two_cpu_nodes(fake) -> list[str]:
+    """Two nodes of 2 CPUs (no GPU, no pool) added to the package's cluster; removed at the end of the module."""
+    nodes = [fake.cluster.add_node(num_cpus=2, node_ip_address=NODE_IP) for _ in range(2)]
+    fake.cluster.wait_for_nodes()
+    yield [node.node_id for node in nodes]
+    for node in nodes:
+        fake.cluster.remove_node(node)
 
 
-def test_spread_groups_each_packed_on_a_node(fake, tiny_checkpoint, hf_greedy):
+def test_spread_groups_each_packed_on_a_node(two_cpu_nodes, tiny_checkpoint, hf_greedy):
     path = tiny_checkpoint("llama")
     config = ClusterConfig(model=str(path), dtype="float32", device="cpu", num_prefill_workers=0,
                            num_decode_workers=2, decode_tp=2, placement_strategy="STRICT_SPREAD",
@@ -57,6 +43,7 @@ def test_spread_groups_each_packed_on_a_node(fake, tiny_checkpoint, hf_greedy):
         nodes = [set(g["bundles_to_node_id"].values()) for g in groups]
         assert [(g["strategy"], len(g["bundles"])) for g in groups] == [("STRICT_PACK", 2)] * 2
         assert all(len(n) == 1 for n in nodes) and nodes[0] != nodes[1]   # a node per group, all its ranks there
+        assert nodes[0] | nodes[1] == set(two_cpu_nodes)                   # the only nodes that hold 2 ranks
         assert {info.node_id for info in coordinator.workers.values()} == nodes[0] | nodes[1]
         assert all(len(info.rank_pids) == 2 for info in coordinator.workers.values())
         prompts = random_prompts([4, 19, 33, 7], 300, seed=3)

@@ -1,7 +1,8 @@
 """Workers added and drained while serving on three Ray nodes of one machine (ray.cluster_utils.Cluster:
-tests/support/fake_nodes.py; node a is the prefill pool, b and c the decode pool, 1 CPU each), by the
-cluster's placement strategy: STRICT_SPREAD with the role pools, KV over gloo between the nodes, a tiny
-llama checkpoint built with transformers' save_pretrained, whose greedy output is the oracle.
+tests/support/fake_nodes.py, the one test_multinode.py ran on: conftest.py; node a is the prefill pool, b and c
+the decode pool, 1 CPU each), by the cluster's placement strategy: STRICT_SPREAD with the role pools, KV over
+gloo between the nodes, a tiny llama checkpoint built with transformers' save_pretrained, whose greedy output is
+the oracle.
 
 One cluster for the module: prefill-0 on a, decode-0 on b or c. An added decode worker lands on the third
 node; both decode workers serve; a worker past the nodes is refused with nothing changed; on a fourth node
@@ -24,18 +25,10 @@ from cluster.coordinator.start import start_cluster
 from cluster.workers.worker_bounds import WorkerBounds
 from tests.support.cluster_rig import cluster_config, collect, greedy, request, wait_until_idle
 from tests.support.engine_checks import random_prompts
-from tests.support.fake_nodes import (DECODE_POOL, NODE_IP, PREFILL_POOL, assert_released, live_placement_groups,
-                                      start_fake_cluster, stop_fake_cluster)
+from tests.support.fake_nodes import DECODE_POOL, NODE_IP, PREFILL_POOL, assert_released, live_placement_groups
 from tests.support.scaling_rig import released, wait_gone, whereabouts, workers_in
 
 LOAD_TIMEOUT_S = 120.0   # a bound on every wait for requests: nothing may hang
-
-
-@pytest.fixture(scope="module")
-def fake():
-    fake = start_fake_cluster()
-    yield fake
-    stop_fake_cluster(fake)
 
 
 @pytest.fixture(scope="module")

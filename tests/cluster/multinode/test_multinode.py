@@ -1,6 +1,7 @@
 """Placement across Ray nodes, on one machine: a head and three worker nodes of ray.cluster_utils.Cluster
-(tests/support/fake_nodes.py), all on 127.0.0.2, each with 1 CPU, one logical GPU and a node pool's custom
-resources. Engines run on CPU (device="cpu"); the fake GPUs exercise the GPU placement logic only.
+(tests/support/fake_nodes.py; one for this package: conftest.py), all on 127.0.0.2, each with 1 CPU, one
+logical GPU and a node pool's custom resources. Engines run on CPU (device="cpu"); the fake GPUs exercise the
+GPU placement logic only.
 
 STRICT_SPREAD puts prefill and decode workers on different nodes (WorkerInfo, /health, /metrics say which)
 and KV crosses nodes over grpc and over gloo with greedy output equal to a local engine's; role pools by
@@ -33,19 +34,12 @@ from engine import LLM
 from tests.support.cluster_rig import SMALL_ENGINE, cluster_config, collect, greedy, request, wait_until_idle
 from tests.support.engine_checks import random_prompts
 from tests.support.fake_nodes import (DECODE_POOL, NODE_IP, PREFILL_POOL, VISIBLE_GPUS, alive_actors, assert_released,
-                                      live_placement_groups, start_fake_cluster, stop_fake_cluster)
+                                      live_placement_groups)
 from tests.support.serve_process import TANDEM, start_serve
 
 VOCAB = 256
-JOB = Path(__file__).resolve().parents[2] / "deploy" / "job.py"
+JOB = Path(__file__).resolve().parents[3] / "deploy" / "job.py"
 LOAD_TIMEOUT_S = 120.0   # a bound on every wait for requests: nothing may hang
-
-
-@pytest.fixture(scope="module")
-def fake():
-    fake = start_fake_cluster()
-    yield fake
-    stop_fake_cluster(fake)
 
 
 @pytest.fixture(scope="module")
