@@ -40,7 +40,7 @@ class ServeConfig:
     replicas: int = 0  # colocated: 0 = one engine in this process, N = N replica actors on Ray
     served_model_names: tuple[str, ...] = ()  # empty: the model path (or "tandem-default")
     kv_streaming: str = "layer"  # disaggregated: KV sent layer by layer under the prefill, or whole after it
-    kv_inline_max_bytes: int = TransferConfig.inline_max_bytes  # gloo: transfers this small ride the control link
+    kv_inline_max_bytes: int | None = TransferConfig.inline_max_bytes  # gloo: transfers riding the control link
     disagg_policy: str = "uncached"
     decode_prefix_reuse: bool = True
     bounds: WorkerBounds = field(default_factory=WorkerBounds)  # of the worker set while serving (on Ray)

@@ -11,7 +11,6 @@ import argparse
 from cluster.coordinator.autoscaler import AutoscalePolicy
 from cluster.workers.worker_bounds import WorkerBounds
 from engine.config import ATTENTION_BACKENDS, PREFILL_FIRST_MODES, EngineConfig
-from kv_transfer.config import TransferConfig
 
 # Serving: while requests decode, a step takes at most this many prompt tokens (one 512-token prompt), so a decode
 # waits at most one such step's prompt work between two tokens: ~0.5-1 s on 2 CPU cores (docs/architecture.md,
@@ -86,17 +85,21 @@ def mode_and_workers_from_args(args: argparse.Namespace) -> tuple[str, int, int,
 
 
 def add_kv_inline_argument(parser) -> None:
-    parser.add_argument("--kv-inline-max-mib", type=float, default=TransferConfig.inline_max_bytes / 2**20,
-                        help="transport gloo: transfers of at most this many MiB travel on the pair's authenticated "
-                             "control connection, larger ones on a gloo process group, whose listener Tandem cannot "
-                             "authenticate (1024: every transfer inline, no gloo listener; docs/architecture.md)")
+    parser.add_argument("--kv-inline-max-mib", type=float, default=None,
+                        help="transport gloo: only transfers of at most this many MiB travel on the pair's "
+                             "authenticated control connection, larger ones on a gloo process group, whose listener "
+                             "Tandem cannot authenticate (default: every transfer inline, no gloo listener ever; "
+                             "docs/architecture.md)")
 
 
-def kv_inline_bytes_from_args(args: argparse.Namespace, mode: str) -> int:
-    """--kv-inline-max-mib in bytes (TransferConfig.inline_max_bytes); ValueError out of range or off its mode."""
+def kv_inline_bytes_from_args(args: argparse.Namespace, mode: str) -> int | None:
+    """--kv-inline-max-mib in bytes (TransferConfig.inline_max_bytes; None: every transfer); ValueError out of
+    range or off its mode."""
+    if args.kv_inline_max_mib is None:
+        return None
     if not 0 <= args.kv_inline_max_mib <= 1024:
         raise ValueError(f"--kv-inline-max-mib must be in [0, 1024], got {args.kv_inline_max_mib}")
-    if mode == "colocated" and args.kv_inline_max_mib != TransferConfig.inline_max_bytes / 2**20:
+    if mode == "colocated":
         raise ValueError("--kv-inline-max-mib needs --mode disaggregated (colocated engines move no KV)")
     return int(args.kv_inline_max_mib * 2**20)
 

@@ -212,8 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the same transfers with every run gathered into staging, interleaved")
     parser.add_argument("--num-layers", type=int, default=8,
                         help="layers of the Llama-3-8B-like block layout (32 = Llama-3-8B: 256 KiB planes)")
-    parser.add_argument("--inline-max-mib", type=float, default=TransferConfig.inline_max_bytes / 2**20,
-                        help="gloo: transfers up to this size travel on the control connection (0: never)")
+    parser.add_argument("--inline-max-mib", type=float, default=None,
+                        help="gloo: transfers up to this size travel on the control connection, larger ones on a "
+                             "process group (default: every transfer inline; 0: never)")
     parser.add_argument("--chunk-mib", type=float, default=TransferConfig.grpc_chunk_bytes / 2**20,
                         help="gRPC message size")
 
@@ -240,9 +241,10 @@ def run(args: argparse.Namespace) -> int:
     blocks = [max(1, int(mib * 2**20) // fp.block_nbytes) for mib in sizes]
     pool = _resident_pool(fp, max(blocks), receiver_device)
     direct_min = None if args.direct_min_plane_kib < 0 else int(args.direct_min_plane_kib * 2**10)
+    inline_max = None if args.inline_max_mib is None else int(args.inline_max_mib * 2**20)
     config = TransferConfig(transport=args.transport, kv_transfer_timeout_s=args.timeout_s,
                             max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20),
-                            direct_min_plane_bytes=direct_min, inline_max_bytes=int(args.inline_max_mib * 2**20))
+                            direct_min_plane_bytes=direct_min, inline_max_bytes=inline_max)
     ranked = args.transport != "grpc"
     variants = ("", GATHERED) if args.compare_gathered else ("",)
     receivers = {v: create_receiver(variant_config(config, v), pool.view(), args.transport,

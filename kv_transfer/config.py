@@ -42,9 +42,10 @@ class TransferConfig:
     # direct run (gloo/nccl) or any run (gRPC) straight into its blocks when their ids are consecutive.
     direct_min_plane_bytes: int | None = 256 << 10
     # gloo: a transfer of at most this many bytes of KV (whole or layer-streamed) travels inline, behind its
-    # TRANSFER frame on the pair's control connection (kv_transfer/dist/inline.py), not on the process group;
-    # 0: never. A receiver reads at most its own value so: both ends should agree.
-    inline_max_bytes: int = 4 << 20
+    # TRANSFER frame on the pair's authenticated control connection (kv_transfer/dist/inline.py), not on a gloo
+    # process group, whose listener nothing authenticates; None (the default): every transfer, so no pair ever
+    # opens a group; 0: none. A receiver reads at most its own value so: both ends should agree.
+    inline_max_bytes: int | None = None
     # The cluster's KV secret (gRPC): a sender sends it with every Push stream; a receiver that has one
     # refuses, before reading anything, a stream without it (UNAUTHENTICATED); gloo/nccl/ipc: both ends of a
     # control connection prove it in the handshake (kv_transfer/control/handshake.py). None: a sender proves
@@ -58,9 +59,10 @@ class TransferConfig:
             raise ValueError("timeouts must be positive")
         if self.direct_min_plane_bytes is not None and self.direct_min_plane_bytes < 0:
             raise ValueError("direct_min_plane_bytes must be >= 0 or None")
-        if isinstance(self.inline_max_bytes, bool) or not isinstance(self.inline_max_bytes, int) \
-                or not 0 <= self.inline_max_bytes <= 1 << 30:
-            raise ValueError(f"inline_max_bytes must be an int in [0, 2**30], got {self.inline_max_bytes!r}")
+        if self.inline_max_bytes is not None and (isinstance(self.inline_max_bytes, bool)
+                                                  or not isinstance(self.inline_max_bytes, int)
+                                                  or not 0 <= self.inline_max_bytes <= 1 << 30):
+            raise ValueError(f"inline_max_bytes must be None or an int in [0, 2**30], got {self.inline_max_bytes!r}")
         if self.grpc_max_concurrent_transfers < 1 or self.grpc_max_queued_transfers < 0:
             raise ValueError("grpc_max_concurrent_transfers must be >= 1 and grpc_max_queued_transfers >= 0")
         if isinstance(self.dist_lanes, bool) or not isinstance(self.dist_lanes, int) or not 1 <= self.dist_lanes <= 64:

@@ -82,9 +82,10 @@ class IncomingTransfer:
         """Pieces in wire order: the manifest's runs, or a streamed transfer's layers."""
         return len(self.payloads)
 
-    def land(self, index: int, in_place: bool = False) -> None:
+    def land(self, index: int, in_place: bool = False, summed: int | None = None) -> None:
         """Verifies piece `index` against its checksum, then writes it into this side's blocks: from staging
-        (scatter), or, in_place, it is already there and only the blocks are verified."""
+        (scatter), or, in_place, it is already there and only the blocks are verified. summed: the piece's
+        checksum as the reader took it while the bytes came in (RunChecksum), instead of a pass over them."""
         if self.manifest.streamed:
             self._land_layer(index)
             return
@@ -96,7 +97,7 @@ class IncomingTransfer:
                 landed = self.pool.kv[:, :, dst[0] : dst[0] + run.num_blocks]  # [L, 2, n, bs, H, D]
             else:
                 landed = as_blocks(self.payloads[index], fp, run.num_blocks)
-            if checksum_blocks(landed) != self._checksums[index]:
+            if (checksum_blocks(landed) if summed is None else summed) != self._checksums[index]:
                 last = run.start_block + run.num_blocks - 1
                 raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"run {index} (sender blocks "
                                       f"{run.start_block}..{last}) failed its checksum", self.manifest.request_id)
@@ -113,17 +114,19 @@ class IncomingTransfer:
                                       self.manifest.request_id)
             put_blocks(self.pool.kv[layer], piece, self.block_ids, dim=1)  # [2, N, bs, H, D]
 
-    def landed(self, index: int, in_place: bool = False, checksum: int | None = None, inline: bool = False) -> None:
+    def landed(self, index: int, in_place: bool = False, checksum: int | None = None, inline: bool = False,
+               summed: int | None = None) -> None:
         """Piece `index` is complete (in staging, or in place in this side's blocks): land it on the lander
-        thread, or now (no lander, or inline: the last piece, which nothing would overlap with). checksum:
-        the piece's trailing checksum, when the manifest left it out."""
+        thread, or now (no lander, inline: the last piece, which nothing would overlap with, or a run in place
+        whose checksum was summed as it came in: nothing left to do but compare). checksum: the piece's
+        trailing checksum, when the manifest left it out; summed: as for land()."""
         if checksum is not None:
             self._checksums[index] = checksum
-        if self._lander is None or inline:
-            self.land(index, in_place)
+        if self._lander is None or inline or (in_place and summed is not None):
+            self.land(index, in_place, summed)
             self._landings.append(None)
         else:
-            self._landings.append(self._lander.submit(self.land, index, in_place))
+            self._landings.append(self._lander.submit(self.land, index, in_place, summed))
 
     def plane_targets(self, index: int, wire_device: torch.device) -> tuple[list[torch.Tensor], bool]:
         """Where the 2 * num_layers plane messages of run `index` go: straight into this side's blocks when

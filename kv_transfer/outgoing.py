@@ -129,15 +129,16 @@ def prepare_streamed(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
 def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: StagingPool,
                      ready_event: "torch.cuda.Event | None" = None, max_run_bytes: int = 0,
                      direct_min_plane_bytes: int | None = None, trailing_checksums: bool = False,
-                     stream_timeout_s: float = 60.0, read_in_place: bool = False) -> OutgoingTransfer:
+                     stream_timeout_s: float = 60.0, all_direct: bool = False) -> OutgoingTransfer:
     """Splits request.block_ids into runs (at most max_run_bytes each, 0: unbounded), checksums each
     run straight from the pool and builds the manifest; reserves staging but gathers nothing yet.
     trailing_checksums: the manifest leaves every checksum out (the transport sends checksum(i) after
     run i's bytes), so nothing is read from the pool here.
     A run is direct (sent as its pool planes) when direct_min_plane_bytes is set, the pool lives on the
     staging device (the wire's device) and each plane has at least that many bytes; the other runs get
-    staging. read_in_place: the receiver reads every run straight out of this pool (ipc): every run is
-    direct, and no staging view is laid out. Reads the pool, changes nothing in it. A streamed request
+    staging. all_direct: every run is direct and no staging view is laid out (ipc: the receiver reads the runs
+    straight out of this pool; inline gloo from a host pool: the planes go on the socket in scatter-gather
+    writes, no gather). Reads the pool, changes nothing in it. A streamed request
     (request.stream) is laid out by prepare_streamed instead (its layers must be in within stream_timeout_s)."""
     if request.stream is not None:
         return prepare_streamed(pool, request, staging_pool, stream_timeout_s)
@@ -152,7 +153,7 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
                         block_ids=tuple(request.block_ids), first_token=request.first_token, runs=infos,
                         first_logprobs=request.first_logprobs, prefix_blocks=request.prefix_blocks)
-    if read_in_place:
+    if all_direct:
         direct = [True] * len(infos)
     elif direct_min_plane_bytes is not None and staging_pool.device == pool.device:
         direct = [info.nbytes // (2 * fp.num_layers) >= direct_min_plane_bytes for info in infos]

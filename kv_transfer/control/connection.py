@@ -94,22 +94,25 @@ class ControlConnection:
                     except KVTransferError:  # the connection failed: the reply's read says so
                         break
 
-    def send_with_bytes(self, kind: Kind, payload: object, buffers: list[memoryview], deadline: float) -> None:
-        """Sends one frame and then `buffers`' raw bytes right behind it, with no frame of another thread in
-        between (an inline transfer's KV: the receiver knows their length from the frame). Raises as send()."""
-        body = msgpack.packb(payload, use_bin_type=True)
+    def send_bytes(self, buffers: list, deadline: float) -> None:
+        """Writes raw bytes (no frame): the part of an inline transfer that follows its frame, every buffer (a
+        bytes-like object) in order, in as few scatter-gather writes as the kernel takes. The caller makes sure no
+        other frame may come between its pieces (only its own thread writes on the connection then)."""
+        views = [memoryview(buffer).cast("B") for buffer in buffers]
         with self._send_lock:
-            self._io(self.sock.sendall, deadline, "send", _HEADER.pack(len(body), kind) + body)
-            for buffer in buffers:
-                self._io(self.sock.sendall, deadline, "send", buffer)
-            self.sent[kind] += 1
+            while views:
+                sent = self._io(self.sock.sendmsg, deadline, "send", views[:_MAX_IOV])
+                views = _past(views, sent)
 
-    def send_bytes(self, buffers: list[memoryview], deadline: float) -> None:
-        """Writes raw bytes (no frame): the part of an inline transfer that follows its frame. The caller makes
-        sure no other frame may come between its pieces (only its own thread writes on the connection then)."""
-        with self._send_lock:
-            for buffer in buffers:
-                self._io(self.sock.sendall, deadline, "send", buffer)
+    def read_into_all(self, views: list[memoryview], deadline: float | None) -> None:
+        """Fills every flat byte view in turn with the next raw bytes of the stream, in as few scatter-gather
+        reads as the kernel takes. Raises as read_into()."""
+        views = [view for view in views if len(view)]
+        while views:
+            count = self._io(self.sock.recvmsg_into, deadline, "receive", views[:_MAX_IOV])[0]
+            if count == 0:
+                raise ControlClosed(f"control connection to {self.peer} closed")
+            views = _past(views, count)
 
     def poll(self, max_bytes: int, kinds: tuple[Kind, ...], wait_s: float = 1.0) -> tuple[Kind, object] | None:
         """The next frame if one has begun to arrive (read within wait_s), else None without blocking."""
@@ -189,6 +192,21 @@ class ControlConnection:
             raise KVTransferError(TransferStatus.TIMEOUT, f"control {what} to {self.peer} timed out") from None
         except OSError as exc:
             raise ControlClosed(f"control {what} to {self.peer} failed: {exc}") from None
+
+
+_MAX_IOV = 1024  # buffers per sendmsg / recvmsg_into (Linux's IOV_MAX)
+
+
+def _past(views: list[memoryview], count: int) -> list[memoryview]:
+    """The views that remain once the first count bytes of them were moved (the first one cut where they end)."""
+    index = 0
+    while index < len(views) and count >= len(views[index]):
+        count -= len(views[index])
+        index += 1
+    rest = views[index:]
+    if rest and count:
+        rest[0] = rest[0][count:]
+    return rest
 
 
 def _peer_name(sock: socket.socket) -> str:

@@ -1,19 +1,23 @@
-"""Inline transfers: a small transfer's KV bytes ride the pair's control connection behind its TRANSFER frame (the
-eager protocol of MPI and UCX), not the data plane's process group.
+"""Inline transfers: a transfer's KV bytes ride the pair's authenticated control connection behind its TRANSFER frame
+(the eager protocol of MPI and UCX), not the data plane's process group.
 
   sender                                          receiver
   TRANSFER {seq, manifest, inline_nbytes}          decode, check, allocate
-  whole request: every run's bytes, right behind   read each run straight into its blocks (consecutive ids)
-    the frame in one write                         or staging, landing it (checksum, scatter) as it completes
+  whole request: per run, right behind the frame,  read each run straight into its blocks (consecutive ids)
+    its bytes, then its checksum (uint64 LE)         or staging, summing each piece as it comes in; check the
+                                                     run's checksum, land it (scatter) as it completes
   layer-streamed: per layer, as the step writes    the same words as on a group (protocol.py), read in order
     it: NEXT_RUN, its bytes, its checksum; then
     COMMIT (or ABORT), the tail
                      <---------------------------  STATUS {seq, final status, whether the group lives}
 
-A gloo sender takes this way for a transfer of at most TransferConfig.inline_max_bytes: each byte is written once
-and read once, and no message goes through the process group, whose pair protocol adds two notifications per
-message and, on a busy host, stalls of milliseconds. A pair that only ever carries inline transfers never opens a
-group (so no gloo listener either). While a streamed transfer writes its layers, a frame another thread sends on
+A gloo sender takes this way for a transfer of at most TransferConfig.inline_max_bytes, by default for every
+transfer: each byte is written once and read once, and no message goes through a process group, whose pair
+protocol adds two notifications per message and, on a busy host, stalls of milliseconds, and whose listener
+nothing authenticates. A pair that only ever carries inline transfers never opens a group (so no gloo listener
+either). A whole request's checksums trail its runs: each side sums a piece (a plane, or a gathered run) right
+before sending it or right after reading it, while it is in cache, and the first byte leaves without a pass over
+the whole transfer first. While a streamed transfer writes its layers, a frame another thread sends on
 the connection (a CANCEL) waits until the stream is written. The connection stays in step whatever the receiver
 decides: a declined transfer's bytes are read and dropped before the reply (a manifest it cannot even decode
 ends the connection instead); a read that fails half-way leaves the stream out of step, so the receiver closes
@@ -21,11 +25,13 @@ the connection (the sender connects afresh for its next transfer).
 """
 from __future__ import annotations
 
+import struct
 import threading
 from typing import Callable
 
 import torch
 
+from kv_transfer.checksum import RunChecksum
 from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.control.exchange import Declined, TransferFrame, answer_manifest, await_status, land_and_settle
 from kv_transfer.dist.channel import PairChannel
@@ -43,13 +49,52 @@ from kv_transfer.stream_tail import MAX_TAIL_BYTES
 HOST = torch.device("cpu")
 
 
-def travels_inline(outgoing: OutgoingTransfer, backend: str, inline_max_bytes: int) -> bool:
-    """Whether a transfer goes inline: over gloo, of at most inline_max_bytes of KV."""
-    return backend == "gloo" and outgoing.manifest.total_nbytes <= inline_max_bytes
+_CHECKSUM = struct.Struct("<Q")  # a whole request's run checksum, behind the run's bytes
+BATCH_BYTES = 1 << 20  # pieces summed, then written or read in one call: well inside a core's L2
+
+
+def travels_inline(nbytes: int, backend: str, inline_max_bytes: int | None) -> bool:
+    """Whether a transfer of nbytes of KV goes inline: over gloo, of at most inline_max_bytes (None: any)."""
+    return backend == "gloo" and (inline_max_bytes is None or nbytes <= inline_max_bytes)
+
+
+def inline_wire_nbytes(manifest: Manifest) -> int:
+    """Bytes behind an inline TRANSFER frame: the KV, and for a whole request a checksum per run."""
+    return manifest.total_nbytes + (0 if manifest.streamed else _CHECKSUM.size * len(manifest.runs))
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy())  # a contiguous host tensor's bytes
+
+
+def _batches(pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """pieces in order, cut into batches of about BATCH_BYTES (a piece larger than that alone): each batch is summed,
+    then moved in one scatter-gather call while it is still in cache."""
+    batches: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for piece in pieces:
+        if batches[-1] and size + piece.numel() > BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(piece)
+        size += piece.numel()
+    return batches
+
+
+def _send_runs_inline(conn: ControlConnection, outgoing: OutgoingTransfer, deadline: float) -> None:
+    """A whole request's runs behind its frame: per run, its pieces in batches, each summed (in cache) and sent
+    in one write, then the run's checksum behind its last batch. Every gather completes before its bytes go."""
+    fingerprint = outgoing.manifest.fingerprint
+    for index, run in enumerate(outgoing.manifest.runs):
+        outgoing.gather(index)
+        summed = RunChecksum.of_run(fingerprint, run.num_blocks)
+        batches = _batches(outgoing.pieces(index))  # flat uint8: planes (direct) or the gathered run
+        for number, batch in enumerate(batches, 1):
+            views = []
+            for piece in batch:
+                summed.add(piece.numpy())
+                views.append(_bytes_of(piece))
+            conn.send_bytes(views + [_CHECKSUM.pack(summed.value())] if number == len(batches) else views, deadline)
 
 
 class ConnectionWire:
@@ -103,17 +148,16 @@ def send_inline(conn: ControlConnection, channel: PairChannel | None, outgoing: 
     connection failed). A receiver whose group is gone says so: this link's channel is then marked broken, so its
     next transfer on the group opens the next epoch."""
     stopped: KVTransferError | None = None
-    if outgoing.stream is None:
-        views = []
-        for index in range(outgoing.num_pieces):
-            outgoing.gather(index)
-            views += [_bytes_of(piece) for piece in outgoing.pieces(index)]
-        frame = TransferFrame(seq, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=sum(map(len, views)))
-        conn.send_with_bytes(Kind.TRANSFER, frame.encode(), views, deadline)
-    else:
-        frame = TransferFrame(seq, outgoing.manifest_bytes, b"", inline_nbytes=outgoing.manifest.total_nbytes)
-        with conn.raw_stream(deadline):
-            conn.send(Kind.TRANSFER, frame.encode(), deadline)
+    whole = outgoing.stream is None
+    if whole and not outgoing.manifest.trailing_checksums:
+        raise ValueError("an inline transfer's manifest leaves its checksums to trail its runs")
+    frame = TransferFrame(seq, outgoing.manifest_bytes, bytes(outgoing.direct) if whole else b"",
+                          inline_nbytes=inline_wire_nbytes(outgoing.manifest))
+    with conn.raw_stream(deadline):
+        conn.send(Kind.TRANSFER, frame.encode(), deadline)
+        if whole:
+            _send_runs_inline(conn, outgoing, deadline)
+        else:
             stopped = send_runs(ConnectionWire(conn, deadline), outgoing, deadline, cancel)
     on_sent()
     final, alive = await_status(conn, seq, deadline)
@@ -135,20 +179,36 @@ class _InlineReader:
 
     def read_all(self) -> bool:
         """A whole request: each run straight into this side's blocks where their ids are consecutive (else its
-        staging piece), landed as soon as it is in. A streamed one: its layers and words. True: committed."""
-        incoming, last = self.incoming, self.incoming.num_pieces - 1
+        staging piece), summed piece by piece as it comes in, then checked against its trailing checksum and
+        landed. A run that fails its check fails the transfer once every byte is read (the stream stays in
+        step). A streamed one: its layers and words. True: committed."""
+        incoming = self.incoming
         if incoming.manifest.streamed:
             committed = receive_runs(ConnectionWire(self.conn, self.deadline), incoming, self.deadline)
-        else:
-            for index in range(incoming.num_pieces):
-                targets, in_place = incoming.plane_targets(index, HOST)
-                for target in targets:  # flat uint8 views
-                    self.conn.read_into(_bytes_of(target), self.deadline)
-                self.in_step = index == last  # every byte read: a failed landing leaves the stream in step
-                incoming.landed(index, in_place=in_place, inline=index == last)
-            return True
-        self.in_step = True
-        return committed
+            self.in_step = True
+            return committed
+        failed: KVTransferError | None = None
+        for index, run in enumerate(incoming.manifest.runs):
+            targets, in_place = incoming.plane_targets(index, HOST)  # flat uint8 views
+            summed = RunChecksum.of_run(incoming.manifest.fingerprint, run.num_blocks)
+            trailer = bytearray(_CHECKSUM.size)
+            batches = _batches(targets)
+            for number, batch in enumerate(batches, 1):
+                views = [_bytes_of(target) for target in batch]
+                self.conn.read_into_all(views + [memoryview(trailer)] if number == len(batches) else views,
+                                        self.deadline)
+                for target in batch:
+                    summed.add(target.numpy())
+            self.in_step = index == incoming.num_pieces - 1  # every byte read: a failure leaves the stream in step
+            try:
+                if failed is None:
+                    incoming.landed(index, in_place=in_place, checksum=_CHECKSUM.unpack(trailer)[0],
+                                    inline=self.in_step, summed=summed.value())
+            except KVTransferError as exc:  # read on: the rest of the transfer's bytes are on their way
+                failed = exc
+        if failed is not None:
+            raise failed
+        return True
 
 
 def _skip_stream(conn: ControlConnection, manifest: Manifest, deadline: float) -> None:
@@ -172,13 +232,20 @@ def _skip_stream(conn: ControlConnection, manifest: Manifest, deadline: float) -
 
 
 def receive_inline(conn: ControlConnection, channel: PairChannel | None, frame: TransferFrame, pool: KVPoolView,
-                   staging: StagingPool, inbox: ReceiveInbox, deadline: float, lander, inline_max_bytes: int) -> None:
+                   staging: StagingPool, inbox: ReceiveInbox, deadline: float, lander,
+                   inline_max_bytes: int | None) -> None:
     """The whole receiver side of an inline TRANSFER frame; the outcome goes to the inbox and the STATUS reply
     to the sender. Raises KVTransferError MALFORMED (nothing allocated; the caller ends the connection) for more
-    inline bytes than this receiver takes, and ControlClosed / KVTransferError when the reply cannot go."""
-    if frame.inline_nbytes > inline_max_bytes:
+    inline bytes than this receiver would read: inline_max_bytes of KV, or (None) twice its whole pool (a transfer
+    a little over the pool is declined from its manifest and read past, so its link stays in use; one announcing
+    more costs the connection). ControlClosed / KVTransferError when the reply cannot go."""
+    block_nbytes = pool.fingerprint.block_nbytes
+    max_kv = inline_max_bytes
+    if max_kv is None:
+        max_kv = 2 * pool.manifest_limits.max_blocks * block_nbytes
+    if frame.inline_nbytes > max_kv + _CHECKSUM.size * (max_kv // block_nbytes):  # at most a run per block
         raise KVTransferError(TransferStatus.MALFORMED, f"an inline transfer of {frame.inline_nbytes} bytes "
-                                                        f"(this receiver takes at most {inline_max_bytes})")
+                                                        f"(this receiver takes at most {max_kv} bytes of KV)")
 
     def group_alive() -> bool:
         return channel is not None and channel.broken is None
@@ -186,10 +253,12 @@ def receive_inline(conn: ControlConnection, channel: PairChannel | None, frame: 
     streamed = not frame.direct  # a whole request's frame has a flag per run, a streamed one's none
 
     def accept(manifest: Manifest) -> IncomingTransfer:
-        if manifest.total_nbytes != frame.inline_nbytes or manifest.streamed != streamed:
+        if inline_wire_nbytes(manifest) != frame.inline_nbytes or manifest.streamed != streamed \
+                or manifest.total_nbytes > max_kv \
+                or (not streamed and any(run.checksum is not None for run in manifest.runs)):
             raise KVTransferError(TransferStatus.MALFORMED, "the inline frame does not match its manifest",
                                   manifest.request_id)
-        return IncomingTransfer.accept(manifest, pool, staging, lander)
+        return IncomingTransfer.accept(manifest, pool, staging, lander, trailing_checksums=True)
 
     def decline() -> bool:  # the bytes are on their way: read past them, so the connection stays in step
         if not streamed:

@@ -113,7 +113,7 @@ class SenderLink:
             raise KVTransferError(exc.status, exc.message, outgoing.manifest.request_id) from None
 
     def _inline(self, outgoing: OutgoingTransfer) -> bool:
-        return travels_inline(outgoing, self.owner.backend, self.owner.config.inline_max_bytes)
+        return self.owner.travels_inline(outgoing.manifest.total_nbytes)
 
     def _exchange(self, outgoing: OutgoingTransfer, handle: TransferHandle, seq: int, deadline: float) -> None:
         conn = self.conn
@@ -174,11 +174,20 @@ class TorchDistSender(KVSender):
     def _new_link(self, peer: ReceiverAddress, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
         return SenderLink(self, peer, lane, jobs)
 
+    def travels_inline(self, nbytes: int) -> bool:
+        """Whether a transfer of nbytes of KV rides its link's control connection (kv_transfer/dist/inline.py)."""
+        return travels_inline(nbytes, self.backend, self.config.inline_max_bytes)
+
     def prepare(self, request: SendRequest, ready) -> OutgoingTransfer:
-        """The transfer as it goes on the wire: runs of at most max_run_bytes, each checksummed from the pool
-        (after the ready event on CUDA), direct where planes are large enough. On a link thread."""
+        """The transfer as it goes on the wire: runs of at most max_run_bytes, direct where planes are large
+        enough, each checksummed from the pool (after the ready event on CUDA). Inline, each is checksummed as its
+        bytes go, and from a host pool every run is direct (a socket takes many planes in one write). On a link
+        thread."""
+        inline = self.travels_inline(len(request.block_ids) * self.pool.fingerprint.block_nbytes)
         return prepare_outgoing(self.pool, request, self.staging, ready, self.config.max_run_bytes,
-                                self.config.direct_min_plane_bytes, stream_timeout_s=self.config.kv_transfer_timeout_s)
+                                self.config.direct_min_plane_bytes, trailing_checksums=inline,
+                                stream_timeout_s=self.config.kv_transfer_timeout_s,
+                                all_direct=inline and self.pool.device.type == "cpu")
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
         if not 0 <= peer.rank < self.rendezvous.world_size or peer.rank == self.rendezvous.rank:

@@ -125,9 +125,10 @@ class MappedIncoming(IncomingTransfer):
         with copy_stream(self.pool.device):
             copy_block_lists(self.source, self.manifest.runs, self.pool.kv, self.block_ids)
 
-    def land(self, index: int, in_place: bool = False) -> None:
+    def land(self, index: int, in_place: bool = False, summed: int | None = None) -> None:
         """Copies run `index` from the sender's blocks into this side's blocks and verifies them; raises
-        KVTransferError(CHECKSUM_MISMATCH). On CUDA the copy runs on a side stream and is complete on return."""
+        KVTransferError(CHECKSUM_MISMATCH). On CUDA the copy runs on a side stream and is complete on return.
+        (No bytes pass a reader here: summed is always None, the copy is summed once made.)"""
         run = self.manifest.runs[index]
         first = self._first_block[index]
         dst = self.block_ids[first : first + run.num_blocks]

@@ -89,7 +89,7 @@ class IpcSender(TorchDistSender):
         if ready is not None:
             ready.synchronize()
         return prepare_outgoing(self.pool, request, self.staging, ready, max_run_bytes=0, trailing_checksums=True,
-                                read_in_place=True)
+                                all_direct=True)
 
     def _new_link(self, peer: ReceiverAddress, lane: int, jobs: queue.SimpleQueue) -> SenderLink:
         return _IpcSenderLink(self, peer, lane, jobs)

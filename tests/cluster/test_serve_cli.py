@@ -107,7 +107,8 @@ def test_engine_flags_reach_the_engine_config():
 
 def test_kv_inline_bound_reaches_both_ends_of_the_kv_plane():
     """--kv-inline-max-mib sets TransferConfig.inline_max_bytes for the prefill workers' senders and the decode
-    workers' receivers alike (a receiver with a smaller bound would end each larger transfer's connection)."""
+    workers' receivers alike (a receiver with a smaller bound would end each larger transfer's connection); without
+    it every gloo transfer rides the authenticated connection (None), so no gloo listener opens."""
     import argparse
 
     from cluster.serve import add_arguments, cluster_config, config_from_args
@@ -115,11 +116,12 @@ def test_kv_inline_bound_reaches_both_ends_of_the_kv_plane():
     from cluster.workers.worker_template import worker_template
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    config = config_from_args(parser.parse_args(["--prefill-workers", "1", "--kv-inline-max-mib", "1024"]))
+    config = config_from_args(parser.parse_args(["--prefill-workers", "1", "--kv-inline-max-mib", "4"]))
     template = worker_template(cluster_config(config), EngineSpec("tiny", "float32", "cpu", config.engine, 1), "gloo")
-    assert template.transfer.inline_max_bytes == template.receiver_transfer.inline_max_bytes == 1 << 30
+    assert template.transfer.inline_max_bytes == template.receiver_transfer.inline_max_bytes == 4 << 20
     default = cluster_config(config_from_args(parser.parse_args(["--prefill-workers", "1"])))
-    assert default.transfer.inline_max_bytes == 4 << 20
+    template = worker_template(default, EngineSpec("tiny", "float32", "cpu", config.engine, 1), "gloo")
+    assert template.transfer.inline_max_bytes is template.receiver_transfer.inline_max_bytes is None
     for bad, message in ((["--prefill-workers", "1", "--kv-inline-max-mib", "2048"], "must be in"),
                          (["--kv-inline-max-mib", "64"], "needs --mode disaggregated")):
         with pytest.raises(ValueError, match=message):

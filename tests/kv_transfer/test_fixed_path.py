@@ -180,7 +180,7 @@ def test_a_pool_read_in_place_stages_nothing_and_keeps_the_manifest():
     pool = FreeListPool(FP, 16)
     request = SendRequest("r", (3, 4, 5, 9), 14, 42)
     staged = prepare_outgoing(pool.view(), request, NO_STAGING, trailing_checksums=True)
-    in_place = prepare_outgoing(pool.view(), request, NO_STAGING, trailing_checksums=True, read_in_place=True)
+    in_place = prepare_outgoing(pool.view(), request, NO_STAGING, trailing_checksums=True, all_direct=True)
     assert in_place.manifest_bytes == staged.manifest_bytes and in_place.manifest == staged.manifest
     assert in_place.direct == [True, True] and in_place.run_payloads == [None, None]
     assert [p.shape[0] for p in staged.run_payloads] == [run.nbytes for run in staged.manifest.runs]

@@ -1,11 +1,13 @@
-"""Inline gloo transfers (kv_transfer/dist/inline.py): a small transfer's bytes ride the pair's control connection
-behind its TRANSFER frame. A pair that carries only such transfers never opens a process group; one that carries
-both opens its group at the first large one; a declined or malformed inline transfer leaves the connection in
-step for the next; a receiver that takes fewer inline bytes than a sender sends ends that connection and keeps
-serving. Sender and receiver run in this process, on threads, over real sockets and real gloo."""
+"""Inline gloo transfers (kv_transfer/dist/inline.py): a transfer's bytes ride the pair's control connection behind
+its TRANSFER frame (by default every transfer's). A pair that carries only such transfers never opens a process
+group (nor a gloo listener); one given a bound opens its group at the first transfer past it; a declined or
+malformed inline transfer leaves the connection in step for the next; a receiver that takes fewer inline bytes than a
+sender sends ends that connection and keeps serving. Sender and receiver run in this process, on threads, over
+real sockets and real gloo."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,13 +15,14 @@ import torch
 from kv_transfer import (DistRendezvous, KVTransferError, ReceivedKV, ReceiveFailed, SendRequest, TransferConfig,
                          TransferStatus, create_receiver, create_sender)
 from kv_transfer.control.connection import Kind
-from kv_transfer.control.exchange import TransferFrame, await_status
+from kv_transfer.control.exchange import await_status
 from kv_transfer.layer_stream import LayerClock, LayerStream, StreamTail
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.testing import FreeListPool, blocks_bytes, fill_blocks
-from tests.support.kv_hand_link import hand_link
+from tests.support.kv_hand_link import hand_link, inline_wire, send_frame_with_bytes
 from tests.support.kv_peer import FP32
+from tests.support.listening import listening_ports
 
 BLOCKS = 64
 NAMESPACE = "inline"
@@ -70,6 +73,31 @@ def test_small_transfers_open_no_group_and_cost_one_frame_each_way(pair):
     assert {k: n for k, n in link.conn.received.items() if k not in handshake} == {Kind.STATUS: 3}
 
 
+def test_by_default_every_transfer_rides_the_control_connection_and_no_gloo_socket_listens():
+    """TransferConfig's default (inline_max_bytes None): transfers of any size, whole and layer-streamed, never open
+    a process group, so no listener but the receiver's authenticated control listener ever exists (issue 32)."""
+    listening_before = listening_ports()
+    sender, sender_pool, receiver, receiver_pool = parts = make_pair(receiver_inline_max=None, sender_inline_max=None)
+    try:
+        control_port = int(receiver.address.target.rpartition(":")[2])
+        for i, num_blocks in enumerate([1, 9, BLOCKS // 2, BLOCKS]):  # past any bound the old default had
+            transfer(parts, f"any-{i}", num_blocks, seed=i)
+        clock, stream, blocks, expected, handle = start_streamed(parts, "streamed", 12, seed=7)
+        for layer in range(FP32.num_layers):
+            clock.layer_done(layer)
+        assert stream.finish(StreamTail(first_token=2), blocks)
+        handle.result(20)
+        got = receiver.wait(20)
+        assert isinstance(got, ReceivedKV) and blocks_bytes(receiver_pool.kv, got.block_ids) == expected
+        receiver_pool.free(got.block_ids)
+        assert sender._links[0].channel is None and all(link.channel is None for link in receiver._links)
+        assert {port for _, port in listening_ports() - listening_before} == {control_port}
+    finally:
+        sender.close()
+        receiver.close()
+    assert sender_pool.num_free == BLOCKS and receiver_pool.num_free == BLOCKS, "a KV block leaked"
+
+
 def test_a_pair_opens_its_group_at_the_first_large_transfer_and_keeps_both_ways(pair):
     sender, _, _, _ = pair
     transfer(pair, "small", 2, seed=1)
@@ -108,19 +136,17 @@ def test_inline_bytes_that_do_not_match_the_manifest_are_malformed_and_skipped(p
     outgoing = prepare_outgoing(sender_pool.view(), SendRequest("liar", tuple(blocks), 2 * FP32.block_size, 1),
                                 StagingPool("cpu"))
     outgoing.gather_all()
-    data = b"".join(memoryview(p.numpy()) for p in outgoing.run_payloads) + b"extra!!!"
+    frame, data = inline_wire(outgoing, 0)
+    data += b"extra!!!"
     config = TransferConfig(transport="gloo", connect_timeout_s=10)
     deadline = time.monotonic() + 10
     with hand_link(receiver.address, config, NAMESPACE, 1, with_group=False) as (conn, _):
-        frame = TransferFrame(0, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=len(data))
-        conn.send_with_bytes(Kind.TRANSFER, frame.encode(), [memoryview(data)], deadline)
+        send_frame_with_bytes(conn, replace(frame, inline_nbytes=len(data)), data, deadline)
         assert await_status(conn, 0, deadline)[0] == TransferStatus.MALFORMED
         outgoing = prepare_outgoing(sender_pool.view(), SendRequest("honest", tuple(blocks), 2 * FP32.block_size, 1),
                                     StagingPool("cpu"))
         outgoing.gather_all()
-        data = b"".join(memoryview(p.numpy()) for p in outgoing.run_payloads)
-        frame = TransferFrame(1, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=len(data))
-        conn.send_with_bytes(Kind.TRANSFER, frame.encode(), [memoryview(data)], deadline)
+        send_frame_with_bytes(conn, *inline_wire(outgoing, 1), deadline)
         assert await_status(conn, 1, deadline)[0] == TransferStatus.OK  # the same connection, in step
     assert isinstance(receiver.wait(5), ReceiveFailed)
     got = receiver.wait(5)

@@ -1,12 +1,15 @@
-"""The transfer plane's host copies and checksum sums (kv_transfer/host_copy.py) run through numpy on the calling
-thread: each gives exactly the bytes of the torch op it replaces, for every pool dtype and on strided pool views."""
+"""The transfer plane's host copies and checksum sums (kv_transfer/host_copy.py, kv_transfer/checksum.py) run through
+numpy on the calling thread: each gives exactly the bytes of the torch op it replaces, for every pool dtype and on
+strided pool views."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kv_transfer.checksum import _GOLDEN, _MASK, _word_dtype, checksum_blocks
+from kv_transfer.checksum import _GOLDEN, _MASK, RunChecksum, _word_dtype, checksum_blocks
 from kv_transfer.host_copy import SPLIT_BYTES, copy_tensor, put_blocks, take_blocks
+from kv_transfer.pool import fingerprint_of
+from kv_transfer.runs import block_planes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -67,3 +70,25 @@ def test_operations_past_the_split_size_run_in_halves_with_the_same_result():
     out = torch.empty(run.shape, dtype=run.dtype)
     copy_tensor(out, run)
     assert torch.equal(out.view(torch.int16), run.contiguous().view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [16, 3])  # 3: rows of 6 or 12 bytes, summed as int16 / int32 words
+def test_a_run_summed_piece_by_piece_has_the_checksum_of_its_blocks(dtype, head_dim):
+    """RunChecksum (the inline path's sums, taken as each plane passes) equals checksum_blocks and torch's sum of the
+    run, whether it passes as its planes or as one gathered piece; it refuses a piece that splits a row."""
+    kv = torch.empty(3, 2, 12, 4, 2, head_dim, dtype=dtype)  # [L, 2, N, bs, H, D]
+    kv.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(5))
+    run = kv[:, :, 4:9]  # [L, 2, 5, bs, H, D], strided
+    fingerprint = fingerprint_of(kv)
+    by_planes = RunChecksum.of_run(fingerprint, 5)
+    for plane in block_planes(run.contiguous()):
+        by_planes.add(plane.numpy())
+    whole = RunChecksum.of_run(fingerprint, 5)
+    whole.add(run.contiguous().view(torch.uint8).view(-1).numpy())
+    assert by_planes.value() == whole.value() == checksum_blocks(run) == torch_checksum(run)
+    half_row = RunChecksum.of_run(fingerprint, 5)
+    with pytest.raises(ValueError, match="does not fit"):
+        half_row.add(run.contiguous().view(torch.uint8).view(-1)[: half_row.row_nbytes // 2].numpy())
+    with pytest.raises(ValueError, match="rows were summed"):
+        half_row.value()

@@ -4,8 +4,9 @@ over it, epoch 0's gloo group, as a real SenderLink opens them. Tests then speak
 from __future__ import annotations
 
 import contextlib
-import threading
+import struct
 import time
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from kv_transfer import ReceiverAddress, TransferConfig
@@ -13,8 +14,8 @@ from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.control.exchange import TransferFrame, await_status
 from kv_transfer.control.handshake import PeerHello
 from kv_transfer.dist.channel import SENDER, PairChannel
-from kv_transfer.dist.inline import send_inline
 from kv_transfer.dist.sender import open_control
+from kv_transfer.manifest import encode_manifest
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.status import KVTransferError, TransferStatus
 
@@ -37,20 +38,38 @@ def hand_link(to: ReceiverAddress, config: TransferConfig, namespace: str, rank:
         conn.close()
 
 
+def inline_wire(outgoing: OutgoingTransfer, seq: int, corrupt: bool = False) -> tuple[TransferFrame, bytes]:
+    """A whole-request inline transfer as the real sender puts it on the wire (frame; each run's bytes, then its
+    checksum), from an outgoing prepared with the checksums in its manifest and every run gathered. corrupt:
+    a byte of the last run changed after its checksum was taken."""
+    runs = outgoing.manifest.runs
+    data = bytearray()
+    for payload, run in zip(outgoing.run_payloads, runs):
+        data += memoryview(payload.numpy())
+        data += struct.pack("<Q", run.checksum)
+    if corrupt:
+        data[-8 - 3] ^= 0x5A
+    manifest = replace(outgoing.manifest, runs=tuple(replace(run, checksum=None) for run in runs))
+    return TransferFrame(seq, encode_manifest(manifest), bytes(outgoing.direct), inline_nbytes=len(data)), bytes(data)
+
+
+def send_frame_with_bytes(conn: ControlConnection, frame: TransferFrame, data: bytes, deadline: float) -> None:
+    """A TRANSFER frame and raw bytes right behind it, as the real inline sender writes them."""
+    with conn.raw_stream(deadline):
+        conn.send(Kind.TRANSFER, frame.encode(), deadline)
+        conn.send_bytes([memoryview(data)], deadline)
+
+
 def inline_fault(mode: str, stall_s: float, outgoing: OutgoingTransfer, conn: ControlConnection, deadline: float,
                  stalled: Callable[[], None]) -> tuple[bool, str, str]:
     """An inline transfer (bytes behind the frame on conn) with a fault: 'corrupt' (a byte changed after its
     checksum), else half its bytes, stalled(), stall_s seconds, the rest. (ok, final status, message)."""
+    frame, data = inline_wire(outgoing, 0, corrupt=mode == "corrupt")
     if mode == "corrupt":
-        outgoing.run_payloads[-1][-3] ^= 0x5A
-        try:
-            send_inline(conn, None, outgoing, 0, deadline, threading.Event(), lambda: None)
-        except KVTransferError as exc:
-            return False, exc.status.name, exc.message
-        return True, "OK", ""
-    data = b"".join(memoryview(p.numpy()) for p in outgoing.run_payloads)  # every run gathered, in order
-    frame = TransferFrame(0, outgoing.manifest_bytes, bytes(outgoing.direct), inline_nbytes=len(data))
-    conn.send_with_bytes(Kind.TRANSFER, frame.encode(), [memoryview(data)[: len(data) // 2]], deadline)
+        send_frame_with_bytes(conn, frame, data, deadline)
+        status, _ = await_status(conn, 0, deadline)
+        return status == TransferStatus.OK, status.name, ""
+    send_frame_with_bytes(conn, frame, data[: len(data) // 2], deadline)
     stalled()
     time.sleep(stall_s)
     try:

@@ -42,7 +42,7 @@ class PeerSpec:
     rank: int = 1
     world_size: int = 4
     timeout_s: float = 20.0
-    inline_max_bytes: int = TransferConfig.inline_max_bytes  # gloo: 0 puts every transfer on the process group
+    inline_max_bytes: int | None = TransferConfig.inline_max_bytes  # gloo: 0 puts every transfer on the group
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ class _Peer:
         """A hand-driven transfer on a control connection of its own (rank cmd.rank, lane 0)."""
         config = replace(self.config, cluster_secret=cmd.start.secret)
         deadline = time.monotonic() + 60
-        inline = self.config.inline_max_bytes > 0
+        inline = self.config.inline_max_bytes != 0
         with hand_link(cmd.start.to, config, cmd.start.namespace, cmd.rank, with_group=not inline) as (conn, channel):
             if inline:
                 return self.inline_fault(cmd, outgoing, conn, deadline)
