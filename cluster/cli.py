@@ -27,6 +27,8 @@ COMMANDS = (
      "KV transfer GB/s against a raw loopback socket; --streaming: the transfer layer streaming hides"),
     (("bench", "load"), "cluster.bench.load",
      "a model's load time to its first token, stage by stage, in fresh processes"),
+    (("bench", "probes"), "cluster.bench.probes",
+     "a running server's probes (health, metrics) timed while large requests arrive at once"),
     (("bench", "sampler"), "cluster.bench.sampler",
      "engine.sampling.sampler.Sampler alone: ms per call per sampling mode"),
     (("bench", "structured"), "cluster.bench.structured",

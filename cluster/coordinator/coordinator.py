@@ -27,6 +27,7 @@ from cluster.backend import BackendHealth, BackendOverloaded, BackendUnavailable
 from cluster.coordinator.decode_admission import DecodeAdmissions
 from cluster.coordinator.disagg_policy import DisaggPolicy, PrefillPlacer
 from cluster.coordinator.health_monitor import HealthMonitor, collect_stats, health_details
+from cluster.coordinator.stats_snapshot import StatsSnapshot
 from cluster.coordinator.latency_window import LatencyWindow
 from cluster.coordinator.local_prefill_flow import LocalPrefillFlow
 from cluster.coordinator.migration import StreamProgress, resume_refusal
@@ -69,6 +70,7 @@ class Coordinator:
                                           self._stream_lost)
         self._numbers = itertools.count()
         self._monitor: HealthMonitor | None = None
+        self._health_stats = StatsSnapshot(self.worker_stats)  # the loads health() reports
         self._latency = LatencyWindow()
         self.scaling = Scaling(config, template, self._set, self._router,
                                ScalingHooks(self._declare_lost, self.worker_stats, self._latency))
@@ -236,9 +238,10 @@ class Coordinator:
     async def health(self) -> BackendHealth:
         """Serving while at least one prefill and one decode worker (or one replica) are alive; details sum
         the decode workers' (replicas') load (the keys ServingMetrics reads), give each alive worker's load
-        under "workers", and list the dead workers."""
+        under "workers", and list the dead workers. Who is alive is read now; the loads are the last round's
+        when the workers take over 25 ms to answer (StatsSnapshot: a probe does not wait for busy workers)."""
         self._watch_health()
-        stats = await self.worker_stats()
+        stats = {name: s for name, s in (await self._health_stats.get()).items() if self.is_alive(name)}
         num_prefill, num_decode = self._router.alive_counts()
         infos = {name: worker.info for name, worker in self._workers.items()}
         details = health_details(infos, stats, [n for n in infos if not self.is_alive(n)], self._set.failures())
@@ -257,6 +260,7 @@ class Coordinator:
             return
         self._closed = True
         self.scaling.close()
+        self._health_stats.close()
         if self._monitor is not None:  # a worker that stops in order (its step thread ended) is not lost
             self._monitor.stop()
         # Decode workers first: their receivers let go of the prefill workers' pools they mapped (ipc)

@@ -2,40 +2,32 @@
 one loop, the probes (/health, /ping, /version, /metrics, gRPC Health and grpc.health.v1) keep answering, every
 large request gets its proper answer (400 / INVALID_ARGUMENT past the context, 413 past the body limit, 200 for
 /tokenize), and afterwards the server serves and no KV block is left taken. Past the InputPool's waiting bound a
-large request is refused at once (429 / RESOURCE_EXHAUSTED) while small ones are served. The first test runs over
-the in-process engine and over colocated replicas on a real local Ray (one replica actor: the same front ends, the
-Coordinator as their backend, the probes reading its health from the actor).
+large request is refused at once (429 / RESOURCE_EXHAUSTED) while small ones are served. The first test runs in
+every serving mode: over the in-process engine, over colocated replicas on a real local Ray (one replica actor: the
+same front ends, the Coordinator as their backend, the probes reading its health from the actor) and over one
+prefill and one decode worker (the KV over gloo).
 
 PROBE_BOUND_S is generous (CI's 2-core machines, client and server sharing one loop); the issue's target of
 100 ms is measured outside the tests, against a server in its own process."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import threading
-import time
 
-import aiohttp
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
-from cluster.api.http_server import HttpServerConfig, start_http_server
+from cluster.api.http_server import HttpServerConfig
 from cluster.api.input_pool import InputLimits, InputPool
-from cluster.api.metrics import ServingMetrics
-from cluster.coordinator.coordinator import Coordinator
+from cluster.bench.probes import Prober
 from engine import LLM
-from proto import tandem_pb2, tandem_pb2_grpc
+from proto import tandem_pb2
 from tests.support.cluster_rig import cluster_config, running_cluster
-from tests.support.cluster_rig import wait_until_idle as cluster_idle
-from tests.support.frontend_rig import local_backend, wait_until_idle
-from tests.support.http_rig import KV_BYTES, MODEL, completion_body
+from tests.support.http_rig import KV_BYTES, FrontEnds, completion_body, front_ends
 
 PROBE_BOUND_S = 1.0
-PROBES = ("/health", "/ping", "/version", "/metrics")
 JSON = {"Content-Type": "application/json"}
 ISSUE_PROMPT = "ab " * 1_300_000  # 3.9 MB, as in the issue
 
@@ -62,66 +54,29 @@ def replicas(tiny_checkpoint):
         yield coordinator
 
 
-@contextlib.asynccontextmanager
-async def backend_of(served):
-    """A LocalEngineBackend over `served` when it is an engine, the Coordinator `served` itself otherwise; at the
-    end every KV block must be free."""
-    if isinstance(served, Coordinator):
-        yield served
-        await cluster_idle(served)
-        return
-    async with local_backend(served, model_name=MODEL) as backend:
-        yield backend
-        await wait_until_idle(served)
+@pytest.fixture(scope="module")
+def disaggregated(tiny_checkpoint):
+    """One prefill and one decode worker on a real local Ray, the KV over gloo (`tandem serve`'s default
+    disaggregated mode), behind the Coordinator."""
+    config = dataclasses.replace(cluster_config(1, 1, "gloo"), model=str(tiny_checkpoint("llama")))
+    with running_cluster(config) as coordinator:
+        yield coordinator
 
 
-@contextlib.asynccontextmanager
-async def front_ends(served, pool: InputPool):
-    """HTTP and gRPC front ends over backend_of(served) on free loopback ports, sharing `pool`; yields an aiohttp
-    session and the two gRPC stubs. At the end every KV block must be free and no large input pending."""
-    async with backend_of(served) as backend:
-        metrics = ServingMetrics()
-        server, grpc_port = await start_grpc_server(backend, GrpcServerConfig(health_poll_s=0.1), metrics, pool)
-        runner, http_port = await start_http_server(backend, HttpServerConfig(served_model_names=(MODEL,)), metrics,
-                                                    input_pool=pool)
-        try:
-            async with aiohttp.ClientSession(f"http://127.0.0.1:{http_port}") as session, \
-                    grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-                yield session, tandem_pb2_grpc.TandemStub(channel), health_pb2_grpc.HealthStub(channel)
-            assert pool.pending == 0
-        finally:
-            await runner.cleanup()
-            await server.stop(None)
-            pool.close()
-
-
-async def timed(worst: dict, name: str, call) -> None:
-    start = time.perf_counter()
-    await call()
-    worst[name] = max(worst.get(name, 0.0), time.perf_counter() - start)
-
-
-async def probe_until(done: asyncio.Event, session, stub, health) -> dict[str, float]:
-    """Each probe's slowest answer while `done` is not set (each must say the server serves)."""
-    async def http_probe(path):
-        async with session.get(path) as response:
-            await response.read()
-            assert response.status == 200, path
-
-    async def tandem_health():
-        assert (await stub.Health(tandem_pb2.HealthRequest())).status == "SERVING"
-
-    async def standard_health():
-        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
-
-    worst: dict[str, float] = {}
-    while not done.is_set():
-        for path in PROBES:
-            await timed(worst, path, lambda: http_probe(path))
-        await timed(worst, "tandem.v1 Health", tandem_health)
-        await timed(worst, "grpc.health.v1", standard_health)
-        await asyncio.sleep(0.01)
-    return worst
+async def under_probes(fronts: FrontEnds, requests) -> tuple[list, dict[str, float]]:
+    """Runs the `requests` (coroutines) at once with the probes (cluster/bench/probes.py's, HTTP and both gRPC
+    health services) polling until all are answered; every probe must have said the server serves. Returns the
+    answers and each probe's slowest answer (s)."""
+    done = asyncio.Event()
+    probing = asyncio.ensure_future(Prober(fronts.session, fronts.channel).poll(done))
+    await asyncio.sleep(0.05)
+    try:
+        answers = await asyncio.gather(*requests)
+    finally:
+        done.set()
+    samples = await probing
+    assert not samples.failures, samples.failures
+    return answers, {name: max(values) for name, values in samples.latencies.items()}
 
 
 async def post(session, path: str, body: bytes, **options) -> tuple[int, bytes]:
@@ -138,18 +93,6 @@ async def generate(stub, **fields) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-async def under_probes(session, stub, health, requests) -> tuple[list, dict[str, float]]:
-    """Runs the `requests` (coroutines) at once with the probes polling until all are answered."""
-    done = asyncio.Event()
-    probing = asyncio.ensure_future(probe_until(done, session, stub, health))
-    await asyncio.sleep(0.05)
-    try:
-        answers = await asyncio.gather(*requests)
-    finally:
-        done.set()
-    return answers, await probing
-
-
 def error_of(answer: tuple[int, bytes]) -> tuple[int, str, str | None]:
     status, body = answer
     error = json.loads(body)["error"]
@@ -162,22 +105,23 @@ async def assert_still_serves(session, stub) -> None:
     assert await generate(stub, prompt="Hello", max_tokens=2, ignore_eos=True) == grpc.StatusCode.OK
 
 
-@pytest.mark.parametrize("mode", ["in-process", "colocated replicas"])
+@pytest.mark.parametrize("mode", ["llama", "replicas", "disaggregated"])  # in process, on Ray: replicas, 1P1D
 def test_the_probes_answer_while_8_large_requests_arrive_at_once(mode, request):
-    served = request.getfixturevalue("llama" if mode == "in-process" else "replicas")
+    served = request.getfixturevalue(mode)
     completion = json.dumps(completion_body(ISSUE_PROMPT, 2)).encode()
     chat = json.dumps({"messages": [{"role": "user", "content": ISSUE_PROMPT}], "max_tokens": 2}).encode()
     tokenize = json.dumps({"prompt": ISSUE_PROMPT}).encode()
     over_limit = completion + b" " * (HttpServerConfig().max_body_bytes - len(completion) + 1)
 
     async def scenario():
-        async with front_ends(served, InputPool()) as (session, stub, health):
+        async with front_ends(served, InputPool()) as fronts:
+            session, stub = fronts.session, fronts.stub
             requests = [post(session, "/v1/completions", completion), post(session, "/v1/completions", completion),
                         post(session, "/v1/chat/completions", chat), post(session, "/v1/chat/completions", chat),
                         post(session, "/tokenize", tokenize), generate(stub, prompt=ISSUE_PROMPT, max_tokens=2),
                         generate(stub, prompt=ISSUE_PROMPT, max_tokens=2),
                         post(session, "/v1/completions", over_limit, expect100=True)]
-            answers, worst = await under_probes(session, stub, health, requests)
+            answers, worst = await under_probes(fronts, requests)
             await assert_still_serves(session, stub)
             return answers, worst
 
@@ -200,12 +144,13 @@ def test_large_prompts_tokenized_on_the_pool_leave_the_probes_answering(qwen):
     chat = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
 
     async def scenario():
-        async with front_ends(qwen, InputPool(InputLimits(workers=1))) as (session, stub, health):
+        async with front_ends(qwen, InputPool(InputLimits(workers=1))) as fronts:
+            session, stub = fronts.session, fronts.stub
             requests = [*(post(session, "/v1/completions", completion) for _ in range(3)),
                         *(post(session, "/v1/chat/completions", chat) for _ in range(2)),
                         post(session, "/tokenize", json.dumps({"prompt": prompt}).encode()),
                         *(generate(stub, prompt=prompt, max_tokens=2) for _ in range(2))]
-            answers, worst = await under_probes(session, stub, health, requests)
+            answers, worst = await under_probes(fronts, requests)
             await assert_still_serves(session, stub)
             return answers, worst
 
@@ -223,7 +168,8 @@ def test_past_the_waiting_bound_a_large_request_is_refused_at_once_and_small_one
 
     async def scenario():
         pool, release = InputPool(InputLimits(workers=1, max_waiting=0)), threading.Event()
-        async with front_ends(llama, pool) as (session, stub, _):
+        async with front_ends(llama, pool) as fronts:
+            session, stub = fronts.session, fronts.stub
             holder = asyncio.ensure_future(pool.prepare(pool.limits.off_loop_bytes + 1, release.wait))
             try:
                 refused = error_of(await post(session, "/v1/completions", completion))

@@ -205,8 +205,11 @@ def test_a_killed_follower_rank_takes_its_worker_out_and_requests_migrate(replic
     os.kill(survivor.rank_pids[1], signal.SIGKILL)  # idle: no step notices, rank 0 ends on the rank's death
     assert not wait_gone(survivor.rank_pids), "rank 0 of a worker whose follower died is still running"
 
-    async def after():
-        return await replicas.health()
+    async def after():  # a stats round finds the dead actor; health() waits for a round only briefly, so poll
+        deadline = time.monotonic() + 30
+        while (health := await replicas.health()).serving and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return health
 
     health = asyncio.run(after())
     assert not health.serving and sorted(health.details["dead_workers"]) == ["replica-0", "replica-1"]

@@ -1,13 +1,22 @@
-"""The OpenAI HTTP front end over a LocalEngineBackend on loopback, and the client helpers its tests share."""
+"""The OpenAI HTTP front end over a LocalEngineBackend on loopback, and the client helpers its tests share; both
+front ends (HTTP and gRPC, as `tandem serve` runs them) over an engine or a running cluster."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 
 import aiohttp
+import grpc
 import openai
 
+from cluster.api.grpc_server import GrpcServerConfig, start_grpc_server
 from cluster.api.http_server import HttpServerConfig, start_http_server
+from cluster.api.input_pool import InputPool
+from cluster.api.metrics import ServingMetrics
+from cluster.coordinator.coordinator import Coordinator
+from proto import tandem_pb2_grpc
+from tests.support.cluster_rig import wait_until_idle as cluster_idle
 from tests.support.frontend_rig import local_backend, wait_until_idle
 
 MODEL = "tiny-llama"
@@ -64,3 +73,47 @@ def completion_body(prompt, max_tokens: int, **extra) -> dict:
 def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     """The official SDK's async client on a front end of http_server (no retries: every answer counts)."""
     return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)
+
+
+@contextlib.asynccontextmanager
+async def backend_of(served):
+    """A LocalEngineBackend over `served` when it is an engine, the Coordinator `served` itself otherwise; at the
+    end every KV block must be free."""
+    if isinstance(served, Coordinator):
+        yield served
+        await cluster_idle(served)
+        return
+    async with local_backend(served, model_name=MODEL) as backend:
+        yield backend
+        await wait_until_idle(served)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontEnds:
+    """A client's view of the HTTP and gRPC front ends front_ends() started."""
+
+    session: aiohttp.ClientSession  # rooted at base_url
+    channel: grpc.aio.Channel       # to grpc_target
+    stub: tandem_pb2_grpc.TandemStub
+    base_url: str
+    grpc_target: str
+
+
+@contextlib.asynccontextmanager
+async def front_ends(served, pool: InputPool):
+    """HTTP and gRPC front ends over backend_of(served) on free loopback ports, sharing `pool` (as `tandem serve`
+    does); yields FrontEnds. At the end every KV block must be free and no large input pending."""
+    async with backend_of(served) as backend:
+        metrics = ServingMetrics()
+        server, grpc_port = await start_grpc_server(backend, GrpcServerConfig(health_poll_s=0.1), metrics, pool)
+        runner, http_port = await start_http_server(backend, HttpServerConfig(served_model_names=(MODEL,)), metrics,
+                                                    input_pool=pool)
+        base_url, grpc_target = f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+        try:
+            async with aiohttp.ClientSession(base_url) as session, grpc.aio.insecure_channel(grpc_target) as channel:
+                yield FrontEnds(session, channel, tandem_pb2_grpc.TandemStub(channel), base_url, grpc_target)
+            assert pool.pending == 0
+        finally:
+            await runner.cleanup()
+            await server.stop(None)
+            pool.close()
