@@ -23,7 +23,8 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from cluster.bench.serve_client import ServerUnreachable
+from cluster.bench.serve_client import ServerUnreachable, served_model
+from cluster.bench.serve_metrics import percentile
 
 HTTP_PROBES = ("/health", "/ping", "/version", "/metrics")
 TARGET_MS = 100.0  # the issue's bound on a probe under load
@@ -61,14 +62,15 @@ class Samples:
 class Prober:
     """The probes of one server, polled back to back (one in flight at a time, as a load balancer's would be)."""
 
-    def __init__(self, session: aiohttp.ClientSession, grpc_channel=None):
-        self.session, self.checks = session, [(path, self._http(path)) for path in HTTP_PROBES]
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, grpc_channel=None):
+        self.session, self.base_url = session, base_url
+        self.checks = [(path, self._http(path)) for path in HTTP_PROBES]
         if grpc_channel is not None:
             self.checks += _grpc_checks(grpc_channel)
 
     def _http(self, path: str) -> Callable[[], Awaitable[bool]]:
         async def check() -> bool:
-            async with self.session.get(path) as response:
+            async with self.session.get(self.base_url + path) as response:
                 await response.read()
                 return response.status == 200
         return check
@@ -105,7 +107,7 @@ def _grpc_checks(channel) -> list[tuple[str, Callable[[], Awaitable[bool]]]]:
     return [("tandem.v1 Health", tandem_health), ("grpc.health.v1", standard_health)]
 
 
-def large_senders(session: aiohttp.ClientSession, model: str, prompt: str, grpc_channel=None,
+def large_senders(session: aiohttp.ClientSession, base_url: str, model: str, prompt: str, grpc_channel=None,
                   api_key: str | None = None) -> list[tuple[str, Callable[[], Awaitable[str]]]]:
     """(kind, send) for each kind of large request; send() returns its answer's status ("400", "OK", ...)."""
     bodies = {"completions": ("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 2}),
@@ -117,7 +119,7 @@ def large_senders(session: aiohttp.ClientSession, model: str, prompt: str, grpc_
         data = json.dumps(body).encode()
 
         async def send(path=path, data=data) -> str:
-            async with session.post(path, data=data, headers={"Content-Type": "application/json"}) as response:
+            async with session.post(base_url + path, data=data, headers={"Content-Type": "application/json"}) as response:
                 await response.read()
                 return str(response.status)
         senders.append((kind, send))
@@ -176,26 +178,17 @@ async def measure(base_url: str, grpc_target: str | None, load: ProbeLoad) -> li
     ServerUnreachable when GET /v1/models does not answer."""
     headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else None
     timeout = aiohttp.ClientTimeout(total=load.timeout_s)
-    async with aiohttp.ClientSession(base_url, headers=headers, timeout=timeout) as session:
-        model = await _first_model(session)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        model = await served_model(session, base_url)
         channel = _grpc_channel(grpc_target)
         try:
-            prober = Prober(session, channel)  # the probes need no API key
+            prober = Prober(session, base_url, channel)  # the probes need no API key
             prompt = "ab " * (load.prompt_bytes // 3)
-            senders = large_senders(session, model, prompt, channel, load.api_key)
+            senders = large_senders(session, base_url, model, prompt, channel, load.api_key)
             return [await one_round(prober, senders, load) for _ in range(load.rounds)]
         finally:
             if channel is not None:
                 await channel.close()
-
-
-async def _first_model(session: aiohttp.ClientSession) -> str:
-    try:
-        async with session.get("/v1/models") as response:
-            response.raise_for_status()
-            return (await response.json())["data"][0]["id"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError) as error:
-        raise ServerUnreachable(f"GET /v1/models failed: {error!r}") from None
 
 
 def _grpc_channel(target: str | None):
@@ -203,13 +196,6 @@ def _grpc_channel(target: str | None):
         return None
     import grpc
     return grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
-
-
-def _quantiles_ms(values: list[float]) -> tuple[float, float, float]:
-    """(p50, p99, max) in ms."""
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3  # noqa: E731
-    return pick(0.5), pick(0.99), ordered[-1] * 1e3
 
 
 def summary(rounds: list[RoundResult]) -> dict:
@@ -220,9 +206,9 @@ def summary(rounds: list[RoundResult]) -> dict:
         out = {}
         for name in names:
             values = [v for r in rounds for v in pick(r).latencies.get(name, [])]
-            p50, p99, top = _quantiles_ms(values)
             out[name] = {"answers": len(values), "failures": sum(pick(r).failures.get(name, 0) for r in rounds),
-                         "p50_ms": p50, "p99_ms": p99, "max_ms": top}
+                         "p50_ms": percentile(values, 50) * 1e3, "p99_ms": percentile(values, 99) * 1e3,
+                         "max_ms": max(values) * 1e3}
         return out
     large: dict[str, dict] = {}
     for kind, status, seconds in (answer for r in rounds for answer in r.answers):

@@ -106,7 +106,8 @@ class ControlConnection:
 
     def read_into_all(self, views: list[memoryview], deadline: float | None) -> None:
         """Fills every flat byte view in turn with the next raw bytes of the stream, in as few scatter-gather
-        reads as the kernel takes. Raises as read_into()."""
+        reads as the kernel takes. Raises ControlClosed at the end of the stream, KVTransferError TIMEOUT past
+        deadline (the stream is then out of step)."""
         views = [view for view in views if len(view)]
         while views:
             count = self._io(self.sock.recvmsg_into, deadline, "receive", views[:_MAX_IOV])[0]
@@ -144,12 +145,7 @@ class ControlConnection:
     def read_into(self, view: memoryview, deadline: float | None) -> None:
         """Fills `view` (a flat byte view) with the next len(view) raw bytes of the stream. Raises ControlClosed
         at the end of the stream, KVTransferError TIMEOUT past deadline (the stream is then out of step)."""
-        got, nbytes = 0, len(view)
-        while got < nbytes:
-            count = self._io(self.sock.recv_into, deadline, "receive", view[got:], nbytes - got)
-            if count == 0:
-                raise ControlClosed(f"control connection to {self.peer} closed")
-            got += count
+        self.read_into_all([view], deadline)
 
     def skip(self, nbytes: int, deadline: float) -> None:
         """Reads and drops the next nbytes raw bytes (an inline transfer the receiver declined)."""

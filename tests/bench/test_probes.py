@@ -58,6 +58,6 @@ def test_the_command_writes_its_json_and_an_unreachable_server_is_exit_1(engine,
     assert set(written["loaded"]) == set(probes.HTTP_PROBES) and written["large"]["completions"]["statuses"]
     unreachable = parser.parse_args(["--base-url", "http://127.0.0.1:9", "--rounds", "1"])
     assert probes.run(unreachable) == 1
-    assert "GET /v1/models failed" in capsys.readouterr().err
+    assert "cannot reach a Tandem/OpenAI server at http://127.0.0.1:9" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--large-requests"):
         probes.run(parser.parse_args(["--base-url", "http://127.0.0.1:9", "--large-requests", "0"]))

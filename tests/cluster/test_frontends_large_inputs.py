@@ -68,7 +68,7 @@ async def under_probes(fronts: FrontEnds, requests) -> tuple[list, dict[str, flo
     health services) polling until all are answered; every probe must have said the server serves. Returns the
     answers and each probe's slowest answer (s)."""
     done = asyncio.Event()
-    probing = asyncio.ensure_future(Prober(fronts.session, fronts.channel).poll(done))
+    probing = asyncio.ensure_future(Prober(fronts.session, fronts.base_url, fronts.channel).poll(done))
     await asyncio.sleep(0.05)
     try:
         answers = await asyncio.gather(*requests)
