@@ -2,27 +2,27 @@
 
 `tandem bench transfer --transport gloo --sizes-mib 1,16,64,256 --json FILE` (or `python -m
 kv_transfer.bench ...`; `--num-layers 1 --sizes-mib 0.0625,1,64` gives 64 KiB blocks, so a 64 KiB transfer
-shows the fixed cost, and the line fitted over the sizes splits it from the per-byte rate). This process receives; a spawned process sends. Per size and repeat it times
-one transfer (sender: send() -> ack, so gather, checksums, wire, verify, scatter and ack are all in)
-and, interleaved, the same number of bytes over a plain TCP socket on 127.0.0.1 (sendall ->
-recv_into a preallocated buffer -> 1-byte ack). Every transfer is checked byte for byte. With
---compare-gathered, a third interleaved measurement sends the same run gathered into staging
-(direct_min_plane_bytes=None, the path before pool-to-pool planes) through a second sender/receiver pair.
+shows the fixed cost, and the line fitted over the sizes splits it from the per-byte rate). This process
+receives; a spawned process sends. Per size and repeat it times one transfer (sender: send() -> ack, so
+gather, checksums, wire, verify, scatter and ack are all in) and, interleaved, the baselines of
+kv_transfer/bench_baselines.py: the same number of bytes over a plain TCP socket, and over gRPC also on a
+bare grpc-python stream (the gRPC floor). Every transfer is checked byte for byte. With --compare-gathered, a
+third interleaved measurement sends the same run gathered into staging (direct_min_plane_bytes=None, the path
+before pool-to-pool planes) through a second sender/receiver pair.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import multiprocessing as mp
-import socket
 import statistics
-import threading
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from kv_transfer.bench_baselines import GrpcFloorClient, GrpcFloorSink, TcpSink, tcp_send
 from kv_transfer.bench_fit import fixed_and_per_byte
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.factory import create_receiver, create_sender
@@ -52,6 +52,7 @@ class SenderSpec:
     ranked: bool
     variants: tuple[str, ...] = ("",)
     num_layers: int = 8
+    floor_port: int = 0  # the gRPC floor's sink (0: none)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class SendCmd:
 @dataclass(frozen=True)
 class TcpCmd:
     port: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FloorCmd:
     nbytes: int
 
 
@@ -105,15 +111,6 @@ def _send_one(sender, pool: FreeListPool, cmd: SendCmd) -> Timed:
     return Timed(time.perf_counter() - started, cpu_seconds=time.process_time() - cpu_started)
 
 
-def _tcp_send(cmd: TcpCmd, payload: memoryview) -> Timed:
-    with socket.create_connection(("127.0.0.1", cmd.port)) as conn:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        started = time.perf_counter()
-        conn.sendall(payload[: cmd.nbytes])
-        conn.recv(1)
-        return Timed(time.perf_counter() - started)
-
-
 def variant_config(config: TransferConfig, variant: str) -> TransferConfig:
     return replace(config, direct_min_plane_bytes=None) if variant == GATHERED else config
 
@@ -131,32 +128,18 @@ def _sender_main(spec: SenderSpec, conn) -> None:
     senders = {v: create_sender(variant_config(spec.config, v), pool.view(), transport,
                                 variant_rendezvous(spec.ranked, 1, v)) for v in spec.variants}
     payload = memoryview(torch.randint(0, 256, (spec.num_blocks * fp.block_nbytes,), dtype=torch.uint8).numpy())
+    floor = GrpcFloorClient(spec.floor_port, spec.config.grpc_max_message_bytes) if spec.floor_port else None
     while (cmd := conn.recv()) is not None:
-        is_send = isinstance(cmd, SendCmd)
-        conn.send(_send_one(senders[cmd.variant], pool, cmd) if is_send else _tcp_send(cmd, payload))
+        if isinstance(cmd, SendCmd):
+            conn.send(_send_one(senders[cmd.variant], pool, cmd))
+        elif isinstance(cmd, TcpCmd):
+            conn.send(Timed(tcp_send(cmd.port, payload[: cmd.nbytes])))
+        else:
+            conn.send(Timed(floor.send(payload[: cmd.nbytes], spec.config.grpc_chunk_bytes)))
     for sender in senders.values():
         sender.close()
-
-
-class _TcpSink:
-    """Receives baseline payloads into one preallocated buffer and acks each with one byte."""
-
-    def __init__(self, max_bytes: int):
-        self.buffer = memoryview(bytearray(b"\x01" * max_bytes))  # resident pages, like the pools
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-
-    def receive(self, nbytes: int) -> threading.Thread:
-        def serve():
-            conn, _ = self.listener.accept()
-            with conn:
-                got = 0
-                while got < nbytes:
-                    got += conn.recv_into(self.buffer[got:nbytes], nbytes - got)
-                conn.sendall(b"k")
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
-        return thread
+    if floor is not None:
+        floor.close()
 
 
 def _bit_exact(pool: FreeListPool, outcome, num_blocks: int, seed: int) -> bool:
@@ -170,10 +153,10 @@ def _bit_exact(pool: FreeListPool, outcome, num_blocks: int, seed: int) -> bool:
     return bool(np.array_equal(got, host_array(expected)))
 
 
-def _measure_size(args, receivers: dict, pool, sink, peer, num_blocks: int, seed0: int) -> dict:
-    """Per repeat: one transfer per variant, then the raw socket; medians per variant."""
+def _measure_size(args, receivers: dict, pool, sink, peer, num_blocks: int, seed0: int, floored: bool) -> dict:
+    """Per repeat: one transfer per variant, then the raw socket (and the gRPC floor); medians per variant."""
     nbytes = num_blocks * bench_fingerprint(args.num_layers).block_nbytes
-    times, cpus, base, exact = {v: [] for v in receivers}, {v: [] for v in receivers}, [], True
+    times, cpus, base, floor, exact = {v: [] for v in receivers}, {v: [] for v in receivers}, [], [], True
     for rep in range(args.repeats):
         for variant, receiver in receivers.items():
             seed = seed0 + rep + (500 if variant else 0)
@@ -188,10 +171,15 @@ def _measure_size(args, receivers: dict, pool, sink, peer, num_blocks: int, seed
         peer.send(TcpCmd(sink.port, nbytes))
         base.append(peer.recv().seconds)
         thread.join()
+        if floored:
+            peer.send(FloorCmd(nbytes))
+            floor.append(peer.recv().seconds)
     seconds, baseline = statistics.median(times[""]), statistics.median(base)
-    row = {"transport": args.transport, "num_layers": args.num_layers, "size_bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
-           "baseline_gbps": nbytes / baseline / 1e9, "cpu_seconds": statistics.median(cpus[""]),
-           "bit_exact": bool(exact)}
+    row = {"transport": args.transport, "num_layers": args.num_layers, "size_bytes": nbytes, "seconds": seconds,
+           "gbps": nbytes / seconds / 1e9, "baseline_gbps": nbytes / baseline / 1e9,
+           "cpu_seconds": statistics.median(cpus[""]), "bit_exact": bool(exact)}
+    if floor:
+        row["floor_gbps"] = nbytes / statistics.median(floor) / 1e9
     if GATHERED in times:
         row["gathered_gbps"] = nbytes / statistics.median(times[GATHERED]) / 1e9
         row["gathered_cpu_seconds"] = statistics.median(cpus[GATHERED])
@@ -249,16 +237,19 @@ def run(args: argparse.Namespace) -> int:
     variants = ("", GATHERED) if args.compare_gathered else ("",)
     receivers = {v: create_receiver(variant_config(config, v), pool.view(), args.transport,
                                     rendezvous=variant_rendezvous(ranked, 0, v), peers=[1]) for v in variants}
-    sink = _TcpSink(max(blocks) * fp.block_nbytes)
+    sink = TcpSink(max(blocks) * fp.block_nbytes)
+    floor_sink = GrpcFloorSink(max(blocks) * fp.block_nbytes, config.grpc_max_message_bytes) if not ranked else None
     ctx = mp.get_context("spawn")
     peer, child = ctx.Pipe()
-    spec = SenderSpec(config, max(blocks), sender_device, ranked, variants, args.num_layers)
+    spec = SenderSpec(config, max(blocks), sender_device, ranked, variants, args.num_layers,
+                      floor_port=floor_sink.port if floor_sink else 0)
     process = ctx.Process(target=_sender_main, args=(spec, child), daemon=True)
     process.start()
     rows = []
     try:
         for i, num_blocks in enumerate(blocks):
-            rows.append(_measure_size(args, receivers, pool, sink, peer, num_blocks, 1000 * i))
+            floored = floor_sink is not None
+            rows.append(_measure_size(args, receivers, pool, sink, peer, num_blocks, 1000 * i, floored))
             _print_row(rows[-1])
     finally:
         peer.send(None)
@@ -267,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
             process.kill()
         for receiver in receivers.values():
             receiver.close()
-        sink.listener.close()
+        sink.close()
+        if floor_sink is not None:
+            floor_sink.close()
     cost = fixed_and_per_byte(rows)
     if cost is not None:
         print(f"{args.transport:5s} {args.num_layers:2d}L  fixed cost {cost['fixed_ms']:.3f} ms per transfer, "
@@ -281,14 +274,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_row(row: dict) -> None:
     ratio = row["gbps"] / row["baseline_gbps"]
-    gathered = ""
+    extra = ""
+    if "floor_gbps" in row:
+        extra += (f"  grpc floor {row['floor_gbps']:6.2f} GB/s (ratio {row['floor_gbps'] / row['baseline_gbps']:4.2f}; "
+                  f"transfer / floor {row['gbps'] / row['floor_gbps']:4.2f})")
     if "gathered_gbps" in row:
-        gathered = (f"  gathered: ratio {row['gathered_gbps'] / row['baseline_gbps']:5.2f} "
-                    f"cpu {row['gathered_cpu_seconds'] * 1e3:6.1f} ms")
-    print(f"{row['transport']:5s} {row['num_layers']:2d}L {row['size_bytes'] / 2**20:7.4g} MiB  {row['seconds'] * 1e3:9.2f} ms  "
-          f"{row['gbps']:6.2f} GB/s  raw socket {row['baseline_gbps']:6.2f} GB/s  ratio {ratio:5.2f}  "
-          f"cpu {row['cpu_seconds'] * 1e3:6.1f} ms{gathered}  bit_exact={row['bit_exact']}", flush=True)
-
+        extra += (f"  gathered: ratio {row['gathered_gbps'] / row['baseline_gbps']:5.2f} "
+                  f"cpu {row['gathered_cpu_seconds'] * 1e3:6.1f} ms")
+    print(f"{row['transport']:5s} {row['num_layers']:2d}L {row['size_bytes'] / 2**20:7.4g} MiB  "
+          f"{row['seconds'] * 1e3:9.2f} ms  {row['gbps']:6.2f} GB/s  raw socket {row['baseline_gbps']:6.2f} GB/s  "
+          f"ratio {ratio:5.2f}  cpu {row['cpu_seconds'] * 1e3:6.1f} ms{extra}  bit_exact={row['bit_exact']}",
+          flush=True)
 
 if __name__ == "__main__":
     _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
