@@ -162,7 +162,10 @@ class EngineConfig:
     attention_backend: "auto" (triton on CUDA, the numba kernel on CPU float32, torch otherwise),
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
-    enforce_eager: no CUDA graphs for decode steps (they are captured only on CUDA).
+    enforce_eager: no CUDA graphs (they are captured only on CUDA).
+    mixed_graph_max_tokens: the steps that hold prompt chunks (prefill and mixed steps) of at most this many tokens
+    (and max_num_batched_tokens) replay piecewise CUDA graphs, the attention eager between the pieces
+    (engine/runner/mixed_graphs.py); 0: they run eager. CUDA with the triton backend and one rank only.
     tensor_parallel_size: ranks the model is split over (engine/parallel/): this process is rank 0 and
     schedules, N - 1 follower processes (one GPU each on CUDA, a share of the cores on CPU) run each step's
     forward with it. kv_cache_memory, num_kv_blocks and gpu_memory_utilization are per rank.
@@ -194,6 +197,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    mixed_graph_max_tokens: int = 2048
     prefill_first: str = "auto"
     tensor_parallel_size: int = 1
     tp_cpu_all_reduce: str = "shared_memory"
@@ -231,6 +235,9 @@ class EngineConfig:
             raise ValueError(f"tp_cpu_all_reduce must be 'shared_memory' or 'gloo', got {self.tp_cpu_all_reduce!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        graph_tokens = self.mixed_graph_max_tokens
+        if isinstance(graph_tokens, bool) or not isinstance(graph_tokens, int) or graph_tokens < 0:
+            raise ValueError(f"mixed_graph_max_tokens must be an int >= 0 (0: none), got {graph_tokens!r}")
         if not (self.async_scheduling is None or isinstance(self.async_scheduling, bool)):
             raise ValueError(f"async_scheduling must be True, False or None (auto), got {self.async_scheduling!r}")
         if not (self.warmup is None or isinstance(self.warmup, bool)):

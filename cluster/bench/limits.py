@@ -4,7 +4,9 @@
   same layers with the same weights (the FLOP-bound floor; attention and norms are what is left);
 - decode: the step time at batch 1, 8, 32 (or the batches given; the median forward of the steps that
   decode all of them and nothing else) against the time to read the weights once at the measured memory
-  bandwidth (the bandwidth-bound floor of a decode step).
+  bandwidth (the bandwidth-bound floor of a decode step);
+- mixed: a step of MIXED_DECODES decodes and a MIXED_CHUNK-token prompt chunk against a decode step of as many
+  rows (measured in the same run) plus the chunk's bare matmuls (issue 27 asks for at most 1.5x that).
 
 `tandem selftest` calls the parts (prefill_row, decode_floor, decode_row, prefill_flops) at its own sizes.
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 PREFILL_PROMPTS, PREFILL_LEN = 8, 256
 DECODE_BATCHES, DECODE_CONTEXT, DECODE_STEPS = (1, 8, 32), 128, 32
+MIXED_DECODES, MIXED_CHUNK, MIXED_REPEATS = 32, 512, 3
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ def measure_limits(llm, decode_batches: tuple[int, ...] = DECODE_BATCHES) -> lis
     rows = [prefill_row(llm)]
     floor_ms, floor = decode_floor(llm)
     rows += [decode_row(llm, batch, floor_ms, floor) for batch in decode_batches]
+    rows.append(mixed_row(llm))
     print(f"\n{'phase':<13} {'batch':<20} {'engine ms':>10} {'host ms':>8} {'device ms':>9} {'floor ms':>9} "
           f"{'ratio':>6}  floor")
     for r in rows:
@@ -62,6 +66,43 @@ def decode_row(llm, batch: int, floor_ms: float, floor: str, context: int = DECO
                steps: int = DECODE_STEPS) -> LimitRow:
     engine_ms, host_ms, device_ms = _decode_step_ms(llm, batch, context, steps)
     return LimitRow("decode step", f"{batch} seqs x {context} ctx", engine_ms, floor_ms, floor, host_ms, device_ms)
+
+
+def mixed_row(llm, decodes: int = MIXED_DECODES, chunk: int = MIXED_CHUNK, repeats: int = MIXED_REPEATS) -> LimitRow:
+    """The median forward of the steps that decoded `decodes` sequences and took a prompt chunk at once, against
+    the median decode-only step of the same sequences plus the chunk's bare matmuls. A step's prompt bound may
+    cut the chunk: the row says how many prompt tokens the steps took."""
+    from engine import SamplingParams
+    engine, stats, vocab = llm.engine, llm.engine.stats, llm.engine.model_config.vocab_size
+    ids = [f"limits-mixed-{i}" for i in range(decodes)]
+    long = SamplingParams(max_tokens=8 * (repeats + 2), temperature=0.0, ignore_eos=True)
+    for request_id, prompt in zip(ids, fresh_prompts(decodes, DECODE_CONTEXT, vocab, 300)):
+        engine.add_request(request_id, prompt, long)
+    steps: dict[str, list[float]] = {"decode": [], "mixed": []}
+    chunk_tokens = []
+    try:
+        for repeat in range(repeats + 1):
+            if repeat:  # the first round only brings every sequence to decoding
+                prompt = fresh_prompts(1, chunk, vocab, 400 + repeat)[0]
+                engine.add_request(f"limits-chunk-{repeat}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            for _ in range(4):
+                prefilled, decoded, seconds = stats.num_prefill_tokens, stats.num_decode_tokens, stats.forward_seconds
+                engine.step()
+                if stats.num_decode_tokens - decoded == decodes:
+                    kind = "mixed" if stats.num_prefill_tokens > prefilled else "decode"
+                    steps[kind].append(stats.forward_seconds - seconds)
+                    if kind == "mixed":
+                        chunk_tokens.append(stats.num_prefill_tokens - prefilled)
+    finally:
+        for request_id in ids + [f"limits-chunk-{r}" for r in range(1, repeats + 1)]:
+            engine.abort(request_id)
+    if not steps["mixed"] or not steps["decode"]:
+        raise RuntimeError(f"no step decoded all {decodes} sequences beside a prompt chunk (max_num_seqs too small?)")
+    tokens = statistics.median(chunk_tokens)
+    decode_ms = statistics.median(steps["decode"]) * 1e3
+    floor_ms = decode_ms + _bare_matmul_ms(engine.runner.model, int(tokens), 1, engine.device)
+    return LimitRow("mixed step", f"{decodes} dec + {tokens:.0f} prompt", statistics.median(steps["mixed"]) * 1e3,
+                    floor_ms, f"decode step of {decodes} ({decode_ms:.2f} ms) + the chunk's bare matmuls")
 
 
 def _cell(ms: float | None) -> str:

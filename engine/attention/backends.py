@@ -39,10 +39,11 @@ class AttentionBackend(ABC):
         return self.attend(q, k, v, k_pool, v_pool, meta)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-               v_pool: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               v_pool: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q over the pool, this step's K/V already in it (stored by forward, or by the layer's
-        fused RoPE-and-store kernel). Changes nothing but the returned [T, H, D] tensor."""
-        out = torch.empty_like(q)
+        fused RoPE-and-store kernel). Writes and returns out [T, H, D] (a new tensor if None; a piecewise
+        forward's static buffer otherwise), changes nothing else."""
+        out = torch.empty_like(q) if out is None else out
         decodes = meta.num_decode_rows
         if decodes:
             self.decode_into(out[:decodes], q[:decodes], k_pool, v_pool, meta)

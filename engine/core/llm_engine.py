@@ -33,6 +33,7 @@ from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.model.causal_lm import CausalLM, local_heads
 from engine.outputs import OutputText, RequestMetrics, StepDelta
 from engine.runner.decode_graphs import decode_graphs_for
+from engine.runner.mixed_graphs import mixed_graphs_for
 from engine.runner.device_memory import release_device_memory
 from engine.runner.host_malloc import keep_freed_host_memory
 from engine.runner.memory_plan import plan_memory
@@ -80,6 +81,7 @@ class LLMEngine(KVHandoff):
                                   step_sender=None if tp_leader is None else tp_leader.send_step, io=io)
         self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
                                                       self.max_model_len, device, io)
+        self.runner.mixed_graphs = mixed_graphs_for(model, self.kv_cache, attention, config, device)
         overlap = config.async_scheduling_on(device.type)
         self.pipeline = StepPipeline(self.runner, self.scheduler, self.kv_cache, overlap)
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, sampler)  # structured outputs

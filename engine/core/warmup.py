@@ -37,8 +37,8 @@ MIXED_MAX_TOKENS = 8
 @dataclass(frozen=True)
 class WarmupReport:
     """What warm_up ran: its wall time, its steps by kind (prompt tokens only, prompt tokens beside decodes,
-    decodes only), the longest context it reached, and the decode batch sizes the engine's captured graphs
-    cover (() without graphs)."""
+    decodes only), the longest context it reached, the decode batch sizes the engine's captured graphs
+    cover (() without graphs) and the token counts of its captured prefill and mixed steps (() without)."""
 
     seconds: float
     prefill_steps: int
@@ -46,6 +46,7 @@ class WarmupReport:
     decode_steps: int
     longest_context: int
     graph_sizes: tuple[int, ...]
+    mixed_graph_sizes: tuple[int, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -53,6 +54,8 @@ class WarmupReport:
 
     def describe(self) -> str:
         graphs = f"decode graphs {list(self.graph_sizes)} captured at start" if self.graph_sizes else "no decode graphs"
+        if self.mixed_graph_sizes:
+            graphs += f", prefill and mixed steps of up to {self.mixed_graph_sizes[-1]} tokens piecewise"
         return (f"warm-up {self.seconds:.2f} s: {self.steps} steps ({self.prefill_steps} prefill, {self.mixed_steps} "
                 f"mixed, {self.decode_steps} decode), contexts up to {self.longest_context} tokens; {graphs}")
 
@@ -71,8 +74,9 @@ def warm_up(engine) -> WarmupReport:
     _mixed_phase(engine)
     kinds = _step_kinds(engine.step_log.records())
     _reset(engine)
-    graphs = engine.runner.decode_graphs
-    report = WarmupReport(time.perf_counter() - started, *kinds, longest, tuple(graphs.sizes) if graphs else ())
+    graphs, mixed = engine.runner.decode_graphs, engine.runner.mixed_graphs
+    report = WarmupReport(time.perf_counter() - started, *kinds, longest, tuple(graphs.sizes) if graphs else (),
+                          mixed.captured_sizes if mixed else ())
     logger.info("%s", report.describe())
     return report
 

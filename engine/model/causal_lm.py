@@ -44,15 +44,15 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_pool, v_pool = kv_cache.layer_slots(self.layer)
         if meta.backend.fused_layers:  # RoPE on q and k and the K/V store: one launch; then attention alone
-            q, k = self._normed_qk(qkv)
+            q, k = self.normed_qk(qkv)
             triton_kernels().rotary_store_(q, k, v, *rope, k_pool, v_pool, meta.slot_mapping)
             out = meta.backend.attend(q, k, v, k_pool, v_pool, meta)       # [T, H, D]
         else:
-            q, k = self._normed_qk(qkv, rope)                              # [T, H, D], [T, H_kv, D]
+            q, k = self.normed_qk(qkv, rope)                              # [T, H, D], [T, H_kv, D]
             out = paged_attention(q, k, v, k_pool, v_pool, meta)           # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-    def _normed_qk(self, qkv: torch.Tensor, rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def normed_qk(self, qkv: torch.Tensor, rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D] and k [T, H_kv, D] out of qkv, per-head normed (Qwen3), rotated when rope is given."""
         num_tokens, heads = qkv.shape[0], self.num_heads + self.num_kv_heads
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads, self.head_dim)  # [T, H + H_kv, D]

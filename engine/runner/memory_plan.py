@@ -17,8 +17,9 @@ the engine needs at its peak is counted, and never more than what is actually fr
 - activations: the peak of a profiling forward of max_num_batched_tokens tokens that samples as many
   rows as a step can (max_num_seqs), through the engine's own ModelRunner, above what was in use;
 - graph pools: the peak of a profiling forward of max_num_seqs single-token rows, what the largest
-  captured decode graph holds in its private pool (0 when no graphs are captured: enforce_eager, a
-  backend other than triton, CPU).
+  captured decode graph holds in its private pool, plus, when prefill and mixed steps are captured too
+  (engine/runner/mixed_graphs.py), the activations' peak again: their pieces' pool holds at most what the
+  largest step's forward needs (0 when no graphs are captured: enforce_eager, a backend other than triton, CPU).
 
 num_blocks = kv_budget // bytes_per_block, and it must be at least max_num_seqs (one block for every
 sequence a step may run; max_model_len is then capped by the pool, as before), else ValueError with
@@ -36,6 +37,7 @@ from engine.attention import AttentionBackend
 from engine.config import EngineConfig
 from engine.kv.kv_cache import DEFAULT_CPU_KV_CACHE_BYTES, KVCache, KVCacheSpec, num_blocks_for_budget
 from engine.model.causal_lm import CausalLM
+from engine.runner.mixed_graphs import mixed_graphs_apply
 from engine.runner.model_runner import ModelRunner
 from engine.sampling.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -141,7 +143,9 @@ def measure_device_memory(model: CausalLM, spec: KVCacheSpec, config: EngineConf
     if not config.enforce_eager and attention.supports_decode_graphs:
         decode_step = profile_peak_activation_bytes(model, spec, config, device, attention,
                                                     lengths=[1] * config.max_num_seqs)
-        graph_bytes = decode_step.peak_bytes
+        graph_bytes = decode_step.peak_bytes or 0
+        if mixed_graphs_apply(model, attention, config, device):
+            graph_bytes += profile.peak_bytes or 0
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

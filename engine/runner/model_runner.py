@@ -24,6 +24,7 @@ from engine.model.causal_lm import CausalLM
 from engine.parallel.step_message import StepInputs
 from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
+from engine.runner.mixed_graphs import MixedGraphs
 from engine.runner.step_batch import HostBatch, feed_tokens, host_batch, stage_eager
 from engine.step_io import StepIO
 from engine.sampling.logprobs import TokenLogprobs
@@ -96,6 +97,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.attention = attention or select_backend("auto", device, kv_cache.spec.dtype)
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine once the pool exists (CUDA)
+        self.mixed_graphs: MixedGraphs | None = None  # the same, for steps that hold prompt chunks
         self.io = io or StepIO(device)
         self.tables = DeviceBlockTables(64, device)
         self.host_tables = BlockTableMirrors()  # the step message of tensor-parallel rank 0 carries host tables
@@ -104,9 +106,10 @@ class ModelRunner:
     def close(self) -> None:
         """Let go of the model, the KV pool and the decode graphs (closed), so their memory can be freed once
         the engine drops its own references. The runner cannot execute afterwards. Idempotent."""
-        if self.decode_graphs is not None:
-            self.decode_graphs.close()
-        self.decode_graphs = None
+        for graphs in (self.decode_graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.decode_graphs = self.mixed_graphs = None
         self.model = self.kv_cache = self.tables = None
 
     def execute(self, chunks: list[ScheduledChunk], on_layer: Callable[[int], None] | None = None) -> StepResult:
@@ -126,7 +129,9 @@ class ModelRunner:
         if batch.graph is not None:
             hidden, sample_rows = self.decode_graphs.run_staged(batch.graph, self.tables, fed)  # [B, hidden], [S]
         else:
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache, on_layer)  # [T, hidden]
+            mixed = self.mixed_graphs
+            forward = mixed.forward if mixed is not None and mixed.covers(len(batch.host.input_ids)) else self.model
+            hidden = forward(batch.input_ids, batch.positions, batch.meta, self.kv_cache, on_layer)  # [T, hidden]
             sample_rows = batch.sample_rows
         prompt = None if batch.prompt is None else \
             prompt_logprob_tensors(self.model, hidden, batch.prompt, batch.uploads)  # [P * (2 + 2k)]

@@ -1,8 +1,8 @@
-"""`tandem bench engine --profile-steps` and the limits table's prefill row on CPU: what a GPU host runs to see
+"""`tandem bench engine --profile-steps` and the limits table's prefill and mixed rows on CPU: what a GPU host runs to see
 where a step's time goes (cluster/bench/step_profile.py), shaped as the GPU run reads it; timings are not checked."""
 from __future__ import annotations
 
-from cluster.bench.limits import prefill_row
+from cluster.bench.limits import mixed_row, prefill_row
 from cluster.bench.step_profile import profile_steps
 from tests.support.engine_checks import assert_all_blocks_free
 from tests.support.engines import make_llm
@@ -27,4 +27,12 @@ def test_the_prefill_row_takes_its_host_time_from_the_step_log():
         row = prefill_row(llm, prompts=2, length=32, repeats=1)
         assert row.phase == "prefill" and row.batch == "2 x 32 tokens"
         assert row.host_ms > 0 and row.device_ms is None  # no device time off CUDA
+        assert_all_blocks_free(llm)
+
+
+def test_the_mixed_row_times_decodes_beside_a_chunk_against_decodes_alone():
+    with make_llm("tiny", device="cpu") as llm:
+        row = mixed_row(llm, decodes=4, chunk=48, repeats=2)
+        assert row.phase == "mixed step" and row.batch == "4 dec + 48 prompt"
+        assert row.engine_ms > 0 and row.floor_ms > 0 and "decode step of 4" in row.floor
         assert_all_blocks_free(llm)
