@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--skip-transformers", action="store_true", help="run only the engine")
     parser.add_argument("--skip-limits", action="store_true", help="skip the machine-limit measurements")
+    parser.add_argument("--mixed-graph-max-tokens", type=int, default=None, metavar="N",
+                        help="CUDA: prefill and mixed steps of up to N tokens replay piecewise graphs (0: eager; "
+                             "default: the engine's, 2048), to time both")
     parser.add_argument("--vllm-peer", default=None, metavar="RUNNER",
                         help="also run the workload on vLLM through RUNNER (e.g. ../shared/peers/vllm-cpu.sh)")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
@@ -159,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         engine_model, model_dir = bench_models(args, Path(tmp))
         started = time.perf_counter()
+        graphs = {} if args.mixed_graph_max_tokens is None else {"mixed_graph_max_tokens": args.mixed_graph_max_tokens}
         llm = LLM(engine_model, dtype=args.dtype, device=args.device,
-                  max_num_batched_tokens=max(2048, prompt_range[1]))
+                  max_num_batched_tokens=max(2048, prompt_range[1]), **graphs)
         load_s = time.perf_counter() - started
         workload = make_workload(args.num_requests, prompt_range, output_range,
                                  llm.engine.model_config.vocab_size, args.seed)

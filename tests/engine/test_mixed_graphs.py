@@ -12,6 +12,7 @@ from engine.attention.backends import TorchBackend, triton_available
 from engine.runner.mixed_graphs import MixedGraphs, mixed_graphs_for, token_buckets
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.engines import TEST_DEVICE, make_llm
+from tests.support.launch_count import LaunchCounter
 
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 PROMPT_LENGTHS = [5, 40, 23, 61]  # chunked by a 32-token step: prompt chunks beside decodes, chunks after others
@@ -66,6 +67,54 @@ def test_fused_pieces_match_transformers(tiny_checkpoint, hf_greedy):
                   max_num_batched_tokens=32, max_model_len=96) as llm:
         steps = _generate_through_pieces(llm, path, hf_greedy, max_tokens=24)  # steps of 25-32 tokens run eager
     assert any(decodes and seqs > decodes for _, decodes, seqs in steps), steps
+
+
+def _mixed_step_launches(llm, graphs: MixedGraphs | None) -> LaunchCounter:
+    """The launches a GPU would take from the host for one mixed step (a decode beside a 20-token prompt), every
+    piece replay counted as one launch (what run_piece issues is inside its graph)."""
+    from engine.attention import triton_decode, triton_prefill, triton_store
+    from engine.model import fused_triton
+    engine, counter = llm.engine, LaunchCounter()
+    if graphs is not None:
+        run_piece = graphs.pieces.run_piece
+
+        def replay(index: int, n: int) -> None:
+            counter.triton["piece replay"] += counter.counting
+            counter.counting, on = False, counter.counting
+            try:
+                run_piece(index, n)
+            finally:
+                counter.counting = on
+        graphs.pieces.run_piece = replay
+        engine.runner.mixed_graphs = graphs
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("decoding", [5, 6, 7, 8, 9], params)
+    engine.step()
+    engine.add_request("prompt", list(range(10, 30)), params)
+    with counter, counter.triton_launches(fused_triton, triton_decode, triton_store, triton_prefill):
+        counter.counting = True
+        engine.step()
+    for request_id in ("decoding", "prompt"):
+        engine.abort(request_id)
+    return counter
+
+
+@needs_triton
+def test_a_mixed_step_launches_a_replay_per_piece_and_its_attention(tiny_checkpoint):
+    """The CPU proxy of what the graphs save: per layer, the eager mixed step launches its norms, projections,
+    rotation and store, SiLU x up and attention; the piecewise one a replay and the attention only."""
+    path, options = str(tiny_checkpoint("llama")), dict(dtype="float32", device="cpu", attention_backend="triton")
+    with make_llm(path, **options) as eager, make_llm(path, **options) as pieced:
+        num_layers = len(eager.engine.runner.model.layers)
+        graphs = MixedGraphs(pieced.engine.runner.model, pieced.engine.kv_cache, pieced.engine.runner.attention,
+                             64, pieced.engine.device, capture=False)
+        before, after = _mixed_step_launches(eager, None), _mixed_step_launches(pieced, graphs)
+        assert after.triton["piece replay"] == num_layers + 1
+        attention = sum(n for name, n in after.triton.items() if name != "piece replay")
+        assert attention <= 3 * num_layers, dict(after.triton)  # the decode kernel, its merge, the prefill kernel
+        assert after.total < before.total - 4 * num_layers, (before.total, after.total)
+        assert_all_blocks_free(eager)
+        assert_all_blocks_free(pieced)
 
 
 def test_mixed_graphs_only_where_they_apply(tiny_checkpoint):
