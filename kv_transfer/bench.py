@@ -217,6 +217,14 @@ def _devices(transport: str) -> tuple[str, str] | None:
     return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else None
 
 
+def _transfer_config(args: argparse.Namespace) -> TransferConfig:
+    direct_min = None if args.direct_min_plane_kib < 0 else int(args.direct_min_plane_kib * 2**10)
+    inline_max = None if args.inline_max_mib is None else int(args.inline_max_mib * 2**20)
+    return TransferConfig(transport=args.transport, kv_transfer_timeout_s=args.timeout_s,
+                          max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20),
+                          direct_min_plane_bytes=direct_min, inline_max_bytes=inline_max)
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark; 0 if every transfer was bit-exact, 1 otherwise, 2 for an unusable setup."""
     devices = _devices(args.transport)
@@ -228,11 +236,7 @@ def run(args: argparse.Namespace) -> int:
     fp = bench_fingerprint(args.num_layers)
     blocks = [max(1, int(mib * 2**20) // fp.block_nbytes) for mib in sizes]
     pool = _resident_pool(fp, max(blocks), receiver_device)
-    direct_min = None if args.direct_min_plane_kib < 0 else int(args.direct_min_plane_kib * 2**10)
-    inline_max = None if args.inline_max_mib is None else int(args.inline_max_mib * 2**20)
-    config = TransferConfig(transport=args.transport, kv_transfer_timeout_s=args.timeout_s,
-                            max_run_bytes=int(args.max_run_mib * 2**20), grpc_chunk_bytes=int(args.chunk_mib * 2**20),
-                            direct_min_plane_bytes=direct_min, inline_max_bytes=inline_max)
+    config = _transfer_config(args)
     ranked = args.transport != "grpc"
     variants = ("", GATHERED) if args.compare_gathered else ("",)
     receivers = {v: create_receiver(variant_config(config, v), pool.view(), args.transport,
