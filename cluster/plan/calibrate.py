@@ -1,7 +1,8 @@
 """`tandem plan --calibrate`: the serving path's costs, measured on a real server at a light load.
 
-For each kind of deployment the plan compares (colocated-W, and disagg-1p(W-1)d for the disaggregated
-splits), it starts `tandem serve` as `tandem bench compare` starts that mode (cluster/bench/compare_server.py,
+For each kind of deployment the plan compares (colocated-(W/T) replicas of the plan's TP size T, and
+disagg-1pDd with the plan's prefill and decode TP sizes for the disaggregated splits: what the TP groups'
+messages and collectives cost the serving path is in what it measures), it starts `tandem serve` as `tandem bench compare` starts that mode (cluster/bench/compare_server.py,
 compare_modes.py), sends two warm-ups, and then, reading the CPU time of the server's process tree (the serve
 process, Ray's daemons and workers: cluster/plan/process_cpu.py) and of this process (the benchmark client):
 
@@ -87,9 +88,14 @@ class MeasuredRun:
         return sum(request.output_len for request in self.requests)
 
 
-def calibration_deployments(workers: int) -> list[Deployment]:
-    """One deployment per kind: colocated-W, and disagg-1p(W-1)d when W >= 2."""
-    return [Deployment(0, workers)] + ([Deployment(1, workers - 1)] if workers >= 2 else [])
+def calibration_deployments(devices: int, prefill_tp: int = 1, decode_tp: int = 1,
+                             replica_tp: int = 1) -> list[Deployment]:
+    """One deployment per kind on `devices` devices: as many colocated replicas of replica_tp ranks as fit, and,
+    when a decode worker fits beside one prefill worker, one prefill worker of prefill_tp ranks with as many decode
+    workers of decode_tp ranks as fit (TP=1: colocated-W and disagg-1p(W-1)d)."""
+    colocated = [Deployment(0, devices // replica_tp, 1, replica_tp)] if devices >= replica_tp else []
+    decode = (devices - prefill_tp) // decode_tp
+    return colocated + ([Deployment(1, decode, prefill_tp, decode_tp)] if decode >= 1 else [])
 
 
 def calibrate(deployment: Deployment, settings: ModeSettings, model: StepTimeModel,

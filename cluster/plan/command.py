@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         TransferModel(profile.bytes_per_block, profile.block_size, 1e9, 0.0, "none (no split to move KV in)")
     base = ServingShape(*limits, transfer, host=host, tp_costs=profile.tp_costs)
     if args.calibrate:
-        profile = _calibrate(args, profile, model, base, hw.device, hw.devices)
+        profile = _calibrate(args, profile, model, base, hw)
     shapes = {kind: _shape(args, base, profile.serving.get(kind)) for kind in ("colocated", "disaggregated")}
     predictions = [predict(d, list(workload.requests), model, shapes[_kind(d)], slos) for d in deployments]
     recommendation = recommend(predictions, slos)
@@ -134,16 +134,19 @@ def _shape(args: argparse.Namespace, base: ServingShape, calibrated: ServingCost
     return replace(base, costs=costs)
 
 
-def _calibrate(args: argparse.Namespace, profile: EngineProfile, model, base: ServingShape, device: str,
-               workers: int) -> EngineProfile:
-    """The profile with freshly calibrated serving costs, written to --save-profile or --load-profile's file."""
+def _calibrate(args: argparse.Namespace, profile: EngineProfile, model, base: ServingShape,
+               hw: Hardware) -> EngineProfile:
+    """The profile with freshly calibrated serving costs (on deployments of the plan's TP sizes), written to
+    --save-profile or --load-profile's file."""
     from cluster.bench.compare_modes import ModeSettings
     from cluster.plan.calibrate import calibrate, calibration_deployments
+    device = hw.device
     settings = ModeSettings(args.model, args.dtype, device, "auto", 256, args.chunk_size, args.kv_cache_memory_mib,
                             args.long_prefill_threshold, num_gpus=_num_gpus(device))
+    deployments = calibration_deployments(hw.devices, hw.prefill_tp, hw.decode_tp, hw.replica_tp)
     try:
         here = replace(base, host=replace(base.host, cores=float(os.cpu_count() or 1)))  # measured on this host
-        serving = {_kind(d): calibrate(d, settings, model, here) for d in calibration_deployments(workers)}
+        serving = {_kind(d): calibrate(d, settings, model, here) for d in deployments}
     except (RuntimeError, OSError) as error:
         raise ValueError(f"--calibrate: {error}") from None
     profile = replace(profile, serving=serving)
