@@ -169,7 +169,10 @@ def add_engine_arguments(group) -> None:
                        help="share of the GPU an engine may fill, KV pool included")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
                        help="auto: triton on CUDA, the numba kernel on CPU float32, torch otherwise")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs at all")
+    group.add_argument("--mixed-graph-max-tokens", type=int, default=defaults.mixed_graph_max_tokens, metavar="N",
+                       help="CUDA: steps that hold prompt chunks, of up to N tokens, replay piecewise graphs with "
+                            "the attention eager between them (0: they run eager)")
     group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="schedule step N + 1 while the device runs step N, whose picks feed it on the device "
                             "(same outputs; default: on for CUDA with one rank, off on CPU)")
@@ -195,7 +198,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                        prefill_first=args.prefill_first, async_scheduling=args.async_scheduling)
+                        mixed_graph_max_tokens=args.mixed_graph_max_tokens, prefill_first=args.prefill_first, async_scheduling=args.async_scheduling)
 
 
 BOUND_FLAGS = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers", "max_decode_workers",

@@ -99,10 +99,15 @@ def test_engine_flags_reach_the_engine_config():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     engine = config_from_args(parser.parse_args(["--attention-backend", "torch", "--enforce-eager",
-                                                 "--gpu-memory-utilization", "0.5"])).engine
-    assert (engine.attention_backend, engine.enforce_eager, engine.gpu_memory_utilization) == ("torch", True, 0.5)
+                                                 "--gpu-memory-utilization", "0.5",
+                                                 "--mixed-graph-max-tokens", "512"])).engine
+    assert (engine.attention_backend, engine.enforce_eager, engine.gpu_memory_utilization,
+            engine.mixed_graph_max_tokens) == ("torch", True, 0.5, 512)
+    assert config_from_args(parser.parse_args([])).engine.mixed_graph_max_tokens == 2048
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         config_from_args(parser.parse_args(["--gpu-memory-utilization", "1.5"]))
+    with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
+        config_from_args(parser.parse_args(["--mixed-graph-max-tokens", "-1"]))
 
 
 def test_kv_inline_bound_reaches_both_ends_of_the_kv_plane():
