@@ -190,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=["gloo", "grpc", "nccl", "ipc"], default="gloo")
     parser.add_argument("--sizes-mib", default="1,16,64,256", help="comma-separated payload sizes in MiB")
     parser.add_argument("--repeats", type=int, default=5, help="transfers per size (the median is reported)")
-    parser.add_argument("--json", default="", help="write the result rows to this file")
+    parser.add_argument("--json", default="", help='write {"rows": [...], "cost": the fitted costs or null} here')
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--max-run-mib", type=float, default=TransferConfig.max_run_bytes / 2**20,
                         help="split runs above this size (pipelines gather / wire / scatter)")
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
               f"{cost['raw_per_byte_gbps']:.2f} GB/s); least squares over the sizes' medians", flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "cost": cost} if cost else rows, out, indent=1)
+            json.dump({"rows": rows, "cost": cost}, out, indent=1)  # cost: None below two sizes
     return 0 if all(row["bit_exact"] for row in rows) else 1
 
 
