@@ -13,8 +13,8 @@ from pathlib import Path
 
 
 def main(out: Path) -> str:
-    sections = [_header(out), _steps(out), _selftest(out), _engine(out), _memory(out), _transfer(out),
-                _serving(out), _suite(out)]
+    sections = [_header(out), _steps(out), _selftest(out), _engine(out), _engine(out, eager=True), _memory(out),
+                _transfer(out), _serving(out), _suite(out)]
     return "\n\n".join(section for section in sections if section) + "\n"
 
 
@@ -52,11 +52,15 @@ def _selftest(out: Path) -> str:
     return "\n".join(rows)
 
 
-def _engine(out: Path) -> str:
-    bench = _json(out, "bench_engine.json")
+def _engine(out: Path, eager: bool = False) -> str:
+    """bench engine's limits table (eager: the bench-engine-eager step's, prefill and mixed steps without graphs;
+    nothing when that step did not run)."""
+    name = "bench_engine_eager.json" if eager else "bench_engine.json"
+    title = "### bench engine (qwen2.5-0.5b shape, bfloat16" + (", prefill and mixed steps eager)" if eager else ")")
+    bench = _json(out, name)
     if bench is None:
-        return "### bench engine (qwen2.5-0.5b shape, bfloat16)\n\nno bench_engine.json"
-    rows = ["### bench engine (qwen2.5-0.5b shape, bfloat16)", "",
+        return "" if eager else f"{title}\n\nno {name}"
+    rows = [title, "",
             f"{bench['engine_tok_s']:,.0f} useful tok/s over {bench['num_requests']} requests", "",
             "| phase | batch | engine ms | host ms | device ms | floor ms | engine / floor | floor |",
             "|---|---|---|---|---|---|---|---|"]

@@ -61,6 +61,10 @@ def test_the_report_carries_every_number(tmp_path):
          "host_ms": 1.29, "device_ms": 1.49}],
         "step_profiles": [{"phase": "decode b=1", "steps": 8, "kernels": 250.0, "busy_ms": 1.402,
                            "top": [["_decode_attention_kernel", 24.0, 0.311]], "runtime": {"cudaGraphLaunch": 1.0}}]}))
+    eager_mixed = {"phase": "mixed step", "batch": "32 dec + 512 prompt", "engine_ms": 12.5, "floor_ms": 3.5,
+                   "floor": "decode + matmuls"}
+    (tmp_path / "bench_engine_eager.json").write_text(json.dumps({"num_requests": 48, "engine_tok_s": 4100.0,
+                                                                 "limits": [eager_mixed]}))
     (tmp_path / "memory.json").write_text(json.dumps({"shape": "llama-3-8b", "slowest_step_ms_during": 682.95,
                                                       "memory_plan": "KV cache 56183 blocks"}))
     (tmp_path / "transfer.json").write_text(json.dumps({  # kv_transfer.bench --json: the rows and the fitted cost
@@ -79,6 +83,7 @@ def test_the_report_carries_every_number(tmp_path):
                      "max \\|err\\| 5.4e-07", "4,590 useful tok/s", "| 3.10 | 1.29 | 1.49 | 0.30 | 10.3x |",
                      "**decode b=1**, per step: 250 kernels, 1.402 ms on the device; cudaGraphLaunch 1",
                      "| 0.311 | 24 | `_decode_attention_kernel` |", "682.95",
+                     "prefill and mixed steps eager)", "| mixed step | 32 dec + 512 prompt | 12.50 |",
                      "KV cache 56183 blocks", "| 0.0625 | 1.30 | 0.05 | 0.52 | True |",
                      "| 1 | 3.67 | 0.29 | 2.14 | True |", "fixed cost 1.492 ms per transfer, then 20.31 GB/s",
                      "| completed / failed | 64 / 0 |",
