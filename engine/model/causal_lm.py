@@ -48,7 +48,7 @@ class Attention(nn.Module):
             triton_kernels().rotary_store_(q, k, v, *rope, k_pool, v_pool, meta.slot_mapping)
             out = meta.backend.attend(q, k, v, k_pool, v_pool, meta)       # [T, H, D]
         else:
-            q, k = self.normed_qk(qkv, rope)                              # [T, H, D], [T, H_kv, D]
+            q, k = self.normed_qk(qkv, rope)                               # [T, H, D], [T, H_kv, D]
             out = paged_attention(q, k, v, k_pool, v_pool, meta)           # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
