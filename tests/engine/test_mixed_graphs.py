@@ -41,13 +41,18 @@ def _generate_through_pieces(llm, path, hf_greedy, max_tokens: int) -> list[tupl
     graphs.forward = lambda ids, pos, meta, *rest: steps.append(
         (ids.shape[0], meta.num_decode_rows, meta.num_seqs)) or forward(ids, pos, meta, *rest)
     engine.runner.mixed_graphs = graphs
-    prompts = random_prompts(PROMPT_LENGTHS, llm.get_tokenizer().vocab_size, seed=11)
+    _generate_equals_transformers(llm, path, hf_greedy, seed=11)
+    return steps
+
+
+def _generate_equals_transformers(llm, path, hf_greedy, seed: int) -> None:
+    """PROMPT_LENGTHS' prompts, MAX_TOKENS each: every token transformers', no block left."""
+    prompts = random_prompts(PROMPT_LENGTHS, llm.get_tokenizer().vocab_size, seed=seed)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     expected = hf_greedy(path, prompts, max(MAX_TOKENS))
     assert [o.outputs[0].token_ids for o in outputs] == [e[:n] for e, n in zip(expected, MAX_TOKENS)]
     assert_all_blocks_free(llm)
-    return steps
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head q/k norms make new q, k tensors
@@ -140,9 +145,4 @@ def test_captured_pieces_match_transformers_on_cuda(tiny_checkpoint, hf_greedy):
                   max_model_len=96) as llm:
         graphs = llm.engine.runner.mixed_graphs
         assert graphs is not None and graphs.captured_sizes == token_buckets(32), "mixed graphs were not captured"
-        prompts = random_prompts(PROMPT_LENGTHS, llm.get_tokenizer().vocab_size, seed=12)
-        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
-        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        expected = hf_greedy(path, prompts, max(MAX_TOKENS))
-        assert [o.outputs[0].token_ids for o in outputs] == [e[:n] for e, n in zip(expected, MAX_TOKENS)]
-        assert_all_blocks_free(llm)
+        _generate_equals_transformers(llm, path, hf_greedy, seed=12)
