@@ -121,9 +121,9 @@ class ModelRunner:
                fed_by: LaunchedStep | None = None) -> LaunchedStep:
         """Issue one forward over all chunks (writes their K/V into the pool) and the sampling of the rows that
         end a sequence's tokens (and of its forks); the prompt logprobs the chunks give are computed here. Does
-        not change the sequences. on_layer: called for each layer of an eager forward once its K/V are stored
-        (CausalLM.forward); a step with it never replays a graph. fed_by: the step still running whose picks
-        are the pending last tokens of some of these sequences (async scheduling)."""
+        not change the sequences. on_layer: called for each layer once its K/V are stored (CausalLM.forward, or
+        the pieces of mixed_graphs.py); a step with it never replays a decode graph. fed_by: the step still running
+        whose picks are the pending last tokens of some of these sequences (async scheduling)."""
         batch = self.prepare(chunks, graphed=on_layer is None, fed_by=fed_by)
         fed = fed_by.picks.tokens if fed_by is not None and fed_by.picks is not None else None
         if batch.graph is not None:
