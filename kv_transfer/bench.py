@@ -18,6 +18,7 @@ import multiprocessing as mp
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -274,6 +275,11 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "cost": cost}, out, indent=1)  # cost: None below two sizes
     return 0 if all(row["bit_exact"] for row in rows) else 1
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows a run with --json wrote to path ([] when there is no such file)."""
+    return json.loads(path.read_text())["rows"] if path.is_file() else []
 
 
 def _print_row(row: dict) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +66,7 @@ def measured_transfer(bytes_per_block: int, block_size: int, transport: str) -> 
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             code = bench.run(args)
-        rows = json.loads(out.read_text())["rows"] if out.is_file() else []
+        rows = bench.read_rows(out)
     if code != 0 or len(rows) != len(MEASURE_SIZES_MIB):
         raise RuntimeError(f"measuring the {transport} KV transfer failed ({printed.getvalue().strip()[-300:]}); "
                            "give --transfer-gbps and --transfer-latency-ms instead")

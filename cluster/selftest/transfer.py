@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import importlib.util
 import io
-import json
 import statistics
 import time
 
@@ -75,8 +74,7 @@ def run_bench(ctx, transport: str) -> tuple[int, list[dict], str]:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         rc = bench.run(args)
-    rows = json.loads(out_path.read_text()) if out_path.is_file() else []
-    return rc, rows, printed.getvalue()
+    return rc, bench.read_rows(out_path), printed.getvalue()
 
 
 def copy_gbps(nbytes: int, device: str, repeats: int = 5) -> float:
