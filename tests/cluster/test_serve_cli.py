@@ -1,14 +1,19 @@
-"""`tandem serve` and `tandem client` as users run them: real processes, loopback, SIGTERM shutdown."""
+"""`tandem serve` and `tandem client` as users run them: real processes, loopback, SIGTERM shutdown; the refusals
+that start nothing run `tandem`'s entry point (cluster.cli.main) in this process."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
 import urllib.request
 
 import pytest
+import ray
 
+from cluster import cli
 from tests.support.serve_process import TANDEM, descendants, live_processes, start_serve
 
 
@@ -72,10 +77,13 @@ def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_por
     return started
 
 
-def test_serve_rejects_inconsistent_modes():
-    done = subprocess.run([*TANDEM, "serve", "--mode", "colocated", "--prefill-workers", "2", "--grpc-port", "0",
-                           "--http-port", "0"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "disaggregated" in done.stderr
+def test_serve_rejects_inconsistent_modes(capsys):
+    """The CLI's own entry point (cluster.cli.main, what `tandem` runs), in this process: a refusal needs no
+    interpreter of its own (~4 s of start-up each on the 2-core CI machine); the tests above run real processes."""
+    with refused_before_starting_anything():
+        assert cli.main(["serve", "--mode", "colocated", "--prefill-workers", "2", "--grpc-port", "0",
+                         "--http-port", "0"]) == 2
+    assert "disaggregated" in capsys.readouterr().err
 
 
 def test_both_worker_counts_without_a_mode_mean_disaggregated():
@@ -133,12 +141,29 @@ def test_kv_inline_bound_reaches_both_ends_of_the_kv_plane():
             config_from_args(parser.parse_args(bad))
 
 
-def test_serve_refuses_a_bad_model_before_starting_anything(tmp_path):
-    """Colocated or disaggregated, a model file that is not GGUF is exit 2 naming it, before any worker starts."""
+def test_serve_refuses_a_bad_model_before_starting_anything(tmp_path, capsys):
+    """Colocated or disaggregated, a model file that is not GGUF is exit 2 naming it (an error, not an exception
+    escaping main), before any worker starts: nothing is started below this process. In this process, as above."""
     bad = tmp_path / "model.gguf"
     bad.write_text("not a model")
     for mode in ((), ("--prefill-workers", "1")):
-        done = subprocess.run([*TANDEM, "serve", "--model", str(bad), *mode, "--grpc-port", "0", "--http-port", "0"],
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2, done.stderr[-2000:]
-        assert "model.gguf' is a file but not a GGUF file" in done.stderr and "Traceback" not in done.stderr
+        with refused_before_starting_anything():
+            assert cli.main(["serve", "--model", str(bad), *mode, "--grpc-port", "0", "--http-port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert "model.gguf' is a file but not a GGUF file" in err and "Traceback" not in err, err[-2000:]
+
+
+@contextlib.contextmanager
+def refused_before_starting_anything():
+    """Fails if the block connected this process to a Ray or started a process of its own (a Ray's GCS and
+    raylet, an engine's rank): a child of this process that was not there before. Grandchildren are not counted:
+    the session's local Ray, if it runs, may start pooled workers of its own meanwhile."""
+    before, ray_before = children(), ray.is_initialized()
+    yield
+    assert ray.is_initialized() == ray_before, "the refused command started a Ray"
+    started = {pid: command for pid, command in children().items() if pid not in before}
+    assert not started, f"the refused command started processes: {started}"
+
+
+def children() -> dict[int, str]:
+    return {pid: info.command for pid, info in live_processes().items() if info.ppid == os.getpid()}

@@ -31,16 +31,20 @@ SPECS = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REG
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint) -> str:
-    return str(tiny_checkpoint("llama"))
+def checkpoint(llama_checkpoint) -> str:
+    return llama_checkpoint
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "replicas"])
 def cluster(checkpoint, request):
-    workers = dict(num_prefill_workers=1, num_decode_workers=1, transport="grpc") \
-        if request.param == "disaggregated" else dict(num_prefill_workers=0, num_decode_workers=2)
+    """disaggregated: the package's 1 prefill + 1 decode workers, KV over gRPC, POOL_BYTES each (conftest.py);
+    replicas: 2 colocated replicas of this module's own."""
+    if request.param == "disaggregated":
+        yield request.getfixturevalue("llama_pair")
+        return
     config = ClusterConfig(model=checkpoint, device="cpu", engine=EngineConfig(kv_cache_memory=POOL_BYTES),
-                           expect_timeout_s=30.0, worker_start_timeout_s=60.0, **workers)
+                           expect_timeout_s=30.0, worker_start_timeout_s=60.0, num_prefill_workers=0,
+                           num_decode_workers=2)
     with running_cluster(config) as coordinator:
         yield coordinator
 

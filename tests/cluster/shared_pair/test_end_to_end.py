@@ -21,23 +21,22 @@ import pytest
 
 from cluster.api.grpc_server import start_grpc_server
 from cluster.api.http_server import start_http_server
-from cluster.workers.cluster_config import ClusterConfig
-from engine import LLM, EngineConfig
+from engine import LLM
 from proto import tandem_pb2, tandem_pb2_grpc
-from tests.support.cluster_rig import running_cluster, wait_until_idle
+from tests.cluster.shared_pair import POOL_BYTES
+from tests.support.cluster_rig import wait_until_idle
 from tests.support.engine_checks import random_prompts
 from tests.support.frontend_rig import local_backend
 
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (1, 5, 16, 17, 40, 100)   # block size 16: 1, 1, 1, 2, 3 and 7 blocks
 TOKENIZER_VOCAB = 360                      # the tiny checkpoint's tokenizer (the model's vocab is 384)
-POOL_BYTES = 4 << 20                       # 512 blocks of the tiny llama per engine
 MODES = ("colocated", "disaggregated")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint) -> str:
-    return str(tiny_checkpoint("llama"))
+def checkpoint(llama_checkpoint) -> str:
+    return llama_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +56,10 @@ def colocated_engine(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def cluster(checkpoint):
-    """1 prefill + 1 decode worker on this module's own local Ray."""
-    config = ClusterConfig(model=checkpoint, device="cpu", num_prefill_workers=1, num_decode_workers=1,
-                           transport="grpc", engine=EngineConfig(kv_cache_memory=POOL_BYTES),
-                           expect_timeout_s=30.0, worker_start_timeout_s=60.0)
-    with running_cluster(config) as coordinator:
-        yield coordinator
+def cluster(llama_pair):
+    """1 prefill + 1 decode worker on the session's local Ray, KV over gRPC, POOL_BYTES each: the package's
+    (conftest.py)."""
+    return llama_pair
 
 
 @pytest.fixture(params=MODES)
