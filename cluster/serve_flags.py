@@ -198,7 +198,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                        mixed_graph_max_tokens=args.mixed_graph_max_tokens, prefill_first=args.prefill_first, async_scheduling=args.async_scheduling)
+                        mixed_graph_max_tokens=args.mixed_graph_max_tokens, prefill_first=args.prefill_first,
+                        async_scheduling=args.async_scheduling)
 
 
 BOUND_FLAGS = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers", "max_decode_workers",

@@ -2,8 +2,9 @@
 
 For each kind of deployment the plan compares (colocated-(W/T) replicas of the plan's TP size T, and
 disagg-1pDd with the plan's prefill and decode TP sizes for the disaggregated splits: what the TP groups'
-messages and collectives cost the serving path is in what it measures), it starts `tandem serve` as `tandem bench compare` starts that mode (cluster/bench/compare_server.py,
-compare_modes.py), sends two warm-ups, and then, reading the CPU time of the server's process tree (the serve
+messages and collectives cost the serving path is in what it measures), it starts `tandem serve` as
+`tandem bench compare` starts that mode (cluster/bench/compare_server.py, compare_modes.py), sends two warm-ups,
+and then, reading the CPU time of the server's process tree (the serve
 process, Ray's daemons and workers: cluster/plan/process_cpu.py) and of this process (the benchmark client):
 
     idle       IDLE_S seconds with nothing sent                         -> baseline_cores = CPU / seconds (all of

@@ -1,5 +1,6 @@
-"""`tandem bench engine --profile-steps` and the limits table's prefill and mixed rows on CPU: what a GPU host runs to see
-where a step's time goes (cluster/bench/step_profile.py), shaped as the GPU run reads it; timings are not checked."""
+"""`tandem bench engine --profile-steps` and the limits table's prefill and mixed rows on CPU: what a GPU host runs
+to see where a step's time goes (cluster/bench/step_profile.py), shaped as the GPU run reads it; timings are not
+checked."""
 from __future__ import annotations
 
 from cluster.bench.limits import mixed_row, prefill_row
