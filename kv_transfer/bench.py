@@ -13,7 +13,6 @@ before pool-to-pool planes) through a second sender/receiver pair.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from kv_transfer.bench_baselines import GrpcFloorClient, GrpcFloorSink, TcpSink, tcp_send
-from kv_transfer.bench_fit import fixed_and_per_byte
+from kv_transfer.bench_results import fixed_and_per_byte, print_cost, print_row, write_results
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.host_copy import copy_tensor, host_array
@@ -255,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         for i, num_blocks in enumerate(blocks):
             floored = floor_sink is not None
             rows.append(_measure_size(args, receivers, pool, sink, peer, num_blocks, 1000 * i, floored))
-            _print_row(rows[-1])
+            print_row(rows[-1])
     finally:
         peer.send(None)
         process.join(60)
@@ -268,33 +267,11 @@ def run(args: argparse.Namespace) -> int:
             floor_sink.close()
     cost = fixed_and_per_byte(rows)
     if cost is not None:
-        print(f"{args.transport:5s} {args.num_layers:2d}L  fixed cost {cost['fixed_ms']:.3f} ms per transfer, "
-              f"then {cost['per_byte_gbps']:.2f} GB/s (raw socket: {cost['raw_fixed_ms']:.3f} ms, "
-              f"{cost['raw_per_byte_gbps']:.2f} GB/s); least squares over the sizes' medians", flush=True)
+        print_cost(args.transport, args.num_layers, cost)
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"rows": rows, "cost": cost}, out, indent=1)  # cost: None below two sizes
+        write_results(Path(args.json), rows, cost)
     return 0 if all(row["bit_exact"] for row in rows) else 1
 
-
-def read_rows(path: Path) -> list[dict]:
-    """The rows a run with --json wrote to path ([] when there is no such file)."""
-    return json.loads(path.read_text())["rows"] if path.is_file() else []
-
-
-def _print_row(row: dict) -> None:
-    ratio = row["gbps"] / row["baseline_gbps"]
-    extra = ""
-    if "floor_gbps" in row:
-        extra += (f"  grpc floor {row['floor_gbps']:6.2f} GB/s (ratio {row['floor_gbps'] / row['baseline_gbps']:4.2f}; "
-                  f"transfer / floor {row['gbps'] / row['floor_gbps']:4.2f})")
-    if "gathered_gbps" in row:
-        extra += (f"  gathered: ratio {row['gathered_gbps'] / row['baseline_gbps']:5.2f} "
-                  f"cpu {row['gathered_cpu_seconds'] * 1e3:6.1f} ms")
-    print(f"{row['transport']:5s} {row['num_layers']:2d}L {row['size_bytes'] / 2**20:7.4g} MiB  "
-          f"{row['seconds'] * 1e3:9.2f} ms  {row['gbps']:6.2f} GB/s  raw socket {row['baseline_gbps']:6.2f} GB/s  "
-          f"ratio {ratio:5.2f}  cpu {row['cpu_seconds'] * 1e3:6.1f} ms{extra}  bit_exact={row['bit_exact']}",
-          flush=True)
 
 if __name__ == "__main__":
     _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -56,6 +56,7 @@ def measured_transfer(bytes_per_block: int, block_size: int, transport: str) -> 
     fits latency + bytes / bandwidth through the two medians. RuntimeError when the bench cannot run here
     (say which flags give the numbers instead)."""
     from kv_transfer import bench
+    from kv_transfer.bench_results import read_rows
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -66,7 +67,7 @@ def measured_transfer(bytes_per_block: int, block_size: int, transport: str) -> 
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             code = bench.run(args)
-        rows = bench.read_rows(out)
+        rows = read_rows(out)
     if code != 0 or len(rows) != len(MEASURE_SIZES_MIB):
         raise RuntimeError(f"measuring the {transport} KV transfer failed ({printed.getvalue().strip()[-300:]}); "
                            "give --transfer-gbps and --transfer-latency-ms instead")

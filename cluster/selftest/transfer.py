@@ -64,6 +64,7 @@ def unavailable(ctx, transport: str) -> str:
 def run_bench(ctx, transport: str) -> tuple[int, list[dict], str]:
     """(exit code, result rows, what it printed) of kv_transfer.bench at the selftest's size."""
     from kv_transfer import bench
+    from kv_transfer.bench_results import read_rows
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -74,7 +75,7 @@ def run_bench(ctx, transport: str) -> tuple[int, list[dict], str]:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         rc = bench.run(args)
-    return rc, bench.read_rows(out_path), printed.getvalue()
+    return rc, read_rows(out_path), printed.getvalue()
 
 
 def copy_gbps(nbytes: int, device: str, repeats: int = 5) -> float:

@@ -32,8 +32,6 @@ from engine.core.stop_rules import finish_reason, is_stop_token
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.model.causal_lm import CausalLM, local_heads
 from engine.outputs import OutputText, RequestMetrics, StepDelta
-from engine.runner.decode_graphs import decode_graphs_for
-from engine.runner.mixed_graphs import mixed_graphs_for
 from engine.runner.device_memory import release_device_memory
 from engine.runner.host_malloc import keep_freed_host_memory
 from engine.runner.memory_plan import plan_memory
@@ -79,9 +77,7 @@ class LLMEngine(KVHandoff):
         sampler = Sampler(config.seed, eos_token_ids=tokenizer.eos_token_ids, start_copy=io.start_to_host)
         self.runner = ModelRunner(model, self.kv_cache, sampler, device, attention=attention,
                                   step_sender=None if tp_leader is None else tp_leader.send_step, io=io)
-        self.runner.decode_graphs = decode_graphs_for(model, self.kv_cache, attention, config,
-                                                      self.max_model_len, device, io)
-        self.runner.mixed_graphs = mixed_graphs_for(model, self.kv_cache, attention, config, device)
+        self.runner.capture_graphs(config, self.max_model_len)
         overlap = config.async_scheduling_on(device.type)
         self.pipeline = StepPipeline(self.runner, self.scheduler, self.kv_cache, overlap)
         self.structured = StructuredRequests(tokenizer, model_config.vocab_size, sampler)  # structured outputs

@@ -22,9 +22,10 @@ from engine.host_lists import HostCopy, Uploads
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.parallel.step_message import StepInputs
-from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs
+from engine.config import EngineConfig
+from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs, decode_graphs_for
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
-from engine.runner.mixed_graphs import MixedGraphs
+from engine.runner.mixed_graphs import MixedGraphs, mixed_graphs_for
 from engine.runner.step_batch import HostBatch, feed_tokens, host_batch, stage_eager
 from engine.step_io import StepIO
 from engine.sampling.logprobs import TokenLogprobs
@@ -96,12 +97,19 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.attention = attention or select_backend("auto", device, kv_cache.spec.dtype)
-        self.decode_graphs: DecodeGraphs | None = None  # set by the engine once the pool exists (CUDA)
+        self.decode_graphs: DecodeGraphs | None = None  # capture_graphs, once the pool exists (CUDA)
         self.mixed_graphs: MixedGraphs | None = None  # the same, for steps that hold prompt chunks
         self.io = io or StepIO(device)
         self.tables = DeviceBlockTables(64, device)
         self.host_tables = BlockTableMirrors()  # the step message of tensor-parallel rank 0 carries host tables
         self.step_sender = step_sender
+
+    def capture_graphs(self, config: EngineConfig, max_model_len: int) -> None:
+        """Capture the CUDA graphs that apply (decode_graphs_for, mixed_graphs_for: none on CPU): the decode
+        forwards, then the pieces of prefill and mixed steps."""
+        self.decode_graphs = decode_graphs_for(self.model, self.kv_cache, self.attention, config, max_model_len,
+                                               self.device, self.io)
+        self.mixed_graphs = mixed_graphs_for(self.model, self.kv_cache, self.attention, config, self.device)
 
     def close(self) -> None:
         """Let go of the model, the KV pool and the decode graphs (closed), so their memory can be freed once
