@@ -79,7 +79,7 @@ def mixed_row(llm, decodes: int = MIXED_DECODES, chunk: int = MIXED_CHUNK, repea
     for request_id, prompt in zip(ids, fresh_prompts(decodes, DECODE_CONTEXT, vocab, 300)):
         engine.add_request(request_id, prompt, long)
     steps: dict[str, list[float]] = {"decode": [], "mixed": []}
-    chunk_tokens = []
+    chunk_tokens, records = [], []
     try:
         for repeat in range(repeats + 1):
             if repeat:  # the first round only brings every sequence to decoding
@@ -93,6 +93,7 @@ def mixed_row(llm, decodes: int = MIXED_DECODES, chunk: int = MIXED_CHUNK, repea
                     steps[kind].append(stats.forward_seconds - seconds)
                     if kind == "mixed":
                         chunk_tokens.append(stats.num_prefill_tokens - prefilled)
+                        records.append(engine.step_log.records()[-1])
     finally:
         for request_id in ids + [f"limits-chunk-{r}" for r in range(1, repeats + 1)]:
             engine.abort(request_id)
@@ -101,8 +102,11 @@ def mixed_row(llm, decodes: int = MIXED_DECODES, chunk: int = MIXED_CHUNK, repea
     tokens = statistics.median(chunk_tokens)
     decode_ms = statistics.median(steps["decode"]) * 1e3
     floor_ms = decode_ms + _bare_matmul_ms(engine.runner.model, int(tokens), 1, engine.device)
+    device = [r.device_s for r in records if r.device_s is not None]
     return LimitRow("mixed step", f"{decodes} dec + {tokens:.0f} prompt", statistics.median(steps["mixed"]) * 1e3,
-                    floor_ms, f"decode step of {decodes} ({decode_ms:.2f} ms) + the chunk's bare matmuls")
+                    floor_ms, f"decode step of {decodes} ({decode_ms:.2f} ms) + the chunk's bare matmuls",
+                    statistics.median(r.issue_s for r in records) * 1e3,
+                    statistics.median(device) * 1e3 if device else None)
 
 
 def _cell(ms: float | None) -> str:

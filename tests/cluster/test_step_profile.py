@@ -36,4 +36,5 @@ def test_the_mixed_row_times_decodes_beside_a_chunk_against_decodes_alone():
         row = mixed_row(llm, decodes=4, chunk=48, repeats=2)
         assert row.phase == "mixed step" and row.batch == "4 dec + 48 prompt"
         assert row.engine_ms > 0 and row.floor_ms > 0 and "decode step of 4" in row.floor
+        assert row.host_ms > 0 and row.device_ms is None  # the host's issue time from the step log; no device
         assert_all_blocks_free(llm)
