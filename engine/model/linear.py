@@ -4,16 +4,20 @@ On CPU in float32, MKL's sgemm is slow for the few-row matmuls of decode steps (
 8-row step of the benchmark model runs 2.3x faster, a 32-row one 1.5x, through oneDNN with weights
 reordered ahead of time into its blocked layout). Large prefill batches are as fast or faster on MKL.
 So after loading, prepare() keeps a oneDNN-packed copy of the weight next to the plain one, and
-forward() uses it for batches of at most SMALL_BATCH_ROWS rows. Elsewhere (GPU, bf16/fp16, no oneDNN)
-it is a plain nn.Linear.
+forward() uses it for batches of GEMV_MAX_ROWS + 1 to SMALL_BATCH_ROWS rows. One or two rows (a decode step of
+one or two sequences, its LM head) stay on MKL: its matrix-vector path streams the plain weight at the host's
+read bandwidth, where the blocked layout, tuned for 32 rows, reads it slower (SmolLM2-135M's four layer shapes,
+30 layers each, cold: 0.88 vs 1.16 ms a layer at one row; a one-sequence decode step 45-56 vs 58-67 ms,
+alternating in one process; at 4 and 8 rows oneDNN is ahead again). Elsewhere (GPU, bf16/fp16, no oneDNN) it
+is a plain nn.Linear.
 
 oneDNN builds (JIT-compiles) a kernel for every row count it meets: 0.6-4 ms per distinct weight shape,
 measured here, so the first decode step at each new batch size took 12-19 ms instead of 4 (the benchmark
 model: four weight shapes), and every stream of that decode worker waited for it. prepare_linears() builds
-the kernels of every row count up to WARMED_ROWS (every decode batch up to 64) once the weights are loaded,
+the kernels of every row count it takes up to WARMED_ROWS (every decode batch up to 64) once the weights are loaded,
 by running each shape once per row count; a larger count compiles once, at its first step. Rows are not
 padded to fewer counts instead: that cost every later step at an odd batch size 5-14% (a decode batch of 5
-run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: SmolLM2 keeps 4 x 64 (below).
+run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: SmolLM2 keeps 4 x 62 (below).
 
 Building is cheap (~1 ms per row count and shape), but building by running is not for a large weight: the LM
 head of SmolLM2 (49,152 x 576) took 1.24 s of matmuls at 1..64 rows to build ~0.1 s of kernels, a third of the
@@ -27,10 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+GEMV_MAX_ROWS = 2        # at most this many rows: MKL (matrix-vector); above it, up to SMALL_BATCH_ROWS: oneDNN
 SMALL_BATCH_ROWS = 192
 PACKING_HINT_ROWS = 32  # the batch size oneDNN tunes its weight layout for
-WARMED_ROWS = 64        # prepare_linears() builds oneDNN's kernels for 1..WARMED_ROWS rows
-WARM_BUDGET_MACS = 8 * 10**9  # ...of the weights whose warm-up (rows 1..WARMED_ROWS) costs at most this
+WARMED_ROWS = 64        # prepare_linears() builds oneDNN's kernels for GEMV_MAX_ROWS + 1..WARMED_ROWS rows
+WARMED_ROW_COUNTS = range(GEMV_MAX_ROWS + 1, WARMED_ROWS + 1)  # the row counts that run on oneDNN's kernels
+WARM_BUDGET_MACS = 8 * 10**9  # ...of the weights whose warm-up (those rows) costs at most this
 
 
 class Linear(nn.Linear):
@@ -57,10 +63,15 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_rows, in_features]
-        if self.packed_weight is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+        if self.packed_weight is not None and x.dim() == 2 and packed_rows(x.shape[0]):
             bias = None if self.bias is None else self.bias.detach()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def packed_rows(rows: int) -> bool:
+    """Whether a CPU float32 matmul of this many rows goes through the oneDNN-packed weight (else MKL)."""
+    return GEMV_MAX_ROWS < rows <= SMALL_BATCH_ROWS
 
 
 def meta_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> Linear:
@@ -70,7 +81,7 @@ def meta_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dt
 
 def prepare_linears(model: nn.Module) -> None:
     """Call prepare() on every Linear of model (after its weights are loaded), then build oneDNN's kernels
-    for 1..WARMED_ROWS rows of every distinct packed weight shape within WARM_BUDGET_MACS (module docstring)."""
+    for the WARMED_ROW_COUNTS of every distinct packed weight shape within WARM_BUDGET_MACS (module docstring)."""
     by_shape: dict[tuple[int, int, bool], Linear] = {}
     for module in model.modules():
         if isinstance(module, Linear):
@@ -81,11 +92,11 @@ def prepare_linears(model: nn.Module) -> None:
         for linear in by_shape.values():
             if warm_up_macs(linear.in_features, linear.out_features) > WARM_BUDGET_MACS:
                 continue
-            for rows in range(1, WARMED_ROWS + 1):
+            for rows in WARMED_ROW_COUNTS:
                 # Linear's own forward: a row-parallel layer's all-reduce is no part of building kernels
                 Linear.forward(linear, torch.zeros(rows, linear.in_features, dtype=linear.weight.dtype))
 
 
 def warm_up_macs(in_features: int, out_features: int) -> int:
-    """The multiply-adds of running a weight once at each row count 1..WARMED_ROWS."""
-    return WARMED_ROWS * (WARMED_ROWS + 1) // 2 * in_features * out_features
+    """The multiply-adds of running a weight once at each of the WARMED_ROW_COUNTS."""
+    return sum(WARMED_ROW_COUNTS) * in_features * out_features
