@@ -4,12 +4,12 @@ On CPU in float32, MKL's sgemm is slow for the few-row matmuls of decode steps (
 8-row step of the benchmark model runs 2.3x faster, a 32-row one 1.5x, through oneDNN with weights
 reordered ahead of time into its blocked layout). Large prefill batches are as fast or faster on MKL.
 So after loading, prepare() keeps a oneDNN-packed copy of the weight next to the plain one, and
-forward() uses it for batches of GEMV_MAX_ROWS + 1 to SMALL_BATCH_ROWS rows. One or two rows (a decode step of
-one or two sequences, its LM head) stay on MKL: its matrix-vector path streams the plain weight at the host's
+forward() uses it for batches of GEMV_MAX_ROWS + 1 to SMALL_BATCH_ROWS rows. One to three rows (a decode step of
+up to three sequences, its LM head) stay on MKL: its matrix-vector path streams the plain weight at the host's
 read bandwidth, where the blocked layout, tuned for 32 rows, reads it slower (SmolLM2-135M's four layer shapes,
-30 layers each, cold: 0.88 vs 1.16 ms a layer at one row; a one-sequence decode step 45-56 vs 58-67 ms,
-alternating in one process; at 4 and 8 rows oneDNN is ahead again). Elsewhere (GPU, bf16/fp16, no oneDNN) it
-is a plain nn.Linear.
+30 layers each, cold: 0.88 vs 1.16 ms a layer at one row; decode steps of 1 and 3 sequences 12-20% faster,
+alternating in one process, on one thread and on two; at 4 rows oneDNN is ahead again, 44 vs 50 ms a step).
+Elsewhere (GPU, bf16/fp16, no oneDNN) it is a plain nn.Linear.
 
 oneDNN builds (JIT-compiles) a kernel for every row count it meets: 0.6-4 ms per distinct weight shape,
 measured here, so the first decode step at each new batch size took 12-19 ms instead of 4 (the benchmark
@@ -17,7 +17,7 @@ model: four weight shapes), and every stream of that decode worker waited for it
 the kernels of every row count it takes up to WARMED_ROWS (every decode batch up to 64) once the weights are loaded,
 by running each shape once per row count; a larger count compiles once, at its first step. Rows are not
 padded to fewer counts instead: that cost every later step at an odd batch size 5-14% (a decode batch of 5
-run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: SmolLM2 keeps 4 x 62 (below).
+run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: SmolLM2 keeps 4 x 61 (below).
 
 Building is cheap (~1 ms per row count and shape), but building by running is not for a large weight: the LM
 head of SmolLM2 (49,152 x 576) took 1.24 s of matmuls at 1..64 rows to build ~0.1 s of kernels, a third of the
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GEMV_MAX_ROWS = 2        # at most this many rows: MKL (matrix-vector); above it, up to SMALL_BATCH_ROWS: oneDNN
+GEMV_MAX_ROWS = 3        # at most this many rows: MKL (matrix-vector); above it, up to SMALL_BATCH_ROWS: oneDNN
 SMALL_BATCH_ROWS = 192
 PACKING_HINT_ROWS = 32  # the batch size oneDNN tunes its weight layout for
 WARMED_ROWS = 64        # prepare_linears() builds oneDNN's kernels for GEMV_MAX_ROWS + 1..WARMED_ROWS rows

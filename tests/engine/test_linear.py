@@ -65,8 +65,8 @@ class _OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_or_two_rows_run_on_mkl_and_the_small_batches_above_on_the_packed_weight() -> None:
-    """Rows 1..GEMV_MAX_ROWS (a decode step of one or two sequences) and above SMALL_BATCH_ROWS take the plain
+def test_up_to_three_rows_run_on_mkl_and_the_small_batches_above_on_the_packed_weight() -> None:
+    """Rows 1..GEMV_MAX_ROWS (a decode step of up to three sequences) and above SMALL_BATCH_ROWS take the plain
     weight (MKL); the rows between take oneDNN's packed one."""
     linear = Linear(48, 80, bias=True)
     prepare_linears(linear)
