@@ -14,7 +14,7 @@ Elsewhere (GPU, bf16/fp16, no oneDNN) it is a plain nn.Linear.
 oneDNN builds (JIT-compiles) a kernel for every row count it meets: 0.6-4 ms per distinct weight shape,
 measured here, so the first decode step at each new batch size took 12-19 ms instead of 4 (the benchmark
 model: four weight shapes), and every stream of that decode worker waited for it. prepare_linears() builds
-the kernels of every row count it takes up to WARMED_ROWS (every decode batch up to 64) once the weights are loaded,
+the kernels of every row count it takes up to WARMED_ROWS (decode batches of 4 to 64) once the weights are loaded,
 by running each shape once per row count; a larger count compiles once, at its first step. Rows are not
 padded to fewer counts instead: that cost every later step at an odd batch size 5-14% (a decode batch of 5
 run as 8). oneDNN caches kernels by shape, not by weight, in a cache of 1,024: SmolLM2 keeps 4 x 61 (below).
