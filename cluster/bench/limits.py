@@ -93,7 +93,7 @@ def mixed_row(llm, decodes: int = MIXED_DECODES, chunk: int = MIXED_CHUNK, repea
                     steps[kind].append(stats.forward_seconds - seconds)
                     if kind == "mixed":
                         chunk_tokens.append(stats.num_prefill_tokens - prefilled)
-                        records.append(engine.step_log.records()[-1])
+                        records.append(engine.step_log.last())
     finally:
         for request_id in ids + [f"limits-chunk-{r}" for r in range(1, repeats + 1)]:
             engine.abort(request_id)
@@ -102,11 +102,16 @@ def mixed_row(llm, decodes: int = MIXED_DECODES, chunk: int = MIXED_CHUNK, repea
     tokens = statistics.median(chunk_tokens)
     decode_ms = statistics.median(steps["decode"]) * 1e3
     floor_ms = decode_ms + _bare_matmul_ms(engine.runner.model, int(tokens), 1, engine.device)
-    device = [r.device_s for r in records if r.device_s is not None]
     return LimitRow("mixed step", f"{decodes} dec + {tokens:.0f} prompt", statistics.median(steps["mixed"]) * 1e3,
                     floor_ms, f"decode step of {decodes} ({decode_ms:.2f} ms) + the chunk's bare matmuls",
-                    statistics.median(r.issue_s for r in records) * 1e3,
-                    statistics.median(device) * 1e3 if device else None)
+                    *_median_host_device_ms(records))
+
+
+def _median_host_device_ms(records) -> tuple[float, float | None]:
+    """Of these steps' StepRecords (engine/core/step_log.py): the median time the host took to issue one and the
+    median device time (None off CUDA), in ms."""
+    device = [r.device_s for r in records if r.device_s is not None]
+    return statistics.median(r.issue_s for r in records) * 1e3, statistics.median(device) * 1e3 if device else None
 
 
 def _cell(ms: float | None) -> str:
@@ -163,15 +168,13 @@ def _decode_step_ms(llm, batch: int, context: int, steps: int) -> tuple[float, f
             engine.step()
             if stats.num_prefill_tokens == prefilled and stats.num_decode_tokens - decoded == batch:
                 times.append(stats.forward_seconds - seconds)
-                records.append(engine.step_log.records()[-1])
+                records.append(engine.step_log.last())
     finally:
         for request_id in ids:
             engine.abort(request_id)
     if not times:
         raise RuntimeError(f"no step decoded all {batch} sequences at once (max_num_seqs too small?)")
-    device = [r.device_s for r in records if r.device_s is not None]
-    return (statistics.median(times) * 1e3, statistics.median(r.issue_s for r in records) * 1e3,
-            statistics.median(device) * 1e3 if device else None)
+    return (statistics.median(times) * 1e3, *_median_host_device_ms(records))
 
 
 @torch.inference_mode()

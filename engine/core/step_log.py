@@ -46,6 +46,10 @@ class StepLog:
     def records(self) -> list[StepRecord]:
         return list(self._records)
 
+    def last(self) -> StepRecord | None:
+        """The newest record (None before the first step), without copying the log."""
+        return self._records[-1] if self._records else None
+
     def summary(self) -> str:
         """One line: steps and busy share; decode-only steps (ms, batch); steps with prompts (ms, prompt tokens,
         and the most prompt tokens a step that also carried decodes held); the gaps between steps."""

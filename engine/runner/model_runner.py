@@ -18,11 +18,11 @@ import torch
 from engine.attention import AttentionBackend, AttentionMetadata, select_backend
 from engine.attention.block_tables import BlockTableMirrors
 from engine.attention.metadata import StepCounts, query_starts, step_tensors, table_width
+from engine.config import EngineConfig
 from engine.host_lists import HostCopy, Uploads
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.parallel.step_message import StepInputs
-from engine.config import EngineConfig
 from engine.runner.decode_graphs import UPDATE_CAPACITY, DecodeBatch, DecodeGraphs, decode_graphs_for
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
 from engine.runner.mixed_graphs import MixedGraphs, mixed_graphs_for

@@ -35,7 +35,7 @@ def test_prepare_linears_runs_each_distinct_weight_shape_once_at_every_warmed_ro
     if model[0].packed_weight is None:
         assert calls == []  # nothing to build without oneDNN
         return
-    expected = [(i, o, rows) for i, o in ((32, 64), (64, 32)) for rows in range(GEMV_MAX_ROWS + 1, WARMED_ROWS + 1)]
+    expected = [(i, o, rows) for i, o in ((32, 64), (64, 32)) for rows in WARMED_ROW_COUNTS]
     assert sorted(calls) == sorted(expected)
 
 

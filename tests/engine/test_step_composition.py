@@ -80,13 +80,13 @@ def test_the_engine_bounds_steps_beside_decodes_on_cuda_by_default(ckpt):
 
 def test_the_step_log_summary_splits_decode_only_steps_from_steps_with_prompts():
     log = StepLog(capacity=3)
-    assert log.summary() == "engine steps: none"
+    assert log.summary() == "engine steps: none" and log.last() is None
     log.record(StepRecord(0.0, 0.9, 1.0, prompt_tokens=0, decode_tokens=5, prompts=0))  # pushed out: capacity 3
     log.record(StepRecord(10.0, 0.9, 1.0, prompt_tokens=512, decode_tokens=0, prompts=1))
     log.record(StepRecord(11.5, 0.09, 0.1, prompt_tokens=0, decode_tokens=8, prompts=0))
     log.record(StepRecord(11.6, 0.5, 0.6, prompt_tokens=100, decode_tokens=8, prompts=2))
     summary = log.summary()
-    assert len(log.records()) == 3
+    assert len(log.records()) == 3 and log.last() == log.records()[-1] and log.last().prompts == 2
     assert summary.startswith("engine steps: 3 over 2.2 s, busy 77%")
     assert "decode-only 1: p50 100.0 ms" in summary and "batch 8.0 mean" in summary
     assert "with prompts 2:" in summary and "prompt tokens p50 306 max 512; with decodes too 1, prompt tokens max 100" \
