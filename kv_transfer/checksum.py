@@ -11,6 +11,8 @@ host, 7-12 ms for 1 MiB with the other core busy), against 3.7 GB/s for zlib.crc
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -53,10 +55,18 @@ def _mix(plain: int, weighted: int, nbytes: int) -> int:
     return (mixed ^ nbytes) & _MASK
 
 
+@functools.lru_cache(maxsize=64)
+def _row_weights(num_rows: int) -> np.ndarray:
+    """1..num_rows as int64 (read-only: shared by every checksum of that many rows)."""
+    weights = np.arange(1, num_rows + 1, dtype=np.int64)
+    weights.flags.writeable = False
+    return weights
+
+
 def checksum_of_row_sums(rows: np.ndarray, nbytes: int) -> int:
     """The checksum of nbytes of blocks from their row sums ([rows] int64, in [L, 2, n] order)."""
-    weights = np.arange(1, rows.size + 1, dtype=np.int64)
-    return _mix(int(rows.sum(dtype=np.int64)), int((rows * weights).sum(dtype=np.int64)), nbytes)
+    weighted = np.dot(rows, _row_weights(rows.size))  # int64 products and sum, wrapping like the sums
+    return _mix(int(np.add.reduce(rows)), int(weighted), nbytes)
 
 
 class RunChecksum:

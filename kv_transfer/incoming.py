@@ -15,7 +15,8 @@ from kv_transfer.host_copy import put_blocks
 from kv_transfer.manifest import Manifest, ManifestError
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed
-from kv_transfer.runs import as_blocks, block_planes, layer_piece_shape, scatter_run, staging_offsets
+from kv_transfer.runs import (as_blocks, block_planes, layer_piece_shape, scatter_run, staging_offsets,
+                             staging_planes)
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 from kv_transfer.stream_tail import complete_manifest
@@ -31,12 +32,15 @@ class IncomingTransfer:
     A run whose checksum the manifest leaves out lands once run_checksum() has supplied it."""
 
     def __init__(self, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool, block_ids: list[int],
-                 lander: Executor | None = None):
+                 lander: Executor | None = None, host_reads: bool = False):
         self.manifest, self.pool, self.block_ids = manifest, pool, tuple(block_ids)
         self.started = time.monotonic()
         self._staging_pool, self._lander = staging_pool, lander
-        self._staging, self.payloads = self._stage(manifest.piece_nbytes)  # a run each, or (streamed) a layer each
         self._first_block = list(accumulate((r.num_blocks for r in manifest.runs), initial=0))
+        sizes = manifest.piece_nbytes  # a run each, or (streamed) a layer each
+        if host_reads and not manifest.streamed and pool.device.type == "cpu":  # runs host_targets fills in place
+            sizes = [0 if self._consecutive(index) else size for index, size in enumerate(sizes)]
+        self._staging, self.payloads = self._stage(sizes)
         self._landings: list[Future | None] = []
         self._cursor = (0, 0, 0)  # (run index, target piece, byte offset in it) of the next streamed byte
         self._stream_targets: tuple[list[np.ndarray], bool] | None = None  # pieces of the streamed run
@@ -52,13 +56,22 @@ class IncomingTransfer:
         view into it, in order (released by commit or fail)."""
         offsets, total = staging_offsets(sizes)
         staging = self._staging_pool.acquire(total)
-        return staging, [staging[off : off + size] for off, size in zip(offsets, sizes)]
+        return staging, [staging[off : off + size] if size else None for off, size in zip(offsets, sizes)]
+
+    def _consecutive(self, index: int) -> bool:
+        """Whether run `index` lands in consecutive block ids of this side (so its planes are contiguous)."""
+        first, count = self._first_block[index], self.manifest.runs[index].num_blocks
+        ids = self.block_ids[first : first + count]
+        return ids == tuple(range(ids[0], ids[0] + count))
 
     @classmethod
     def accept(cls, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool,
-               lander: Executor | None = None, trailing_checksums: bool = False) -> "IncomingTransfer":
+               lander: Executor | None = None, trailing_checksums: bool = False,
+               host_reads: bool = False) -> "IncomingTransfer":
         """Checks the manifest against this pool and allocates its blocks. trailing_checksums: whether this
-        transport can carry checksums after the runs (otherwise the manifest must hold every one).
+        transport can carry checksums after the runs (otherwise the manifest must hold every one). host_reads:
+        the transport reads every run from a socket through host_targets (so a host pool's runs into consecutive
+        blocks need no staging: they are read in place).
         Raises KVTransferError (MALFORMED / REJECTED_FINGERPRINT / REJECTED_NO_BLOCKS); nothing is held then."""
         rid = manifest.request_id
         if manifest.trailing_checksums and not (trailing_checksums or manifest.streamed):  # layers' always trail
@@ -72,7 +85,7 @@ class IncomingTransfer:
         try:
             if len(block_ids) != manifest.num_blocks:
                 raise KVTransferError(TransferStatus.INTERNAL, "allocate returned the wrong number of blocks", rid)
-            return cls(manifest, pool, staging_pool, block_ids, lander)
+            return cls(manifest, pool, staging_pool, block_ids, lander, host_reads)
         except BaseException:
             pool.free(block_ids)
             raise
@@ -80,7 +93,7 @@ class IncomingTransfer:
     @property
     def num_pieces(self) -> int:
         """Pieces in wire order: the manifest's runs, or a streamed transfer's layers."""
-        return len(self.payloads)
+        return len(self.payloads)  # one entry per piece (None: a run read in place, with no staging)
 
     def land(self, index: int, in_place: bool = False, summed: int | None = None) -> None:
         """Verifies piece `index` against its checksum, then writes it into this side's blocks: from staging
@@ -90,6 +103,9 @@ class IncomingTransfer:
             self._land_layer(index)
             return
         run, fp = self.manifest.runs[index], self.manifest.fingerprint
+        if in_place and summed is not None:  # the bytes are where they belong and were summed on their way in
+            self._check(index, summed)
+            return
         first = self._first_block[index]
         dst = self.block_ids[first : first + run.num_blocks]
         with copy_stream(self.pool.device):
@@ -97,12 +113,17 @@ class IncomingTransfer:
                 landed = self.pool.kv[:, :, dst[0] : dst[0] + run.num_blocks]  # [L, 2, n, bs, H, D]
             else:
                 landed = as_blocks(self.payloads[index], fp, run.num_blocks)
-            if (checksum_blocks(landed) if summed is None else summed) != self._checksums[index]:
-                last = run.start_block + run.num_blocks - 1
-                raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"run {index} (sender blocks "
-                                      f"{run.start_block}..{last}) failed its checksum", self.manifest.request_id)
+            self._check(index, checksum_blocks(landed) if summed is None else summed)
             if not in_place:
                 scatter_run(self.pool.kv, self.payloads[index], fp, dst)
+
+    def _check(self, index: int, checksum: int) -> None:
+        """KVTransferError CHECKSUM_MISMATCH unless checksum is run `index`'s."""
+        if checksum != self._checksums[index]:
+            run = self.manifest.runs[index]
+            last = run.start_block + run.num_blocks - 1
+            raise KVTransferError(TransferStatus.CHECKSUM_MISMATCH, f"run {index} (sender blocks "
+                                  f"{run.start_block}..{last}) failed its checksum", self.manifest.request_id)
 
     def _land_layer(self, layer: int) -> None:
         """A streamed layer: verify its staging piece, then write it into layer `layer` of this side's blocks."""
@@ -132,21 +153,27 @@ class IncomingTransfer:
         """Where the 2 * num_layers plane messages of run `index` go: straight into this side's blocks when
         they are consecutive ids and the pool lives on the wire's device (True), else into the run's staging
         piece (False). The blocks belong to this transfer, so unverified bytes may land in them."""
-        run, first = self.manifest.runs[index], self._first_block[index]
-        dst = self.block_ids[first : first + run.num_blocks]
-        consecutive = dst == tuple(range(dst[0], dst[0] + len(dst)))
-        if consecutive and self.pool.device == torch.device(wire_device):
-            return block_planes(self.pool.kv[:, :, dst[0] : dst[0] + len(dst)]), True
+        run, first = self.manifest.runs[index], self.block_ids[self._first_block[index]]
+        if self._consecutive(index) and self.pool.device == torch.device(wire_device):
+            return block_planes(self.pool.kv[:, :, first : first + run.num_blocks]), True
         return block_planes(as_blocks(self.payloads[index], self.manifest.fingerprint, run.num_blocks)), False
+
+    def host_targets(self, index: int) -> tuple[list[np.ndarray], bool]:
+        """plane_targets for bytes read from a socket into host memory, as flat uint8 numpy views: straight into
+        this side's blocks when their ids are consecutive and the pool is on the host (True), else the planes of
+        the run's host staging piece (False). No torch op per plane."""
+        if self.pool.device.type == "cpu" and self._consecutive(index):
+            first = self.block_ids[self._first_block[index]]
+            return self.pool.host_planes(first, self.manifest.runs[index].num_blocks), True
+        return staging_planes(self.payloads[index].numpy(), self.manifest.fingerprint.num_layers), False
 
     def _stream_pieces(self, index: int) -> tuple[list[np.ndarray], bool]:
         """Where a streamed run's bytes go, in order: its planes in this side's blocks (in place), or its
         whole staging piece (always, for a layer of a layer-streamed transfer)."""
         if self.manifest.streamed:
             return [self.payloads[index].numpy()], False
-        planes, in_place = self.plane_targets(index, torch.device("cpu"))
-        pieces = planes if in_place else [self.payloads[index]]
-        return [piece.numpy() for piece in pieces], in_place
+        planes, in_place = self.host_targets(index)
+        return (planes if in_place else [self.payloads[index].numpy()]), in_place
 
     def write(self, data: bytes | memoryview) -> None:
         """Appends streamed run bytes (runs concatenated in manifest order, no padding), straight into this

@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kv_transfer.checksum import checksum_blocks
@@ -99,6 +100,14 @@ class OutgoingTransfer:
         """Run `index`'s bytes in wire order as flat uint8 tensors: its pool planes (direct) or its staging
         piece (gathered: call gather(index) first)."""
         return self.planes(index) if self.direct[index] else [self.run_payloads[index]]
+
+    def host_pieces(self, index: int) -> list[np.ndarray]:
+        """pieces(index) as flat uint8 numpy views, for a transport that writes host memory to a socket: a direct
+        run's planes straight from the host pool (no torch op per plane), a gathered run's host staging piece."""
+        if not self.direct[index]:
+            return [self.run_payloads[index].numpy()]
+        run = self.runs[index]
+        return self.pool.host_planes(run.start, run.num_blocks)
 
     def planes(self, index: int) -> list[torch.Tensor]:
         """The 2 * num_layers pool planes of direct run `index` (flat uint8 views into the pool, in

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kv_transfer.manifest import ManifestLimits, ModelFingerprint
@@ -55,6 +56,21 @@ class KVPoolView:
     @cached_property
     def fingerprint(self) -> ModelFingerprint:
         return fingerprint_of(self.kv)
+
+    @cached_property
+    def _host_plane_bytes(self) -> np.ndarray:
+        """A host pool's memory as [2 * num_layers, num_blocks * plane row bytes] uint8 (a view, no copy)."""
+        if self.kv.device.type != "cpu":
+            raise ValueError("a CUDA pool has no host planes")
+        return self.kv.view(torch.uint8).numpy().reshape(2 * self.kv.shape[0], -1)
+
+    def host_planes(self, start: int, num_blocks: int) -> list[np.ndarray]:
+        """The 2 * num_layers planes of blocks start..start+num_blocks-1 of a host pool, in staging order
+        (layer-major, K then V), each a flat uint8 numpy view of the pool's memory: block_planes without a
+        torch op per plane (a few microseconds for a run of any length). ValueError for a CUDA pool."""
+        planes = self._host_plane_bytes  # [2L, N * row bytes]
+        row = planes.shape[1] // self.num_blocks
+        return list(planes[:, start * row : (start + num_blocks) * row])
 
     @cached_property
     def manifest_limits(self) -> ManifestLimits:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kv_transfer.host_copy import copy_tensor
@@ -79,6 +80,11 @@ def block_planes(blocks: torch.Tensor) -> list[torch.Tensor]:
                 raise ValueError("a KV plane must be contiguous to travel without a copy")
             planes.append(plane.view(-1).view(torch.uint8))
     return planes
+
+
+def staging_planes(flat_u8: np.ndarray, num_layers: int) -> list[np.ndarray]:
+    """The 2 * num_layers planes of a run's flat host staging piece (numpy uint8), in staging order: views."""
+    return list(flat_u8.reshape(2 * num_layers, -1))
 
 
 def gather_run(kv: torch.Tensor, run: BlockRun, out_flat_u8: torch.Tensor, fp: ModelFingerprint) -> None:

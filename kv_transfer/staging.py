@@ -21,9 +21,13 @@ class StagingPool:
         self.max_cached_bytes = max_cached_bytes
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self._empty = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 tensor of exactly nbytes (a view of a possibly larger cached buffer)."""
+        """A flat uint8 tensor of exactly nbytes (a view of a possibly larger cached buffer; for 0 bytes, one empty
+        tensor shared by every caller, which release() takes back as a no-op)."""
+        if nbytes == 0:  # a transfer whose runs all go pool to pool: nothing to take from the cache
+            return self._empty
         with self._lock:
             fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]  # sorted by size
             if fitting:
@@ -32,6 +36,8 @@ class StagingPool:
 
     def release(self, view: torch.Tensor) -> None:
         """Returns a buffer obtained from acquire(); it may be reused at once."""
+        if view is self._empty:
+            return
         base = view._base if view._base is not None else view
         with self._lock:
             self._free.append(base)

@@ -65,14 +65,20 @@ class ControlConnection:
         """The local address this connection uses (the interface that reaches the peer)."""
         return self.sock.getsockname()[0]
 
-    def send(self, kind: Kind, payload: object, deadline: float | None) -> None:
-        """Sends one frame; raises ControlClosed (or KVTransferError TIMEOUT past deadline)."""
+    def send(self, kind: Kind, payload: object, deadline: float | None, trailing: list = ()) -> None:
+        """Sends one frame; raises ControlClosed (or KVTransferError TIMEOUT past deadline). trailing: raw bytes
+        (bytes-like objects) that follow the frame in the same scatter-gather writes, the start of an inline
+        transfer; only for the thread inside raw_stream()."""
         body = msgpack.packb(payload, use_bin_type=True)
         frame = _HEADER.pack(len(body), kind) + body
         with self._send_lock:
             writer = self._raw_writer
+            if trailing and writer != threading.get_ident():
+                raise RuntimeError("raw bytes behind a frame are for the thread inside raw_stream()")
             if writer is not None and writer != threading.get_ident():  # not between an inline transfer's bytes
                 self._deferred.append(frame)
+            elif trailing:
+                self._send_views([frame, *trailing], deadline)
             else:
                 self._io(self.sock.sendall, deadline, "send", frame)
             self.sent[kind] += 1
@@ -98,11 +104,14 @@ class ControlConnection:
         """Writes raw bytes (no frame): the part of an inline transfer that follows its frame, every buffer (a
         bytes-like object) in order, in as few scatter-gather writes as the kernel takes. The caller makes sure no
         other frame may come between its pieces (only its own thread writes on the connection then)."""
-        views = [memoryview(buffer).cast("B") for buffer in buffers]
         with self._send_lock:
-            while views:
-                sent = self._io(self.sock.sendmsg, deadline, "send", views[:_MAX_IOV])
-                views = _past(views, sent)
+            self._send_views(buffers, deadline)
+
+    def _send_views(self, buffers: list, deadline: float | None) -> None:
+        views = [memoryview(buffer).cast("B") for buffer in buffers]
+        while views:
+            sent = self._io(self.sock.sendmsg, deadline, "send", views[:_MAX_IOV])
+            views = _past(views, sent)
 
     def read_into_all(self, views: list[memoryview], deadline: float | None) -> None:
         """Fills every flat byte view in turn with the next raw bytes of the stream, in as few scatter-gather

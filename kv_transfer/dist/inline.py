@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import struct
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from kv_transfer.checksum import RunChecksum
@@ -50,7 +51,8 @@ HOST = torch.device("cpu")
 
 
 _CHECKSUM = struct.Struct("<Q")  # a whole request's run checksum, behind the run's bytes
-BATCH_BYTES = 1 << 20  # pieces summed, then written or read in one call: well inside a core's L2
+BATCH_BYTES = 512 << 10  # rows summed, then written or read in one call (in a core's L2) while the peer moves the last
+FIRST_BATCH_BYTES = 64 << 10  # the sender's first, which its frame leads: the receiver starts on the manifest sooner
 
 
 def travels_inline(nbytes: int, backend: str, inline_max_bytes: int | None) -> bool:
@@ -67,34 +69,45 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy())  # a contiguous host tensor's bytes
 
 
-def _batches(pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """pieces in order, cut into batches of about BATCH_BYTES (a piece larger than that alone): each batch is summed,
-    then moved in one scatter-gather call while it is still in cache."""
-    batches: list[list[torch.Tensor]] = [[]]
-    size = 0
+def _batches(pieces: list[np.ndarray], row_nbytes: int, first_nbytes: int = BATCH_BYTES) -> list[list[np.ndarray]]:
+    """pieces (flat uint8, whole rows: a row is a block of one layer's K or V) in order, cut into batches of at most
+    BATCH_BYTES (the first of at most first_nbytes; a batch of one row when a row is larger), a piece that does not
+    fit cut at a row boundary. Each batch is summed, then moved in one scatter-gather call while it is still in
+    cache; while one side sums a batch, the other moves the one before."""
+    batches: list[list[np.ndarray]] = []
+    batch: list[np.ndarray] = []
+    room = max(first_nbytes, row_nbytes)
     for piece in pieces:
-        if batches[-1] and size + piece.numel() > BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(piece)
-        size += piece.numel()
+        offset = 0
+        while piece.size - offset > room:  # the batch is full before the piece ends: cut it at a row boundary
+            take = room // row_nbytes * row_nbytes
+            if take:
+                batch.append(piece[offset : offset + take])
+                offset += take
+            batches.append(batch)
+            batch, room = [], max(BATCH_BYTES, row_nbytes)
+        if offset < piece.size:
+            batch.append(piece[offset:] if offset else piece)
+            room -= piece.size - offset
+    batches.append(batch)
     return batches
 
 
-def _send_runs_inline(conn: ControlConnection, outgoing: OutgoingTransfer, deadline: float) -> None:
-    """A whole request's runs behind its frame: per run, its pieces in batches, each summed (in cache) and sent
-    in one write, then the run's checksum behind its last batch. Every gather completes before its bytes go."""
+def _inline_writes(outgoing: OutgoingTransfer) -> Iterator[list]:
+    """A whole request's bytes behind its frame, one scatter-gather write at a time: per run, its pieces in
+    batches, each summed (in cache) just before it is yielded, the run's checksum behind its last batch. Every
+    gather completes before its bytes are yielded."""
     fingerprint = outgoing.manifest.fingerprint
+    row_nbytes = fingerprint.block_nbytes // (2 * fingerprint.num_layers)
     for index, run in enumerate(outgoing.manifest.runs):
         outgoing.gather(index)
         summed = RunChecksum.of_run(fingerprint, run.num_blocks)
-        batches = _batches(outgoing.pieces(index))  # flat uint8: planes (direct) or the gathered run
+        first = FIRST_BATCH_BYTES if index == 0 else BATCH_BYTES  # the frame leaves with the first one
+        batches = _batches(outgoing.host_pieces(index), row_nbytes, first)  # flat uint8: planes or the gathered run
         for number, batch in enumerate(batches, 1):
-            views = []
             for piece in batch:
-                summed.add(piece.numpy())
-                views.append(_bytes_of(piece))
-            conn.send_bytes(views + [_CHECKSUM.pack(summed.value())] if number == len(batches) else views, deadline)
+                summed.add(piece)
+            yield batch + [_CHECKSUM.pack(summed.value())] if number == len(batches) else batch
 
 
 class ConnectionWire:
@@ -154,10 +167,13 @@ def send_inline(conn: ControlConnection, channel: PairChannel | None, outgoing: 
     frame = TransferFrame(seq, outgoing.manifest_bytes, bytes(outgoing.direct) if whole else b"",
                           inline_nbytes=inline_wire_nbytes(outgoing.manifest))
     with conn.raw_stream(deadline):
-        conn.send(Kind.TRANSFER, frame.encode(), deadline)
-        if whole:
-            _send_runs_inline(conn, outgoing, deadline)
+        if whole:  # the frame and the first bytes in one write
+            writes = _inline_writes(outgoing)
+            conn.send(Kind.TRANSFER, frame.encode(), deadline, trailing=next(writes))
+            for views in writes:
+                conn.send_bytes(views, deadline)
         else:
+            conn.send(Kind.TRANSFER, frame.encode(), deadline)
             stopped = send_runs(ConnectionWire(conn, deadline), outgoing, deadline, cancel)
     on_sent()
     final, alive = await_status(conn, seq, deadline)
@@ -188,17 +204,19 @@ class _InlineReader:
             self.in_step = True
             return committed
         failed: KVTransferError | None = None
+        fingerprint = incoming.manifest.fingerprint
+        row_nbytes = fingerprint.block_nbytes // (2 * fingerprint.num_layers)
         for index, run in enumerate(incoming.manifest.runs):
-            targets, in_place = incoming.plane_targets(index, HOST)  # flat uint8 views
+            targets, in_place = incoming.host_targets(index)  # flat uint8 views
             summed = RunChecksum.of_run(incoming.manifest.fingerprint, run.num_blocks)
             trailer = bytearray(_CHECKSUM.size)
-            batches = _batches(targets)
+            batches = _batches(targets, row_nbytes)
             for number, batch in enumerate(batches, 1):
-                views = [_bytes_of(target) for target in batch]
+                views = [memoryview(target) for target in batch]
                 self.conn.read_into_all(views + [memoryview(trailer)] if number == len(batches) else views,
                                         self.deadline)
                 for target in batch:
-                    summed.add(target.numpy())
+                    summed.add(target)
             self.in_step = index == incoming.num_pieces - 1  # every byte read: a failure leaves the stream in step
             try:
                 if failed is None:
@@ -258,7 +276,7 @@ def receive_inline(conn: ControlConnection, channel: PairChannel | None, frame: 
                 or (not streamed and any(run.checksum is not None for run in manifest.runs)):
             raise KVTransferError(TransferStatus.MALFORMED, "the inline frame does not match its manifest",
                                   manifest.request_id)
-        return IncomingTransfer.accept(manifest, pool, staging, lander, trailing_checksums=True)
+        return IncomingTransfer.accept(manifest, pool, staging, lander, trailing_checksums=True, host_reads=True)
 
     def decline() -> bool:  # the bytes are on their way: read past them, so the connection stays in step
         if not streamed:

@@ -258,7 +258,8 @@ class GrpcReceiver(KVReceiver):
         if self.inbox.is_cancelled(manifest.request_id):
             raise KVTransferError(TransferStatus.CANCELLED, "cancelled by the receiver", manifest.request_id)
         lander = None if self._lands_inline(manifest) else self._lander
-        return IncomingTransfer.accept(manifest, self.pool, self.staging, lander, trailing_checksums=True)
+        return IncomingTransfer.accept(manifest, self.pool, self.staging, lander, trailing_checksums=True,
+                                       host_reads=True)
 
     async def _stream(self, context, incoming: IncomingTransfer, session: bool) -> None:
         """Lands data chunks and trailing run checksums (and a layer-streamed transfer's tail): in a session
