@@ -75,7 +75,8 @@ class IncomingTransfer:
         Raises KVTransferError (MALFORMED / REJECTED_FINGERPRINT / REJECTED_NO_BLOCKS); nothing is held then."""
         rid = manifest.request_id
         if manifest.trailing_checksums and not (trailing_checksums or manifest.streamed):  # layers' always trail
-            raise KVTransferError(TransferStatus.MALFORMED, "this transport needs every run's checksum in the manifest", rid)
+            raise KVTransferError(TransferStatus.MALFORMED, "this transport needs every run's checksum in the manifest",
+                                  rid)
         diff = pool.fingerprint.mismatch(manifest.fingerprint)
         if diff:
             raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV layout differs: {diff}", rid)
@@ -221,7 +222,8 @@ class IncomingTransfer:
         """The trailing checksum of the run whose bytes just ended: lands that run. Raises
         KVTransferError(MALFORMED) when no run is waiting for one."""
         if self._awaiting_checksum is None:
-            raise KVTransferError(TransferStatus.MALFORMED, "a run checksum where none is due", self.manifest.request_id)
+            raise KVTransferError(TransferStatus.MALFORMED, "a run checksum where none is due",
+                                  self.manifest.request_id)
         (index, in_place), self._awaiting_checksum = self._awaiting_checksum, None
         self._checksums[index] = checksum
         self.landed(index, in_place=in_place)

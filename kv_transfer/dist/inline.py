@@ -208,7 +208,7 @@ class _InlineReader:
         row_nbytes = fingerprint.block_nbytes // (2 * fingerprint.num_layers)
         for index, run in enumerate(incoming.manifest.runs):
             targets, in_place = incoming.host_targets(index)  # flat uint8 views
-            summed = RunChecksum.of_run(incoming.manifest.fingerprint, run.num_blocks)
+            summed = RunChecksum.of_run(fingerprint, run.num_blocks)
             trailer = bytearray(_CHECKSUM.size)
             batches = _batches(targets, row_nbytes)
             for number, batch in enumerate(batches, 1):
