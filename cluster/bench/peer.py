@@ -11,9 +11,10 @@ side runs cold, neither finds the measured prompts in its prefix cache), then th
 --request-rates (vLLM's `random` dataset: 512 prompt tokens, 64 out, ignore_eos, Poisson arrivals), all through
 the `tandem bench serve` client. A server that does not start, or whose requests all fail, is reported without
 figures. --repeats N runs all of it N times, a round after another, and pairs each Tandem row with the peer's
-run of its round (the machine's speed drifts while the servers take their turns). --results-dir gets results.md
-(the table, each Tandem row's ratios to the peer at the same rate), results.json, peer.png (TTFT p50, TPOT p50 and
-ITL p99 per server and rate, the first round) and every server's log.
+run of its round (the machine's speed drifts while the servers take their turns), then sums the rounds up as
+each ratio's median with every round's beside it. --results-dir gets results.md (the table, each Tandem row's ratios
+to the peer at the same rate; with rounds, their summary), results.json, peer.png (TTFT p50, TPOT p50 and ITL p99
+per server and rate, the first round) and every server's log.
 """
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,40 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs > 0 else "-"
 
 
+RATIO_METRICS = (("TTFT p50", lambda m: m.ttft.median), ("TPOT p50", lambda m: m.tpot.median),
+                 ("ITL p99", lambda m: m.itl.p99), ("out tok/s", lambda m: m.output_throughput))
+
+
+def round_ratios(runs: list[PeerRun]) -> dict[tuple[str, float], list[tuple[float, ...]]]:
+    """Per Tandem server and rate, its ratios to the peer (RATIO_METRICS' order) in each round both ran, in round
+    order: a ratio pairs two runs of one round, never runs of two rounds."""
+    ratios: dict[tuple[str, float], list[tuple[float, ...]]] = {}
+    for run in runs:
+        peer = _peer_at(runs, run.rate, run.round)
+        if run.server in PEER_NAMES or not run.usable or peer is None:
+            continue
+        pairs = [(value(run.metrics), value(peer.metrics)) for _, value in RATIO_METRICS]
+        if all(theirs > 0 for _, theirs in pairs):
+            ratios.setdefault((run.server, run.rate), []).append(tuple(ours / theirs for ours, theirs in pairs))
+    return ratios
+
+
+def _across_rounds(runs: list[PeerRun]) -> list[str]:
+    """With several rounds: each Tandem server's median ratio per rate and metric, every round's beside it (on a
+    machine whose speed drifts between the servers' turns, one round's ratio can be off by a factor of two)."""
+    rows = [(key, per_round) for key, per_round in round_ratios(runs).items() if len(per_round) > 1]
+    if not rows:
+        return []
+    lines = ["", "Across rounds, the median of each round's ratio (every round's in brackets):", "",
+             "| server | rate | " + " | ".join(f"{name} vs peer" for name, _ in RATIO_METRICS) + " |",
+             "|---|---:|" + "---:|" * len(RATIO_METRICS)]
+    for (server, rate), per_round in rows:
+        cells = [f"{statistics.median(column):.2f}x ({', '.join(f'{r:.2f}' for r in column)})"
+                 for column in zip(*per_round)]
+        lines.append(f"| {server} | {_rate(rate)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def format_markdown(runs: list[PeerRun], command: str = "") -> str:
     lines = [f"`{command}`\n" if command else "",
              "| server | rate | ok / failed | TTFT p50 / p99 ms | TPOT p50 ms | ITL p99 ms | out tok/s | "
@@ -82,7 +117,8 @@ def format_markdown(runs: list[PeerRun], command: str = "") -> str:
         lines.append(f"| {_name(run, rounds)} | {_rate(run.rate)} | {m.completed} / {m.failed} | {m.ttft.median:.0f} / "
                      f"{m.ttft.p99:.0f} | {m.tpot.median:.1f} | {m.itl.p99:.0f} | {m.output_throughput:.1f} | "
                      f"{ratios} |")
-    return "\n".join(line for line in lines if line) + "\n"
+    lines = [line for line in lines if line] + _across_rounds(runs)
+    return "\n".join(lines) + "\n"
 
 
 def runs_json(runs: list[PeerRun], max_concurrency: int | None, burstiness: float) -> list[dict]:

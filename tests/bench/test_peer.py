@@ -9,6 +9,8 @@ import json
 import pytest
 
 from cluster.bench import peer
+from cluster.bench.peer_report import PeerRun, format_markdown, round_ratios
+from cluster.bench.serve_metrics import RequestResult, compute_metrics
 from tests.support.stub_openai import StubOpenAIServer
 
 SMALL = ("--model", "tiny", "--random-input-len", "24", "--random-output-len", "6", "--num-prompts", "4")
@@ -86,3 +88,26 @@ def test_repeats_run_every_server_once_per_round_and_pair_the_ratios_within_a_ro
     assert code == 0
     assert [(r["server"], r["round"]) for r in runs] == [("peer", 0), ("peer", 1)]
     assert "| peer #1 |" in markdown and "| peer #2 |" in markdown
+
+
+def _run(server: str, ttft: float, gap: float, round_: int) -> PeerRun:
+    """Two requests sent at 0 whose first token comes after `ttft` s, then tokens every `gap` s."""
+    results = [RequestResult(True, 8, 0.0, (ttft, ttft + gap, ttft + 2 * gap), (1, 1, 1)) for _ in range(2)]
+    return PeerRun(server, 1.0, compute_metrics(results, duration=1.0), results, round=round_)
+
+
+def test_rounds_are_summed_up_as_median_ratios_with_every_rounds_beside_them() -> None:
+    """--repeats: a ratio pairs one round's runs; the summary gives each metric's median over the rounds and lists
+    every round's, since one round on a drifting machine can be off by a factor of two."""
+    rounds = [(0.100, 0.050, 0.110, 0.100), (0.200, 0.100, 0.110, 0.100), (0.100, 0.100, 0.120, 0.100)]
+    runs = [run for index, (peer_ttft, peer_gap, ttft, gap) in enumerate(rounds)
+            for run in (_run("vllm", peer_ttft, peer_gap, index), _run("tandem colocated", ttft, gap, index))]
+    ((key, per_round),) = round_ratios(runs).items()
+    assert key == ("tandem colocated", 1.0)
+    assert [r[0] for r in per_round] == pytest.approx([1.1, 0.55, 1.2])  # TTFT
+    assert [r[1] for r in per_round] == pytest.approx([2.0, 1.0, 1.0])  # TPOT
+    markdown = format_markdown(runs)
+    summary = next(line for line in markdown.splitlines() if line.startswith("| tandem colocated | 1 |"))
+    assert "1.10x (1.10, 0.55, 1.20)" in summary and "1.00x (2.00, 1.00, 1.00)" in summary
+    assert "| tandem colocated #3 | 1 |" in markdown  # each round's own row stays
+    assert "Across rounds" not in format_markdown([r for r in runs if r.round == 0])  # one round: no summary
