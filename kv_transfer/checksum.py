@@ -84,7 +84,7 @@ class RunChecksum:
     def of_run(cls, fingerprint, num_blocks: int) -> "RunChecksum":
         """For a run of num_blocks blocks of a pool with this ModelFingerprint."""
         fp = fingerprint
-        row_nbytes = fp.block_nbytes // (2 * fp.num_layers)  # one block of one layer's K or V
+        row_nbytes = fp.row_nbytes  # one block of one layer's K or V
         itemsize = row_nbytes // (fp.block_size * fp.num_kv_heads * fp.head_dim)
         return cls(2 * fp.num_layers * num_blocks, row_nbytes, fp.head_dim * itemsize)
 

@@ -15,8 +15,8 @@ from kv_transfer.host_copy import put_blocks
 from kv_transfer.manifest import Manifest, ManifestError
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed
-from kv_transfer.runs import (as_blocks, block_planes, layer_piece_shape, scatter_run, staging_offsets,
-                             staging_planes)
+from kv_transfer.runs import (as_blocks, block_planes, consecutive_start, layer_piece_shape, scatter_run,
+                             staging_offsets, staging_planes)
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 from kv_transfer.stream_tail import complete_manifest
@@ -60,9 +60,8 @@ class IncomingTransfer:
 
     def _consecutive(self, index: int) -> bool:
         """Whether run `index` lands in consecutive block ids of this side (so its planes are contiguous)."""
-        first, count = self._first_block[index], self.manifest.runs[index].num_blocks
-        ids = self.block_ids[first : first + count]
-        return ids == tuple(range(ids[0], ids[0] + count))
+        first = self._first_block[index]
+        return consecutive_start(self.block_ids[first : first + self.manifest.runs[index].num_blocks]) is not None
 
     @classmethod
     def accept(cls, manifest: Manifest, pool: KVPoolView, staging_pool: StagingPool,

@@ -65,6 +65,11 @@ class ModelFingerprint:
         itemsize = DTYPE_ITEMSIZE[self.dtype]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
+    @cached_property
+    def row_nbytes(self) -> int:
+        """Bytes of one row: one block of one layer's K or V (a plane of one block)."""
+        return self.block_nbytes // (2 * self.num_layers)
+
     def mismatch(self, other: "ModelFingerprint") -> str | None:
         """A readable description of how `other` differs from self, or None if they match."""
         if other is self or other == self:  # the common case, without building the description

@@ -26,6 +26,15 @@ class BlockRun:
     num_blocks: int
 
 
+def consecutive_start(ids: Sequence[int]) -> int | None:
+    """ids[0] when ids (at least one) are consecutive ascending ids, else None. Reads only the ends of a
+    list that is plainly not consecutive."""
+    first, n = ids[0], len(ids)
+    if ids[-1] - first != n - 1 or tuple(ids) != tuple(range(first, first + n)):
+        return None
+    return first
+
+
 def group_runs(block_ids: Sequence[int], max_blocks: int = 0) -> list[BlockRun]:
     """Splits block ids, in order, into runs of consecutive ascending ids of at most max_blocks each
     (0: unbounded). Bounded runs let gather, wire and scatter of neighbouring runs overlap."""

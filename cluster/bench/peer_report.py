@@ -111,9 +111,7 @@ def format_markdown(runs: list[PeerRun], command: str = "") -> str:
         m, peer = run.metrics, _peer_at(runs, run.rate, run.round)
         ratios = "- | - | - | -"
         if peer is not None and run is not peer:
-            p = peer.metrics
-            ratios = " | ".join((_ratio(m.ttft.median, p.ttft.median), _ratio(m.tpot.median, p.tpot.median),
-                                 _ratio(m.itl.p99, p.itl.p99), _ratio(m.output_throughput, p.output_throughput)))
+            ratios = " | ".join(_ratio(value(m), value(peer.metrics)) for _, value in RATIO_METRICS)
         lines.append(f"| {_name(run, rounds)} | {_rate(run.rate)} | {m.completed} / {m.failed} | {m.ttft.median:.0f} / "
                      f"{m.ttft.p99:.0f} | {m.tpot.median:.1f} | {m.itl.p99:.0f} | {m.output_throughput:.1f} | "
                      f"{ratios} |")

@@ -25,17 +25,16 @@ the connection (the sender connects afresh for its next transfer).
 """
 from __future__ import annotations
 
-import struct
 import threading
-from typing import Callable, Iterator
+from typing import Callable
 
-import numpy as np
 import torch
 
 from kv_transfer.checksum import RunChecksum
 from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.control.exchange import Declined, TransferFrame, answer_manifest, await_status, land_and_settle
 from kv_transfer.dist.channel import PairChannel
+from kv_transfer.dist.inline_batches import RUN_CHECKSUM, byte_batches, inline_writes
 from kv_transfer.dist.protocol import ABORT, COMMIT, NEXT_RUN, receive_runs, send_runs
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest, ManifestError
@@ -50,11 +49,6 @@ from kv_transfer.stream_tail import MAX_TAIL_BYTES
 HOST = torch.device("cpu")
 
 
-_CHECKSUM = struct.Struct("<Q")  # a whole request's run checksum, behind the run's bytes
-BATCH_BYTES = 512 << 10  # rows summed, then written or read in one call (in a core's L2) while the peer moves the last
-FIRST_BATCH_BYTES = 64 << 10  # the sender's first, which its frame leads: the receiver starts on the manifest sooner
-
-
 def travels_inline(nbytes: int, backend: str, inline_max_bytes: int | None) -> bool:
     """Whether a transfer of nbytes of KV goes inline: over gloo, of at most inline_max_bytes (None: any)."""
     return backend == "gloo" and (inline_max_bytes is None or nbytes <= inline_max_bytes)
@@ -62,52 +56,11 @@ def travels_inline(nbytes: int, backend: str, inline_max_bytes: int | None) -> b
 
 def inline_wire_nbytes(manifest: Manifest) -> int:
     """Bytes behind an inline TRANSFER frame: the KV, and for a whole request a checksum per run."""
-    return manifest.total_nbytes + (0 if manifest.streamed else _CHECKSUM.size * len(manifest.runs))
+    return manifest.total_nbytes + (0 if manifest.streamed else RUN_CHECKSUM.size * len(manifest.runs))
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy())  # a contiguous host tensor's bytes
-
-
-def _batches(pieces: list[np.ndarray], row_nbytes: int, first_nbytes: int = BATCH_BYTES) -> list[list[np.ndarray]]:
-    """pieces (flat uint8, whole rows: a row is a block of one layer's K or V) in order, cut into batches of at most
-    BATCH_BYTES (the first of at most first_nbytes; a batch of one row when a row is larger), a piece that does not
-    fit cut at a row boundary. Each batch is summed, then moved in one scatter-gather call while it is still in
-    cache; while one side sums a batch, the other moves the one before."""
-    batches: list[list[np.ndarray]] = []
-    batch: list[np.ndarray] = []
-    room = max(first_nbytes, row_nbytes)
-    for piece in pieces:
-        offset = 0
-        while piece.size - offset > room:  # the batch is full before the piece ends: cut it at a row boundary
-            take = room // row_nbytes * row_nbytes
-            if take:
-                batch.append(piece[offset : offset + take])
-                offset += take
-            batches.append(batch)
-            batch, room = [], max(BATCH_BYTES, row_nbytes)
-        if offset < piece.size:
-            batch.append(piece[offset:] if offset else piece)
-            room -= piece.size - offset
-    batches.append(batch)
-    return batches
-
-
-def _inline_writes(outgoing: OutgoingTransfer) -> Iterator[list]:
-    """A whole request's bytes behind its frame, one scatter-gather write at a time: per run, its pieces in
-    batches, each summed (in cache) just before it is yielded, the run's checksum behind its last batch. Every
-    gather completes before its bytes are yielded."""
-    fingerprint = outgoing.manifest.fingerprint
-    row_nbytes = fingerprint.block_nbytes // (2 * fingerprint.num_layers)
-    for index, run in enumerate(outgoing.manifest.runs):
-        outgoing.gather(index)
-        summed = RunChecksum.of_run(fingerprint, run.num_blocks)
-        first = FIRST_BATCH_BYTES if index == 0 else BATCH_BYTES  # the frame leaves with the first one
-        batches = _batches(outgoing.host_pieces(index), row_nbytes, first)  # flat uint8: planes or the gathered run
-        for number, batch in enumerate(batches, 1):
-            for piece in batch:
-                summed.add(piece)
-            yield batch + [_CHECKSUM.pack(summed.value())] if number == len(batches) else batch
 
 
 class ConnectionWire:
@@ -168,7 +121,7 @@ def send_inline(conn: ControlConnection, channel: PairChannel | None, outgoing: 
                           inline_nbytes=inline_wire_nbytes(outgoing.manifest))
     with conn.raw_stream(deadline):
         if whole:  # the frame and the first bytes in one write
-            writes = _inline_writes(outgoing)
+            writes = inline_writes(outgoing)
             conn.send(Kind.TRANSFER, frame.encode(), deadline, trailing=next(writes))
             for views in writes:
                 conn.send_bytes(views, deadline)
@@ -205,12 +158,11 @@ class _InlineReader:
             return committed
         failed: KVTransferError | None = None
         fingerprint = incoming.manifest.fingerprint
-        row_nbytes = fingerprint.block_nbytes // (2 * fingerprint.num_layers)
         for index, run in enumerate(incoming.manifest.runs):
             targets, in_place = incoming.host_targets(index)  # flat uint8 views
             summed = RunChecksum.of_run(fingerprint, run.num_blocks)
-            trailer = bytearray(_CHECKSUM.size)
-            batches = _batches(targets, row_nbytes)
+            trailer = bytearray(RUN_CHECKSUM.size)
+            batches = byte_batches(targets, fingerprint.row_nbytes)
             for number, batch in enumerate(batches, 1):
                 views = [memoryview(target) for target in batch]
                 self.conn.read_into_all(views + [memoryview(trailer)] if number == len(batches) else views,
@@ -220,7 +172,7 @@ class _InlineReader:
             self.in_step = index == incoming.num_pieces - 1  # every byte read: a failure leaves the stream in step
             try:
                 if failed is None:
-                    incoming.landed(index, in_place=in_place, checksum=_CHECKSUM.unpack(trailer)[0],
+                    incoming.landed(index, in_place=in_place, checksum=RUN_CHECKSUM.unpack(trailer)[0],
                                     inline=self.in_step, summed=summed.value())
             except KVTransferError as exc:  # read on: the rest of the transfer's bytes are on their way
                 failed = exc
@@ -261,7 +213,7 @@ def receive_inline(conn: ControlConnection, channel: PairChannel | None, frame: 
     max_kv = inline_max_bytes
     if max_kv is None:
         max_kv = 2 * pool.manifest_limits.max_blocks * block_nbytes
-    if frame.inline_nbytes > max_kv + _CHECKSUM.size * (max_kv // block_nbytes):  # at most a run per block
+    if frame.inline_nbytes > max_kv + RUN_CHECKSUM.size * (max_kv // block_nbytes):  # at most a run per block
         raise KVTransferError(TransferStatus.MALFORMED, f"an inline transfer of {frame.inline_nbytes} bytes "
                                                         f"(this receiver takes at most {max_kv} bytes of KV)")
 

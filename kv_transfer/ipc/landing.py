@@ -10,6 +10,7 @@ from kv_transfer.checksum import checksum_blocks
 from kv_transfer.device_sync import copy_stream
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import RunInfo
+from kv_transfer.runs import consecutive_start
 from kv_transfer.status import KVTransferError, TransferStatus
 
 
@@ -42,15 +43,6 @@ def copy_blocks(src: torch.Tensor, kv: torch.Tensor, dst_ids: Sequence[int]) -> 
     index = torch.tensor(list(dst_ids), dtype=torch.long, device=kv.device)  # [n]
     kv.index_copy_(2, index, src)
     return kv.index_select(2, index)  # [L, 2, n, bs, H, D]
-
-
-def consecutive_start(ids: Sequence[int]) -> int | None:
-    """ids[0] when ids (at least one) are consecutive ascending ids, else None. Reads only the ends of a
-    list that is plainly not consecutive."""
-    first, n = ids[0], len(ids)
-    if ids[-1] - first != n - 1 or tuple(ids) != tuple(range(first, first + n)):
-        return None
-    return first
 
 
 def runs_start(runs: Sequence[RunInfo]) -> int | None:

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kv_transfer.incoming import IncomingTransfer
-from kv_transfer.ipc.landing import NO_STAGING, MappedIncoming, consecutive_start, copy_block_lists, runs_start
+from kv_transfer.ipc.landing import NO_STAGING, MappedIncoming, copy_block_lists, runs_start
 from kv_transfer.manifest import (Manifest, ManifestError, ManifestLimits, ModelFingerprint, RunInfo, _validate,
                                   encode_manifest)
 from kv_transfer.manifest_decode import decode_manifest
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.results import SendRequest
-from kv_transfer.runs import BlockRun, group_runs
+from kv_transfer.runs import BlockRun, consecutive_start, group_runs
 from kv_transfer.staging import StagingPool
 from kv_transfer.testing import FreeListPool, fill_blocks
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv_transfer.checksum import RunChecksum, checksum_blocks, checksum_of_row_sums
-from kv_transfer.dist.inline import BATCH_BYTES, _batches
+from kv_transfer.dist.inline_batches import BATCH_BYTES, byte_batches
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest, ModelFingerprint, RunInfo
 from kv_transfer.runs import block_planes, group_runs
@@ -70,10 +70,10 @@ def test_every_reader_but_a_host_one_stages_every_run():
     ([7 * ROW_NBYTES], 3 * ROW_NBYTES + 1), ([ROW_NBYTES, 9 * ROW_NBYTES, ROW_NBYTES], ROW_NBYTES // 2),
 ])
 def test_batches_keep_the_bytes_in_order_and_cut_only_between_rows(sizes, first, monkeypatch):
-    monkeypatch.setattr("kv_transfer.dist.inline.BATCH_BYTES", 4 * ROW_NBYTES)
+    monkeypatch.setattr("kv_transfer.dist.inline_batches.BATCH_BYTES", 4 * ROW_NBYTES)
     data = np.random.default_rng(0).integers(0, 256, sum(sizes), dtype=np.uint8)
     pieces = np.split(data, np.cumsum(sizes)[:-1])
-    batches = _batches(pieces, ROW_NBYTES, first)
+    batches = byte_batches(pieces, ROW_NBYTES, first)
     flat = [part for batch in batches for part in batch]
     assert np.array_equal(np.concatenate(flat), data)
     assert all(part.size % ROW_NBYTES == 0 and part.size for part in flat)
@@ -87,7 +87,7 @@ def test_the_run_checksum_summed_piece_by_piece_equals_the_whole_runs():
     fill_blocks(pool.kv, list(range(16)), seed=11)
     for start, count in ((0, 1), (2, 5), (0, 16), (2, 5)):  # the second (2, 5) reuses the cached weights
         summed = RunChecksum.of_run(FP, count)
-        for batch in _batches(pool.view().host_planes(start, count), ROW_NBYTES, ROW_NBYTES):
+        for batch in byte_batches(pool.view().host_planes(start, count), ROW_NBYTES, ROW_NBYTES):
             for piece in batch:
                 summed.add(piece)
         assert summed.value() == checksum_blocks(pool.kv[:, :, start : start + count])
