@@ -163,8 +163,12 @@ def add_engine_arguments(group) -> None:
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)
     group.add_argument("--kv-cache-memory-mib", type=int, default=None,
-                       help="KV pool size per engine in MiB (CPU default 1024; GPU default: the memory plan, "
-                            "what --gpu-memory-utilization leaves after weights, activations and CUDA graphs)")
+                       help="KV pool size per engine in MiB (CPU default: a share of the host's available memory, "
+                            "cluster/workers/host_memory.py; GPU default: the memory plan, what "
+                            "--gpu-memory-utilization leaves after weights, activations and CUDA graphs)")
+    group.add_argument("--kv-cache-resident", action=argparse.BooleanOptionalAction, default=True,
+                       help="CPU: commit the KV pool's pages at start (~0.35 s a GiB), so no request waits on the "
+                            "page faults of a first write; --no-kv-cache-resident commits them as written")
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization,
                        help="share of the GPU an engine may fill, KV pool included")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=defaults.attention_backend,
@@ -199,7 +203,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                         mixed_graph_max_tokens=args.mixed_graph_max_tokens, prefill_first=args.prefill_first,
-                        async_scheduling=args.async_scheduling)
+                        async_scheduling=args.async_scheduling, kv_cache_resident=args.kv_cache_resident)
 
 
 BOUND_FLAGS = ("min_prefill_workers", "max_prefill_workers", "min_decode_workers", "max_decode_workers",

@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
         engine_model, model_dir = bench_models(args, Path(tmp))
         started = time.perf_counter()
         graphs = {} if args.mixed_graph_max_tokens is None else {"mixed_graph_max_tokens": args.mixed_graph_max_tokens}
-        llm = LLM(engine_model, dtype=args.dtype, device=args.device,
-                  max_num_batched_tokens=max(2048, prompt_range[1]), **graphs)
+        llm = LLM(engine_model, dtype=args.dtype, device=args.device,  # a pool committed at start, as vLLM's
+                  max_num_batched_tokens=max(2048, prompt_range[1]), kv_cache_resident=True, **graphs)
         load_s = time.perf_counter() - started
         workload = make_workload(args.num_requests, prompt_range, output_range,
                                  llm.engine.model_config.vocab_size, args.seed)

@@ -68,6 +68,8 @@ class LLMEngine(KVHandoff):
         self.memory_plan = plan_memory(model, spec, config, device, attention)  # measured on CUDA, logged
         pool = KVCache if tp_leader is None else tp_leader.kv_cache  # TP: as many blocks as every rank holds
         self.kv_cache = pool(spec, self.memory_plan.num_blocks, device, config.enable_prefix_caching)
+        if config.kv_cache_resident:
+            self.kv_cache.commit_host_pages()  # CPU: no K/V store waits on a page fault (logged)
         num_blocks = self.kv_cache.num_blocks
         self.max_model_len = max_model_len(model_config, config, num_blocks)
         check_step_budget(config, self.max_model_len)

@@ -11,13 +11,17 @@ tokens on every rank (rank 0's allocator hands out the ids), each rank holding i
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.kv.block_allocator import BlockAllocator
+from engine.kv.host_pages import commit_pages, zeroed_host_bytes
+
+logger = logging.getLogger("tandem.engine")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # the pool on CPU without kv_cache_memory
 
@@ -60,6 +64,17 @@ class KVCache:
         planes = self.kv[layer].view(2, self.num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
         return planes[0], planes[1]
 
+    def commit_host_pages(self) -> float:
+        """CPU: commit every page of the pool now (engine/kv/host_pages.py), so no K/V store ever waits on a page
+        fault; its contents stay zero. Call it before the pool's first use. Returns the seconds it took (0.0 on a
+        GPU, whose pool is resident from the start)."""
+        if self.kv.device.type != "cpu":
+            return 0.0
+        start = time.perf_counter()
+        commit_pages(self.kv.view(-1).view(torch.uint8).numpy())
+        seconds = time.perf_counter() - start
+        logger.info("KV cache: %.2f GiB committed at start in %.2f s", self.kv.nbytes / (1 << 30), seconds)
+        return seconds
 
     def copy_blocks(self, sources: list[int], targets: list[int]) -> None:
         """Copy the K/V of block sources[i] into block targets[i], every layer (queued on the pool's device)."""
@@ -70,13 +85,13 @@ class KVCache:
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On CPU its pages come from the OS already zeroed (calloc: numpy.zeros) and are committed when
-    first written, so a pool sized from the host's memory costs nothing at start and only what it holds: torch.zeros
-    wrote every byte (0.33 s a GiB here, the whole pool resident at once)."""
+    """A zero tensor. On CPU its pages come from the OS already zeroed and are committed when first written
+    (engine/kv/host_pages.py), so a pool sized from the host's memory costs nothing at start: torch.zeros wrote
+    every byte (0.33 s a GiB here, the whole pool resident at once). KVCache.commit_host_pages commits them."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    return torch.from_numpy(zeroed_host_bytes(num_bytes)).view(dtype).view(shape)
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:

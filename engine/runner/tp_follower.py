@@ -136,6 +136,8 @@ def build_follower_runner(spec: FollowerSpec, model: CausalLM, group: TPGroup, k
     kv_spec = KVCacheSpec(cfg.num_layers, kv_heads[1] - kv_heads[0], cfg.head_dim, config.block_size, spec.dtype)
     num_blocks = group.min_int(plan_memory(model, kv_spec, config, device, attention).num_blocks)
     kv_cache = KVCache(kv_spec, num_blocks, device, enable_prefix_caching=False, head_range=kv_heads)
+    if config.kv_cache_resident:
+        kv_cache.commit_host_pages()
     io = StepIO(device)
     graphs = decode_graphs_for(model, kv_cache, attention, config, max_model_len(cfg, config, num_blocks), device,
                                io=io)

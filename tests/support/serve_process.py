@@ -97,7 +97,10 @@ def start_serve(*args: str):
     port, HTTP port) once it listens. At the end: SIGTERM if it still runs, SIGKILL if it does not exit
     in 60 s, then SIGKILL for anything left of the sessions it started."""
     model = () if "--model" in args else ("--model", "tiny")  # the embedded model unless the test names one
-    proc = subprocess.Popen([*TANDEM, "serve", "--grpc-port", "0", "--http-port", "0", *model, *args],
+    # The pools, sized from the host's memory, stay lazy: committing GiBs at each start would cost the suite ~3 s a
+    # server, and tests/engine/test_resident_kv_cache.py checks the commit itself.
+    lazy = () if "--kv-cache-resident" in args else ("--no-kv-cache-resident",)
+    proc = subprocess.Popen([*TANDEM, "serve", "--grpc-port", "0", "--http-port", "0", *model, *lazy, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     sessions = {proc.pid}
     try:
