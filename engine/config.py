@@ -181,7 +181,7 @@ class EngineConfig:
     tensor_parallel_size > 1 is refused (the other ranks take the step's ids from rank 0's host message).
     kv_cache_resident: on CPU, commit every page of the KV pool at start (~0.35 s a GiB), as vLLM's CPU server
     allocates its pool, so no K/V store waits on a page fault: until each block has been used once, a fault per
-    4 KiB written cost a 512-token prompt of the default model 28 ms of 650 (engine/kv/host_pages.py). False: the
+    4 KiB written cost a 512-token prompt of the default model ~4% of its prefill (engine/kv/host_pages.py). False: the
     pages are committed as first written, so a large pool costs nothing until used. `tandem serve` turns it on.
     warmup: run every kind of step once at start (engine/core/warmup.py), so no request pays for a kernel compile
     or an autotune. None (auto): on for CUDA, off on CPU (nothing compiles there).

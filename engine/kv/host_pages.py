@@ -4,8 +4,8 @@ An anonymous mapping comes zeroed from the kernel and costs nothing until it is 
 a 4 KiB page takes a page fault, in which the kernel finds and zeroes the page (~5 us here). The allocator hands
 out the least recently freed block first (engine/kv/block_allocator.py), so until every block of the pool has been
 used once each prompt writes fresh pages: a 512-token prompt of SmolLM2-135M (30 layers, 3 KV heads of 64) takes
-~5,800 faults in its K/V stores, 28 ms of a 650 ms prefill on a 2-core host, and a served pool of several GiB
-stays in that first pass for hours of traffic (docs/benchmarks.md). Committing the pages at start with
+5,760 faults in its K/V stores, ~4% of its prefill on a 2-core host (854 against 817 ms p50), and a served pool of
+several GiB stays in that first pass for hours of traffic (docs/benchmarks.md). Committing the pages at start with
 madvise(MADV_POPULATE_WRITE) (Linux 5.14+) costs ~0.35 s a GiB once, as vLLM's CPU server allocates its pool
 resident. Where that call is refused, writing a zero to each page commits it the slow way.
 """
@@ -27,7 +27,8 @@ def zeroed_host_bytes(num_bytes: int) -> np.ndarray:
     first written; freed when the array (and every view of it) is gone."""
     if num_bytes == 0:
         return np.zeros(0, dtype=np.uint8)
-    return np.frombuffer(mmap.mmap(-1, num_bytes), dtype=np.uint8)  # anonymous, private: zero pages
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    return np.frombuffer(mmap.mmap(-1, num_bytes, **private), dtype=np.uint8)  # zero pages, this process's own
 
 
 def commit_pages(array: np.ndarray) -> None:

@@ -37,8 +37,8 @@ def test_the_peer_alone_gets_a_row_per_rate_and_a_plot(tmp_path) -> None:
 
 def test_a_tandem_mode_is_served_measured_and_compared_with_the_peer(tmp_path) -> None:
     with StubOpenAIServer() as stub:
-        code, markdown, runs = run_bench(tmp_path, "--peer-url", stub.base_url, "--modes", "colocated",
-                                         "--request-rates", "inf", "--serve-args=--device cpu")
+        code, markdown, runs = run_bench(tmp_path, "--peer-url", stub.base_url, "--modes", "colocated",  # lazy pool:
+                                         "--request-rates", "inf", "--serve-args=--device cpu --no-kv-cache-resident")
     assert code == 0
     assert [r["server"] for r in runs] == ["peer", "tandem colocated"]
     tandem = runs[1]["metrics"]
