@@ -199,7 +199,8 @@ def _validate_runs(m: Manifest) -> None:
         if run.checksum is not None:
             check_int(run.checksum, f"runs[{i}].checksum")
         if run.nbytes != run.num_blocks * m.fingerprint.block_nbytes:
-            raise ManifestError(f"runs[{i}].nbytes={run.nbytes} != {run.num_blocks} blocks * {m.fingerprint.block_nbytes}")
+            raise ManifestError(f"runs[{i}].nbytes={run.nbytes} != {run.num_blocks} blocks * "
+                                f"{m.fingerprint.block_nbytes}")
         total += run.num_blocks
         if total > len(m.block_ids):
             raise ManifestError(f"runs[..{i}] already cover {total} blocks, manifest lists {len(m.block_ids)}")
@@ -207,7 +208,8 @@ def _validate_runs(m: Manifest) -> None:
         raise ManifestError(f"runs cover {total} blocks, manifest lists {len(m.block_ids)}")
     first = 0
     for run in m.runs:  # the counts sum to len(block_ids): this walks each listed block once
-        if m.block_ids[first : first + run.num_blocks] != tuple(range(run.start_block, run.start_block + run.num_blocks)):
+        expected = tuple(range(run.start_block, run.start_block + run.num_blocks))
+        if m.block_ids[first : first + run.num_blocks] != expected:
             raise ManifestError("runs do not cover block_ids exactly and in order")
         first += run.num_blocks
 

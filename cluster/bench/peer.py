@@ -178,7 +178,8 @@ def _write_results(runs: list[PeerRun], args: argparse.Namespace, results_dir: P
     command = "tandem bench peer " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "peer"] else ""
     markdown = format_markdown(runs, command)
     (results_dir / "results.md").write_text(markdown)
-    (results_dir / "results.json").write_text(json.dumps(runs_json(runs, args.max_concurrency, args.burstiness), indent=2, default=str))
+    rows = runs_json(runs, args.max_concurrency, args.burstiness)
+    (results_dir / "results.json").write_text(json.dumps(rows, indent=2, default=str))
     plot = write_plot(runs, results_dir / "peer.png")
     print("\n" + markdown)
     print(f"results in {results_dir}/: results.md, results.json{', ' + plot.name if plot else ''}", flush=True)

@@ -32,11 +32,11 @@ def zeroed_host_bytes(num_bytes: int) -> np.ndarray:
 
 
 def commit_pages(array: np.ndarray) -> None:
-    """Commit every page of array's memory now, so no later write takes a page fault. Writes nothing where the
-    kernel populates; elsewhere writes a zero to the first byte of each page, so call it only on memory whose
-    contents are still all zero (a pool before its first use)."""
+    """Commit every page of array's memory (flat uint8, contiguous) now, so no later write takes a page fault.
+    Writes nothing where the kernel populates; elsewhere writes a zero to the first byte of each page, so call it
+    only on memory whose contents are still all zero (a pool before its first use)."""
     if array.nbytes and not _populate(array.ctypes.data, array.nbytes):
-        array.view(np.uint8).reshape(-1)[::mmap.PAGESIZE] = 0
+        array[::mmap.PAGESIZE] = 0
 
 
 def _populate(address: int, num_bytes: int) -> bool:

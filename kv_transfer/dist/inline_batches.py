@@ -51,7 +51,8 @@ def inline_writes(outgoing: OutgoingTransfer) -> Iterator[list]:
         outgoing.gather(index)
         summed = RunChecksum.of_run(fingerprint, run.num_blocks)
         first = FIRST_BATCH_BYTES if index == 0 else BATCH_BYTES  # the frame leaves with the first one
-        batches = byte_batches(outgoing.host_pieces(index), fingerprint.row_nbytes, first)  # flat uint8: planes or the gathered run
+        pieces = outgoing.host_pieces(index)  # flat uint8: the planes, or the gathered run
+        batches = byte_batches(pieces, fingerprint.row_nbytes, first)
         for number, batch in enumerate(batches, 1):
             for piece in batch:
                 summed.add(piece)
