@@ -55,17 +55,20 @@ def load_model_config(model: str | Path | None) -> ModelConfig:
 
 
 def build_engine(model: str | Path | None, config: EngineConfig, dtype: str = "auto", device: str = "auto",
-                 tokenizer: str | Path | None = None, tp_launcher=None) -> LLMEngine:
+                 tokenizer: str | Path | None = None, tp_launcher=None, tp_rank_service=None) -> LLMEngine:
     """Load the model's weights and tokenizer and size the KV pool. model: a Hugging Face checkpoint directory, a
     GGUF file, "tiny" for the embedded model, or None for the default (resolve_model). tokenizer: a Hugging Face
     tokenizer directory to use instead of the model's own (a GGUF file's metadata, or the checkpoint's files).
     tp_launcher (tensor_parallel_size > 1): how the follower ranks start (engine/runner/tp_leader.py
-    FollowerLauncher; None: child processes of this one). ValueError names any bad argument, missing file or
+    FollowerLauncher; None: child processes of this one); tp_rank_service: what each follower rank runs beside its
+    steps (engine/parallel/rank_service.py; a KV lane). ValueError names any bad argument, missing file or
     unsupported architecture."""
     torch_device = resolve_device(device)
     asked, model = model, resolve_model(model)
     if config.tensor_parallel_size > 1:
-        return _tp_engine(model, config, dtype, torch_device, tokenizer, tp_launcher)
+        return _tp_engine(model, config, dtype, torch_device, tokenizer, tp_launcher, tp_rank_service)
+    if tp_rank_service is not None:
+        raise ValueError("tp_rank_service is for a tensor-parallel engine (tensor_parallel_size > 1)")
     if model == TINY_MODEL:
         if asked is None:
             logger.warning(TRAINED_MISSING_NOTICE)
@@ -106,13 +109,13 @@ def _embedded_engine(config: EngineConfig, dtype: str, device, tokenizer: str | 
 
 
 def _tp_engine(model: str, config: EngineConfig, dtype: str, device, tokenizer: str | Path | None,
-               launcher) -> LLMEngine:
+               launcher, rank_service) -> LLMEngine:
     """An engine over config.tensor_parallel_size ranks (engine/core/tp_engine.py); model resolved."""
     if model == TINY_MODEL and tokenizer is not None:
         raise ValueError("the embedded model has its own byte tokenizer: tokenizer= does not apply to it")
     model_config, text = load_model_config(model), load_tokenizer(model, tokenizer)
     engine = build_tp_engine(model, model_config, text, config, resolve_dtype(dtype, model_config, device), device,
-                             _max_positions(model_config, config), launcher)
+                             _max_positions(model_config, config), launcher, rank_service)
     if model == TINY_MODEL:
         logger.warning(UNTRAINED_NOTICE)
     return engine

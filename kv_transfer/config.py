@@ -102,8 +102,10 @@ class DistRendezvous:
 @dataclass(frozen=True)
 class ReceiverAddress:
     """How a sender reaches a receiver: a host:port target (the gRPC server, or a rank transport's control
-    listener) and, for gloo/nccl/ipc, the receiver's rank."""
+    listener) and, for gloo/nccl/ipc, the receiver's rank. lanes: a tensor-parallel receiver's per-rank targets
+    (rank order, rank 0's first), each taking only its rank's KV heads (kv_transfer/lanes/); () for one rank."""
 
     transport: str
     rank: int = -1
     target: str = ""
+    lanes: tuple[str, ...] = ()

@@ -79,6 +79,9 @@ class IncomingTransfer:
         diff = pool.fingerprint.mismatch(manifest.fingerprint)
         if diff:
             raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV layout differs: {diff}", rid)
+        if manifest.kv_heads != pool.kv_heads:  # a lane's heads only into the rank that holds them
+            raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV heads differ: {manifest.kv_heads} "
+                                  f"sent, this pool holds {pool.kv_heads or 'all'}", rid)
         block_ids = pool.allocate_incoming(rid, manifest.num_blocks)
         if block_ids is None:
             raise KVTransferError(TransferStatus.REJECTED_NO_BLOCKS, f"no room for {manifest.num_blocks} blocks", rid)

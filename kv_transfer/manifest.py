@@ -127,6 +127,7 @@ class Manifest:
     first_logprobs: FirstTokenLogprobs | None = None  # when the request asked for logprobs
     streamed: bool = False  # layer-streamed: pieces are layers, checksums trail them, the first token comes last
     prefix_blocks: int = 0  # leading prompt blocks the receiver already holds: block_ids cover the rest
+    kv_heads: tuple[int, int] | None = None  # the model's KV heads [start, stop) the blocks hold (a lane); None: all
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -174,6 +175,8 @@ def _validate(m: Manifest) -> None:
         raise ManifestError("a streamed manifest carries no run checksums (each layer's trails it)")
     if m.checksum_algo != CHECKSUM_ALGO:
         raise ManifestError(f"unknown checksum_algo {m.checksum_algo!r}")
+    if m.kv_heads is not None:
+        _validate_kv_heads(m.kv_heads, m.fingerprint.num_kv_heads)
     prompt_blocks = -(-m.num_tokens // m.fingerprint.block_size)
     check_int(m.prefix_blocks, "prefix_blocks", limit=prompt_blocks)  # at least the last block travels
     expected_blocks = prompt_blocks - m.prefix_blocks
@@ -187,6 +190,16 @@ def _validate(m: Manifest) -> None:
     if len(set(m.block_ids)) != len(m.block_ids):
         raise ManifestError("block_ids contain duplicates")
     _validate_runs(m)
+
+
+def _validate_kv_heads(kv_heads: Any, num_kv_heads: int) -> None:
+    """ManifestError unless kv_heads is a (start, stop) of ints spanning exactly the fingerprint's num_kv_heads."""
+    if not isinstance(kv_heads, tuple) or len(kv_heads) != 2:
+        raise ManifestError(f"kv_heads must be (start, stop), got {kv_heads!r}")
+    check_int(kv_heads[0], "kv_heads[0]", limit=1 << 16)
+    check_int(kv_heads[1], "kv_heads[1]", limit=1 << 16)
+    if kv_heads[1] - kv_heads[0] != num_kv_heads:
+        raise ManifestError(f"kv_heads {kv_heads} do not span the fingerprint's {num_kv_heads} KV heads")
 
 
 def _validate_runs(m: Manifest) -> None:
@@ -232,4 +245,6 @@ def encode_manifest(m: Manifest) -> bytes:
         top["streamed"] = True
     if m.prefix_blocks:
         top["prefix_blocks"] = m.prefix_blocks
+    if m.kv_heads is not None:
+        top["kv_heads"] = m.kv_heads
     return msgpack.packb(top)

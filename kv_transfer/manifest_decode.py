@@ -17,7 +17,7 @@ from kv_transfer.manifest import (MANIFEST_VERSION, MAX_MANIFEST_BYTES, MAX_STRI
 from kv_transfer.token_logprobs import MAX_TOP_LOGPROBS, FirstTokenLogprobs, LogprobsError
 
 _TOP_KEYS = {"version", "request_id", "fingerprint", "num_tokens", "block_ids", "first_token", "checksum_algo", "runs"}
-_OPTIONAL_TOP_KEYS = {"first_logprobs", "streamed", "prefix_blocks"}
+_OPTIONAL_TOP_KEYS = {"first_logprobs", "streamed", "prefix_blocks", "kv_heads"}
 _FP_KEYS = {"num_layers", "num_kv_heads", "head_dim", "dtype", "block_size"}
 _ALL_TOP_KEYS = _TOP_KEYS | _OPTIONAL_TOP_KEYS
 
@@ -36,6 +36,15 @@ def _decode_run(i: int, raw: Any) -> RunInfo:
     if not isinstance(raw, list) or len(raw) != 4:
         raise ManifestError(f"runs[{i}] must be [start_block, num_blocks, nbytes, checksum or nil]")
     return RunInfo(*raw)
+
+
+def _decode_kv_heads(raw: Any) -> tuple | None:
+    """A lane's [start, stop] as a tuple (Manifest checks its values), None when absent."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != 2:
+        raise ManifestError(f"kv_heads must be [start, stop], got {raw!r}")
+    return tuple(raw)
 
 
 def _decode_fingerprint(raw: Any, limits: ManifestLimits | None) -> ModelFingerprint:
@@ -114,6 +123,7 @@ def decode_manifest(data: bytes, limits: ManifestLimits | None = None) -> Manife
             first_logprobs=None if "first_logprobs" not in top else FirstTokenLogprobs.decode(top["first_logprobs"]),
             streamed=top.get("streamed", False),
             prefix_blocks=top.get("prefix_blocks", 0),
+            kv_heads=_decode_kv_heads(top.get("kv_heads")),
         )
     except LogprobsError as exc:
         raise ManifestError(str(exc)) from None

@@ -125,7 +125,7 @@ def prepare_streamed(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     infos = tuple(RunInfo(r.start, r.num_blocks, r.num_blocks * fp.block_nbytes, None) for r in runs)
     manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
                         block_ids=tuple(request.block_ids), first_token=None, runs=infos, streamed=True,
-                        prefix_blocks=request.prefix_blocks)
+                        prefix_blocks=request.prefix_blocks, kv_heads=pool.kv_heads)
     sizes = manifest.piece_nbytes
     offsets, total = staging_offsets(sizes)
     staging = staging_pool.acquire(total)
@@ -161,7 +161,8 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     infos = tuple(RunInfo(r.start, r.num_blocks, r.num_blocks * fp.block_nbytes, s) for r, s in zip(runs, sums))
     manifest = Manifest(request_id=request.request_id, fingerprint=fp, num_tokens=request.num_tokens,
                         block_ids=tuple(request.block_ids), first_token=request.first_token, runs=infos,
-                        first_logprobs=request.first_logprobs, prefix_blocks=request.prefix_blocks)
+                        first_logprobs=request.first_logprobs, prefix_blocks=request.prefix_blocks,
+                        kv_heads=pool.kv_heads)
     if all_direct:
         direct = [True] * len(infos)
     elif direct_min_plane_bytes is not None and staging_pool.device == pool.device:

@@ -24,12 +24,16 @@ class KVPoolView:
     instead of allocate: the blocks set aside for that request's KV (a decode worker reserves them when
     it accepts the request). The callbacks are called from transfer threads, so they must be
     thread-safe; each block handed to the plane is freed through `free` exactly once.
+    kv_heads: the model's KV heads [start, stop) the pool holds when it holds only some (one rank of a
+    tensor-parallel group, as a KV lane: kv_transfer/lanes/); its manifests say so, and it accepts only transfers
+    of exactly those heads. None: every head (the manifests say nothing).
     """
 
     kv: torch.Tensor
     allocate: Callable[[int], list[int] | None]
     free: Callable[[Sequence[int]], None]
     allocate_for: Callable[[str, int], list[int] | None] | None = None
+    kv_heads: tuple[int, int] | None = None
 
     def allocate_incoming(self, request_id: str, num_blocks: int) -> list[int] | None:
         """Blocks for `request_id`'s incoming KV: allocate_for when given, else allocate."""
@@ -44,6 +48,8 @@ class KVPoolView:
             raise ValueError(f"kv dtype {self.kv.dtype} not supported; use one of {list(DTYPE_NAMES)}")
         if not self.kv.is_contiguous():
             raise ValueError("kv must be contiguous")
+        if self.kv_heads is not None and self.kv_heads[1] - self.kv_heads[0] != self.kv.shape[4]:
+            raise ValueError(f"kv_heads {self.kv_heads} do not span the pool's {self.kv.shape[4]} KV heads")
 
     @property
     def device(self) -> torch.device:

@@ -9,6 +9,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.llm_engine import LLMEngine
 from engine.model.tp_weights import load_shard
 from engine.parallel.layout import check_tp_shapes
+from engine.parallel.rank_service import RankServiceFactory
 from engine.runner.tp_leader import FollowerLauncher, TPLeader
 from engine.text.tokenizer import Tokenizer
 
@@ -27,12 +28,14 @@ def check_tp_start(model_config: ModelConfig, config: EngineConfig, device: torc
 
 def build_tp_engine(model: str, model_config: ModelConfig, tokenizer: Tokenizer, config: EngineConfig,
                     dtype: torch.dtype, device: torch.device, max_positions: int,
-                    launcher: FollowerLauncher | None = None) -> LLMEngine:
+                    launcher: FollowerLauncher | None = None,
+                    rank_service: RankServiceFactory | None = None) -> LLMEngine:
     """model: resolved ("tiny", a GGUF file, a checkpoint directory). This process is rank 0: it loads its own
     shard while the followers load theirs, then builds the engine (which agrees on the KV pool with them).
-    launcher: how the followers start (None: child processes of this one; tp_leader.py)."""
+    launcher: how the followers start (None: child processes of this one; tp_leader.py). rank_service: what each
+    follower runs beside its steps (engine/parallel/rank_service.py)."""
     check_tp_start(model_config, config, device, own_devices=launcher is not None and launcher.own_resources)
-    leader = TPLeader.start(model, model_config, config, dtype, device, max_positions, launcher)
+    leader = TPLeader.start(model, model_config, config, dtype, device, max_positions, launcher, rank_service)
     try:
         net = load_shard(model, model_config, leader.shard, dtype, device, max_positions)
         leader.wait_ready()

@@ -28,6 +28,7 @@ from engine.model.tp_weights import load_shard
 from engine.parallel.group import Rendezvous, TPGroup, connect_group, open_store
 from engine.parallel.group_files import process_alive, remove_group_files
 from engine.parallel.layout import tp_layout
+from engine.parallel.rank_service import RankContext, RankServiceFactory
 from engine.runner.group_kv import gather_layer_heads, run_kv_move
 from engine.parallel.step_message import KVMove, StepChannel, StepInputs
 from engine.runner.decode_graphs import decode_graphs_for
@@ -57,6 +58,7 @@ class FollowerSpec:
     parent_pid: int           # rank 0's process
     max_positions: int
     leader_is_parent: bool = True  # False: rank 0 is not this process's parent (a Ray actor of the group)
+    rank_service: RankServiceFactory | None = None  # started beside the steps (engine/parallel/rank_service.py)
 
 
 def leader_alive(spec: FollowerSpec) -> bool:
@@ -166,8 +168,11 @@ def follower_main(spec: FollowerSpec) -> None:
         store.set(status_key(rendezvous, "error", spec.rank), traceback.format_exc().encode())
         return
     store.set(status_key(rendezvous, "ready", spec.rank), b"1")
+    service = None
     try:
         runner = build_follower_runner(spec, model, group, layout.kv_heads, device)
+        if spec.rank_service is not None:
+            service = spec.rank_service(RankContext(spec.rank, size, runner.kv_cache.kv, layout.kv_heads))
         channel = StepChannel(group)
         while (message := channel.receive()) is not None:
             if isinstance(message, KVMove):
@@ -181,6 +186,8 @@ def follower_main(spec: FollowerSpec) -> None:
     except BaseException:  # noqa: BLE001 - a failed step: nothing to run for any more
         logger.error("tensor-parallel rank %d stops: %s", spec.rank, traceback.format_exc())
     finally:
+        if service is not None:
+            service.close()
         if not leader_alive(spec):  # rank 0 died: nobody else removes the group's files
             remove_group_files(rendezvous)
 

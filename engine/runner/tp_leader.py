@@ -29,6 +29,7 @@ from engine.parallel.group_files import private_store_path, remove_group_files, 
 from engine.parallel.host_reduce import MAX_SLOT_BYTES, create_file, shared_memory_dir
 from engine.runner.group_kv import Blocks, gather_kv_heads, gather_layer_heads, scatter_kv_heads
 from engine.parallel.layout import tp_layout
+from engine.parallel.rank_service import RankServiceFactory
 from engine.parallel.step_message import StepChannel, StepInputs
 from engine.runner.tp_follower import FollowerSpec, follower_main, status_key
 
@@ -127,10 +128,12 @@ class TPLeader:
 
     @classmethod
     def start(cls, model: str, model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
-              device: torch.device, max_positions: int, launcher: FollowerLauncher | None = None) -> "TPLeader":
-        """Start the followers (launcher: ProcessLauncher by default) and connect the group (rank 0 = this
-        process). With the default launcher on CPU the cores are divided among the ranks (torch's threads here
-        too, restored by close). Any failure: the followers are killed, raised."""
+              device: torch.device, max_positions: int, launcher: FollowerLauncher | None = None,
+              rank_service: RankServiceFactory | None = None) -> "TPLeader":
+        """Start the followers (launcher: ProcessLauncher by default; each runs rank_service beside its steps when
+        given) and connect the group (rank 0 = this process). With the default launcher on CPU the cores are
+        divided among the ranks (torch's threads here too, restored by close). Any failure: the followers are
+        killed, raised."""
         size, launcher = config.tensor_parallel_size, launcher or ProcessLauncher()
         remove_stale_group_files()
         rendezvous = _rendezvous(private_store_path(), model_config, config, dtype, device)
@@ -140,7 +143,8 @@ class TPLeader:
         followers = None
         try:
             specs = [FollowerSpec(model, model_config, config, dtype, _rank_device(device, rank), rank, rendezvous,
-                                  threads, os.getpid(), max_positions, leader_is_parent=not launcher.own_resources)
+                                  threads, os.getpid(), max_positions, leader_is_parent=not launcher.own_resources,
+                                  rank_service=rank_service)
                      for rank in range(1, size)]
             followers = launcher.start(specs)
             _wait_for(store, rendezvous, followers, size, "alive", CONNECT_TIMEOUT_S)

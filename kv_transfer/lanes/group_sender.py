@@ -1,0 +1,126 @@
+"""LaneSender: a tensor-parallel prefill group's KVSender over lanes. send() ships each rank's heads of the request's
+blocks from that rank to the same rank of the receiving group (peer.lanes), rank 0's lane here and the followers'
+through rank 0's hub, and the handle settles once every rank's lane ended: OK when all of them delivered, else the
+first failure (the other lanes are cancelled then). The blocks are the engine's (rank 0's allocator): they are freed
+once, when the last lane ended, so no lane still reads a block the engine hands out again.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_transfer.config import ReceiverAddress
+from kv_transfer.connector import KVSender
+from kv_transfer.lanes.hub import LaneHub
+from kv_transfer.lanes.messages import Forget, Ship
+from kv_transfer.lanes.rank_lane import LaneSpec, SendLane, lane_address
+from kv_transfer.results import SendRequest, SendResult, TransferHandle
+from kv_transfer.status import KVTransferError, TransferStatus
+
+JOIN_TIMEOUT_S = 120.0  # how long the followers' lanes may take to join rank 0's hub
+
+
+@dataclass
+class _Shipping:
+    request: SendRequest
+    handle: TransferHandle
+    waiting: set[int]  # ranks whose lane has not ended yet
+    started: float = field(default_factory=time.monotonic)
+    failure: tuple[TransferStatus, str] | None = None
+
+
+class LaneSender(KVSender):
+    """The KVSender of a tensor-parallel engine's rank 0 (engine.tp_leader set) whose followers run `spec` as their
+    rank service (build_engine(tp_rank_service=spec)); hub is the one spec names, owned by this sender from now on
+    (closed by close())."""
+
+    def __init__(self, engine: Any, hub: LaneHub, spec: LaneSpec, join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        if engine.tp_leader is None or spec.role != "send":
+            raise ValueError("LaneSender is for a tensor-parallel prefill engine's rank 0 and a 'send' LaneSpec")
+        self.size, self.hub = engine.tp_leader.group.size, hub
+        hub.wait_followers(range(1, self.size), join_timeout_s)
+        self.lane = SendLane(spec, engine.kv_cache.kv, engine.kv_cache.head_range)
+        self._free, self._block_nbytes = engine.free_blocks, engine.kv_cache.kv[:, :, 0].nbytes
+        self._shipping: dict[str, _Shipping] = {}
+        self._lock = threading.Lock()
+        hub.on_ended = lambda ended: self._lane_ended(ended.rank, ended.request_id, ended.status, ended.message)
+        hub.on_lost = self._lost
+
+    def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
+        """As KVSender.send, to a receiving group of the same size (len(peer.lanes) ranks). ValueError, before the
+        blocks are taken, for a peer of another size, a layer-streamed request or a request id already in flight."""
+        if len(peer.lanes) != self.size:
+            raise ValueError(f"a lane transfer needs a receiver of {self.size} ranks; {peer.target} has "
+                             f"{len(peer.lanes) or 1}")
+        if request.stream is not None:
+            raise ValueError("layer-streamed transfers do not travel by lanes")
+        handle = TransferHandle(request.request_id)
+        with self._lock:
+            if request.request_id in self._shipping:
+                raise ValueError(f"request {request.request_id!r} is already being shipped")
+            self._shipping[request.request_id] = _Shipping(request, handle, set(range(self.size)))
+        for rank in range(1, self.size):
+            if not self.hub.send(rank, Ship(request, lane_address(peer, rank))):
+                self._lane_ended(rank, request.request_id, TransferStatus.PEER_FAILED, f"rank {rank}'s lane is gone")
+        self.lane.ship(lane_address(peer, 0), request, lambda rid, status, message: self._lane_ended(0, rid, status,
+                                                                                                     message))
+        handle.on_cancel(lambda: self._cancel(request.request_id))
+        return handle
+
+    def _lane_ended(self, rank: int, request_id: str, status: TransferStatus, message: str) -> None:
+        """One rank's lane of request_id ended; the last one frees the blocks and settles the handle."""
+        with self._lock:
+            shipping = self._shipping.get(request_id)
+            if shipping is None or rank not in shipping.waiting:
+                return
+            shipping.waiting.discard(rank)
+            first_failure = status != TransferStatus.OK and shipping.failure is None
+            if first_failure:
+                shipping.failure = (status, f"rank {rank}'s lane: {message}")
+            done = not shipping.waiting
+            if done:
+                del self._shipping[request_id]
+        if first_failure and not done:
+            self._cancel(request_id)
+        if done:
+            self._settle(shipping)
+
+    def _settle(self, shipping: _Shipping) -> None:
+        request = shipping.request
+        self._free(request.block_ids)
+        if shipping.failure is not None:
+            shipping.handle.settle(KVTransferError(*shipping.failure, request.request_id))
+        else:
+            nbytes = len(request.block_ids) * self._block_nbytes * self.size
+            shipping.handle.settle(SendResult(request.request_id, nbytes, time.monotonic() - shipping.started))
+
+    def _cancel(self, request_id: str) -> None:
+        """Cancels every lane of request_id still under way (each ends CANCELLED, freeing both sides)."""
+        with self._lock:
+            shipping = self._shipping.get(request_id)
+            waiting = set() if shipping is None else set(shipping.waiting)
+        for rank in waiting - {0}:
+            self.hub.send(rank, Forget(request_id))
+        if 0 in waiting:
+            self.lane.cancel(request_id)
+
+    def _lost(self, rank: int) -> None:
+        """A follower's link ended: its lanes under way will not report; they ended as PEER_FAILED."""
+        with self._lock:
+            waiting = [rid for rid, shipping in self._shipping.items() if rank in shipping.waiting]
+        for request_id in waiting:
+            self._lane_ended(rank, request_id, TransferStatus.PEER_FAILED, f"rank {rank} is gone")
+
+    def close(self) -> None:
+        """Ends rank 0's lane (its queued transfers fail) and the hub; whatever is still shipping fails (CANCELLED)
+        and its blocks are freed."""
+        self.lane.close()
+        self.hub.close()
+        with self._lock:
+            left = list(self._shipping.values())
+            self._shipping.clear()
+        for shipping in left:
+            shipping.failure = shipping.failure or (TransferStatus.CANCELLED, "the sender closed")
+            self._settle(shipping)

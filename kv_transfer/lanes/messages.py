@@ -1,0 +1,58 @@
+"""What rank 0 and its followers' lanes say to each other over the hub's links (kv_transfer/lanes/hub.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer.config import ReceiverAddress
+from kv_transfer.results import SendRequest
+from kv_transfer.status import TransferStatus
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Follower -> rank 0, first on its link: who it is and where its lane receiver listens ("" for a sender)."""
+
+    rank: int
+    target: str
+
+
+@dataclass(frozen=True)
+class Ship:
+    """Rank 0 -> a prefill follower: send this rank's heads of request.block_ids to peer (that rank's lane)."""
+
+    request: SendRequest
+    peer: ReceiverAddress
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Rank 0 -> a decode follower: request_id's KV lands in block_ids (reserved by rank 0 for it)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Rank 0 -> a decode follower: drop request_id (an Expect not taken yet ends at once; one in flight is
+    cancelled). Rank 0 -> a prefill follower: cancel its Ship of request_id."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SetPeer:
+    """Rank 0 -> a decode follower: listen to sender `rank` (listen) or stop (rank transports)."""
+
+    rank: int
+    listen: bool
+
+
+@dataclass(frozen=True)
+class LaneEnded:
+    """Follower -> rank 0, exactly once per Ship and per Expect: how that rank's lane of request_id ended."""
+
+    rank: int
+    request_id: str
+    status: TransferStatus
+    message: str = ""

@@ -1,0 +1,204 @@
+"""One rank's lane: a KVSender or KVReceiver over that rank's own pool (its KV heads only), whose blocks belong to
+the group's rank 0. A lane never frees a block (its pool view's free does nothing): rank 0 frees a request's blocks
+once every rank's lane of it ended (kv_transfer/lanes/group_sender.py, group_receiver.py).
+
+LaneSpec is what a group's ranks are started with: rank 0 builds its own lane from it (`lane`), each follower runs
+it as the engine's rank service (`__call__`: the lane plus its link to rank 0, FollowerLane).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
+from kv_transfer.factory import create_receiver, create_sender
+from kv_transfer.lanes.hub import FollowerLink, HubAddress
+from kv_transfer.lanes.messages import Expect, Forget, Hello, LaneEnded, SetPeer, Ship
+from kv_transfer.pool import KVPoolView
+from kv_transfer.results import ReceiveFailed, ReceiveOutcome, SendRequest, TransferHandle
+from kv_transfer.status import KVTransferError, TransferStatus
+
+if TYPE_CHECKING:
+    from engine.parallel.rank_service import RankContext
+
+Ended = Callable[[str, TransferStatus, str], None]  # (request_id, status, message): once per lane transfer
+
+
+def _refuse(num_blocks: int) -> None:
+    return None  # a lane allocates nothing itself
+
+
+def _keep(block_ids: Sequence[int]) -> None:
+    """Rank 0 owns a lane's blocks: nothing is freed here."""
+
+
+def lane_address(peer: ReceiverAddress, rank: int) -> ReceiverAddress:
+    """The address of rank `rank`'s lane of a group receiver (peer.lanes[rank])."""
+    return ReceiverAddress(peer.transport, peer.rank, peer.lanes[rank])
+
+
+class SendLane:
+    """Ships this rank's heads of a request's blocks to the decode rank of the same index."""
+
+    def __init__(self, spec: "LaneSpec", kv: torch.Tensor, kv_heads: tuple[int, int]) -> None:
+        view = KVPoolView(kv, _refuse, _keep, kv_heads=kv_heads)
+        self.sender = create_sender(spec.config, view, spec.transport, spec.rendezvous)
+        self._handles: dict[str, TransferHandle] = {}
+        self._lock = threading.Lock()
+
+    def ship(self, peer: ReceiverAddress, request: SendRequest, ended: Ended) -> None:
+        """Starts the transfer; ended(...) runs once when it ends (on a transport thread, or here if it cannot
+        start)."""
+        try:
+            handle = self.sender.send(peer, request)
+        except (ValueError, KVTransferError) as exc:
+            ended(request.request_id, getattr(exc, "status", TransferStatus.INTERNAL), str(exc))
+            return
+        with self._lock:
+            self._handles[request.request_id] = handle
+        handle.add_done_callback(lambda done: self._ended(done, ended))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.cancel()
+
+    def _ended(self, handle: TransferHandle, ended: Ended) -> None:
+        with self._lock:
+            self._handles.pop(handle.request_id, None)
+        error = handle.exception()
+        if error is None:
+            ended(handle.request_id, TransferStatus.OK, "")
+        else:
+            ended(handle.request_id, getattr(error, "status", TransferStatus.INTERNAL), str(error))
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class ReceiveLane:
+    """Takes this rank's heads of each request into the blocks rank 0 reserved for it (allocate_for(request_id, n)
+    says which) and hands every transfer's outcome to deliver(outcome) (on a transport thread; must not block)."""
+
+    def __init__(self, spec: "LaneSpec", kv: torch.Tensor, kv_heads: tuple[int, int],
+                 allocate_for: Callable[[str, int], list[int] | None],
+                 deliver: Callable[[ReceiveOutcome], None]) -> None:
+        view = KVPoolView(kv, _refuse, _keep, allocate_for, kv_heads=kv_heads)
+        self.receiver = create_receiver(spec.config, view, spec.transport, spec.rendezvous, spec.peers, spec.host)
+        self.receiver.deliver_to(deliver)
+
+    @property
+    def target(self) -> str:
+        return self.receiver.address.target
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+def ending(outcome: ReceiveOutcome) -> tuple[str, TransferStatus, str]:
+    """(request_id, status, message) of a receive's outcome."""
+    if isinstance(outcome, ReceiveFailed):
+        return outcome.request_id, outcome.status, outcome.message
+    return outcome.request_id, TransferStatus.OK, ""
+
+
+class ExpectedBlocks:
+    """A decode follower's blocks per request as rank 0's Expect named them: a lane's transfer takes them (waiting up
+    to wait_s for the Expect, which may come a little after the transfer); Forget drops one not yet taken."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._blocks: dict[str, tuple[int, ...]] = {}
+        self._forgotten: dict[str, float] = {}  # request id -> when: a transfer arriving later is refused at once
+        self._changed = threading.Condition()
+
+    def expect(self, request_id: str, block_ids: tuple[int, ...]) -> None:
+        with self._changed:
+            self._forgotten.pop(request_id, None)
+            self._blocks[request_id] = block_ids
+            self._changed.notify_all()
+
+    def forget(self, request_id: str) -> bool:
+        """Drops request_id; True when it had an Expect no transfer took (its end is then the caller's to report)."""
+        with self._changed:
+            now = time.monotonic()
+            self._forgotten = {rid: at for rid, at in self._forgotten.items() if now - at < 600}
+            self._forgotten[request_id] = now
+            self._changed.notify_all()
+            return self._blocks.pop(request_id, None) is not None
+
+    def take(self, request_id: str, num_blocks: int) -> list[int] | None:
+        with self._changed:
+            self._changed.wait_for(lambda: request_id in self._blocks or request_id in self._forgotten, self.wait_s)
+            blocks = self._blocks.pop(request_id, None)
+        return list(blocks) if blocks is not None and len(blocks) == num_blocks else None
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    """How a group's ranks run their lanes: role "send" (a prefill group) or "receive" (a decode group), the
+    transport and its config, the rank transports' rendezvous (this worker's rank on the KV plane; every rank of the
+    group uses it), the senders a receiver listens to, the host its listeners bind, and rank 0's hub."""
+
+    role: str
+    transport: str
+    config: TransferConfig
+    hub: HubAddress
+    rendezvous: DistRendezvous | None = None
+    peers: tuple[int, ...] = ()
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.role not in ("send", "receive"):
+            raise ValueError(f"a lane's role is 'send' or 'receive', got {self.role!r}")
+
+    def __call__(self, context: RankContext) -> "FollowerLane":
+        """A follower's lane and its link to rank 0 (engine/parallel/rank_service.py)."""
+        return FollowerLane(self, context)
+
+
+class FollowerLane:
+    """A follower rank's lane, serving rank 0's commands: Ship (send), Expect / Forget / SetPeer (receive)."""
+
+    def __init__(self, spec: LaneSpec, context: RankContext) -> None:
+        self.rank = context.rank
+        self.expected = ExpectedBlocks(spec.config.kv_transfer_timeout_s)
+        if spec.role == "send":
+            self.lane, target = SendLane(spec, context.kv, context.kv_heads), ""
+        else:
+            self.lane = ReceiveLane(spec, context.kv, context.kv_heads, self.expected.take,
+                                    lambda outcome: self._ended(*ending(outcome)))
+            target = self.lane.target
+        try:
+            self.link = FollowerLink(spec.hub, Hello(self.rank, target), self._handle, spec.config.connect_timeout_s)
+        except BaseException:
+            self.lane.close()
+            raise
+
+    def _ended(self, request_id: str, status: TransferStatus, message: str) -> None:
+        self.link.report(LaneEnded(self.rank, request_id, status, message))
+
+    def _handle(self, command: object) -> None:
+        if isinstance(command, Ship):
+            self.lane.ship(command.peer, command.request, self._ended)
+        elif isinstance(command, Expect):
+            self.expected.expect(command.request_id, command.block_ids)
+        elif isinstance(command, Forget):
+            if isinstance(self.lane, SendLane):
+                self.lane.cancel(command.request_id)
+            elif self.expected.forget(command.request_id):  # no transfer took it: that is how it ended
+                self._ended(command.request_id, TransferStatus.CANCELLED, "forgotten before its KV came")
+            else:
+                self.lane.receiver.cancel(command.request_id)
+        elif isinstance(command, SetPeer):
+            (self.lane.receiver.add_peer if command.listen else self.lane.receiver.remove_peer)(command.rank)
+
+    def close(self) -> None:
+        self.lane.close()
+        self.link.close()

@@ -1,0 +1,158 @@
+"""KV lanes between two tensor-parallel groups of 2 ranks (kv_transfer/lanes/): real engines in this process (rank 0)
+with their followers in child processes, each rank's heads going from its prefill rank straight to its decode rank
+over gRPC or gloo on 127.0.0.1. The decode side's greedy tokens equal transformers (with decoder-side prefix reuse);
+a cancelled request and one the decode side refuses fail on every lane and free every block on both sides; bad
+input is refused before anything is taken. Every engine block is free at the end of each test."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine import SamplingParams
+from engine.builder import build_engine
+from engine.config import EngineConfig
+from kv_transfer import DistRendezvous, KVTransferError, ReceivedKV, ReceiveFailed, ReceiverAddress, TransferConfig
+from kv_transfer import TransferStatus
+from kv_transfer.engine_pool import admit_received, ship_prefilled
+from kv_transfer.lanes import LaneHub, LaneReceiver, LaneSender, LaneSpec
+from tests.support.engine_checks import random_prompts
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+VOCAB = 300
+ENGINE = dict(tensor_parallel_size=2, block_size=8, kv_cache_memory=4 << 20)
+CONFIG = TransferConfig(kv_transfer_timeout_s=20, connect_timeout_s=30)
+
+
+def refuse_marked(engine):
+    """A decode worker's reservations, as allocate_for: a request whose id starts with "refused" has none."""
+    return lambda request_id, n: None if request_id.startswith("refused") else engine.reserve_blocks(n)
+
+
+class LanePair:
+    """A prefill group and a decode group of 2 ranks each, joined by lanes of one transport."""
+
+    def __init__(self, path: str, transport: str) -> None:
+        config = TransferConfig(transport=transport, kv_transfer_timeout_s=20, connect_timeout_s=30)
+        ranked = transport != "grpc"
+        hub = LaneHub()
+        spec = LaneSpec("send", transport, config, hub.address, DistRendezvous(1, 2) if ranked else None)
+        self.prefill = build_engine(path, EngineConfig(**ENGINE), "float32", "cpu", tp_rank_service=spec)
+        self.sender = LaneSender(self.prefill, hub, spec)
+        hub = LaneHub()
+        spec = LaneSpec("receive", transport, config, hub.address, DistRendezvous(0, 2) if ranked else None,
+                        peers=(1,))
+        self.decode = build_engine(path, EngineConfig(**ENGINE), "float32", "cpu", tp_rank_service=spec)
+        self.receiver = LaneReceiver(self.decode, hub, spec, allocate_for=refuse_marked(self.decode))
+
+    def prefill_one(self, request_id: str, prompt: list[int]) -> None:
+        self.prefill.add_request(request_id, prompt, GREEDY, prefill_only=True)
+        while not any(d.kv_block_ids is not None and d.request_id == request_id for d in self.prefill.step()):
+            pass
+
+    def ship(self, request_id: str, prefix_blocks: int = 0):
+        return ship_prefilled(self.prefill, self.sender, self.receiver.address, request_id,
+                              prefix_blocks=prefix_blocks)
+
+    def decode_all(self, admitted: dict[str, tuple]) -> dict[str, list[int]]:
+        """Admit each (outcome, prompt, cached blocks) and decode them all; their tokens, first included."""
+        tokens = {}
+        for request_id, (outcome, prompt, cached) in admitted.items():
+            tokens[request_id] = list(admit_received(self.decode, outcome, prompt, GREEDY,
+                                                     cached_block_ids=cached).new_token_ids)
+        while self.decode.has_unfinished_requests():
+            for delta in self.decode.step():
+                tokens[delta.request_id] += delta.new_token_ids
+        return tokens
+
+    def assert_all_free(self) -> None:
+        """Every block of both engines free (waiting up to 10 s for the last lanes to end)."""
+        deadline = time.monotonic() + 10
+        for engine in (self.prefill, self.decode):
+            while engine.num_free_blocks != engine.num_total_blocks and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert engine.num_live_requests == 0
+            assert engine.num_free_blocks == engine.num_total_blocks, "a KV block leaked"
+
+    def close(self) -> None:
+        for link in (self.sender, self.receiver):
+            link.close()
+        try:
+            self.assert_all_free()
+        finally:
+            self.prefill.close()
+            self.decode.close()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))  # 4 query / 2 KV heads: one KV head per rank at TP=2
+
+
+@pytest.fixture(scope="module", params=["grpc", "gloo"])
+def pair(request, ckpt):
+    lanes = LanePair(ckpt, request.param)
+    yield lanes
+    lanes.close()
+
+
+def test_each_rank_ships_its_heads_and_greedy_equals_transformers_with_prefix_reuse(pair, ckpt, hf_greedy):
+    prompts = random_prompts([1, 9, 30, 70], VOCAB, seed=31)
+    again = prompts[3][:48] + random_prompts([11], VOCAB, seed=32)[0]  # 6 blocks the decode side holds
+    expected = hf_greedy(ckpt, prompts + [again], MAX_TOKENS)
+    admitted = {}
+    for i, prompt in enumerate(prompts):
+        pair.prefill_one(f"r{i}", prompt)
+        handle = pair.ship(f"r{i}")
+        outcome = pair.receiver.wait(30)
+        assert isinstance(outcome, ReceivedKV), outcome
+        assert outcome.manifest.kv_heads == (0, 1)  # rank 0's lane: only its head travelled to it
+        admitted[f"r{i}"] = (outcome, prompt, ())
+        assert handle.result(30).kv_bytes == 2 * len(outcome.block_ids) * pair.prefill.kv_cache.kv[:, :, 0].nbytes
+    tokens = pair.decode_all(admitted)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:4]
+    cached = pair.decode.pin_cached_prefix(again)
+    assert len(cached) == 6
+    pair.prefill_one("again", again)
+    handle = pair.ship("again", prefix_blocks=len(cached))
+    outcome = pair.receiver.wait(30)
+    assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
+    handle.result(30)
+    assert pair.decode_all({"again": (outcome, again, cached)})["again"] == expected[4]
+    pair.assert_all_free()
+
+
+def test_a_refused_and_a_cancelled_request_fail_on_every_lane_and_free_both_sides(pair):
+    prompt = random_prompts([40], VOCAB, seed=33)[0]
+    pair.prefill_one("refused-1", prompt)  # the decode side has no reservation for it: rank 0's lane refuses
+    handle = pair.ship("refused-1")
+    outcome = pair.receiver.wait(30)
+    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.REJECTED_NO_BLOCKS
+    with pytest.raises(KVTransferError):
+        handle.result(30)
+    pair.receiver.cancel("cancelled-1")
+    pair.prefill_one("cancelled-1", prompt)
+    handle = pair.ship("cancelled-1")
+    outcome = pair.receiver.wait(30)
+    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED
+    with pytest.raises(KVTransferError):
+        handle.result(30)
+    assert pair.receiver.wait(0.5) is None  # one outcome per request, whatever its lanes did
+    pair.assert_all_free()
+
+
+def test_bad_input_is_refused_before_anything_is_taken(pair):
+    prompt = random_prompts([20], VOCAB, seed=34)[0]
+    pair.prefill_one("one-rank-peer", prompt)
+    one_rank = ReceiverAddress(pair.receiver.address.transport, 0, pair.receiver.address.target)
+    with pytest.raises(ValueError, match="needs a receiver of 2 ranks"):
+        ship_prefilled(pair.prefill, pair.sender, one_rank, "one-rank-peer")  # frees the blocks it took
+    with pytest.raises(ValueError, match="role"):
+        LaneSpec("relay", "grpc", CONFIG, pair.sender.hub.address)
+    pair.assert_all_free()
+
+
+def test_a_rank_service_needs_a_tensor_parallel_engine():
+    with pytest.raises(ValueError, match="tp_rank_service is for a tensor-parallel engine"):
+        build_engine("tiny", EngineConfig(), "float32", "cpu", tp_rank_service=lambda context: None)
