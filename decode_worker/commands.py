@@ -25,6 +25,7 @@ class Cancel:
 @dataclass(frozen=True)
 class Delivered:
     outcome: ReceiveOutcome
+    by_lanes: bool = False  # in the engine's blocks already (kv_transfer/lanes/), not in a staging pool
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,15 @@
 Threads:
 - the step thread owns the engine: it registers expected requests, admits delivered KV
   (kv_transfer.engine_pool.admit_received), steps the engine and emits each request's events;
-- the receiver's own threads (kv_transfer) allocate blocks for incoming KV, land it, and put each outcome
-  straight into the step thread's command queue (KVReceiver.deliver_to: no thread between), so the step
-  thread sleeps on one queue while idle.
+- the receivers' own threads (kv_transfer; decode_worker/kv_receivers.py) allocate blocks for incoming KV, land
+  it, and put each outcome straight into the step thread's command queue (no thread between).
 A request expected with prefill_locally (conditional disaggregation: a short prompt) skips the KV
 transfer: the step thread adds it to the engine, which prefills it between decode steps.
 The engine's prefix cache holds the blocks of every request decoded here (prompt, and the blocks its
 generated tokens completed), so a chat's next turn finds them: expect() pins the prompt's cached leading
 blocks (decoder-side prefix reuse, config.prefix_reuse), the transfer carries only the rest, and admission
-links the pinned blocks before the received ones. A worker of
-transport "none" (a colocated replica) has no KV receiver and takes only such requests.
+links the pinned blocks before the received ones. A worker of transport "none" (a colocated replica) has no KV
+receiver and takes only such requests.
 expect() / cancel() / stats() may be called from any thread. Every accepted request gets exactly one
 final event (a DecodeChunk with finish_reason, or a DecodeEnded); whatever way it ends, its blocks are
 freed: a delivery for a request that is no longer expected (cancelled, timed out) is freed on arrival.
@@ -29,16 +28,18 @@ from collections.abc import Callable
 from decode_worker.admission import AdmissionControl
 from decode_worker.commands import Cancel, Delivered, Expect, Stop, TransferStarted
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.kv_receivers import KVReceivers
 from decode_worker.messages import (Admission, DecodeChunk, DecodeEnded, DecodeEvent, DecodeStats, DecodeStatus,
                                     EmitEvent, ExpectedRequest)
-from decode_worker.no_receiver import NO_TRANSPORT, NoReceiver
+from decode_worker.no_receiver import NO_TRANSPORT
 from decode_worker.waiting import WaitingRequests
 from engine.core.command_queue import take_commands
 from engine.core.llm_engine import LLMEngine
 from engine.core.step_watch import StepHealth, StepWatch
 from engine.runner.openmp_pools import start_stepping_thread
-from kv_transfer import ReceivedKV, ReceiveOutcome, ReceiverAddress, TransferStatus, create_receiver
-from kv_transfer.engine_pool import admit_received, drop_delivered, land_delivered, receiver_pool
+from kv_transfer import ReceivedKV, ReceiverAddress, TransferStatus
+from kv_transfer.engine_pool import admit_received
+from kv_transfer.lanes import GroupLanes
 
 logger = logging.getLogger("tandem.decode_worker")
 
@@ -46,10 +47,12 @@ class DecodeWorker:
     """Owns `engine` from construction until stop(); starts its KV receiver and threads at once."""
 
     def __init__(self, engine: LLMEngine, config: DecodeWorkerConfig,
-                 on_step_failure: Callable[[BaseException], None] | None = None) -> None:
+                 on_step_failure: Callable[[BaseException], None] | None = None,
+                 lanes: GroupLanes | None = None) -> None:
         """on_step_failure(error): called on the step thread, instead of ending the running requests with FAILED,
         when an engine step raises: for a worker whose process ends then (a tensor-parallel group whose ranks
-        diverged, cluster/workers/tp_group.py), so that its requests migrate as on a worker death."""
+        diverged, cluster/workers/tp_group.py), so that its requests migrate as on a worker death. lanes: a
+        tensor-parallel engine's, when its followers were started with them (decode_worker/kv_receivers.py)."""
         self.name, self._engine, self._config = config.name, engine, config
         self._on_step_failure = on_step_failure
         max_live = min(config.max_live_requests, engine.config.max_num_seqs)  # transferred requests count too
@@ -58,13 +61,9 @@ class DecodeWorker:
         self._admission = AdmissionControl(engine.config.block_size, lambda: engine.num_free_blocks,
                                            reserve, engine.free_blocks, max_live, config.headroom_blocks,
                                            engine.pin_cached_prefix if config.prefix_reuse else None)
-        pool, self._staging = (None, None) if config.transport == NO_TRANSPORT else \
-            receiver_pool(engine, self._blocks_for_transfer)  # a tensor-parallel engine's: a staging pool
-        self._receiver = NoReceiver() if pool is None else create_receiver(
-            config.transfer, pool, config.transport, rendezvous=config.rendezvous, peers=config.peer_ranks,
-            host=config.host)
+        self._receiver = KVReceivers(engine, config, self._blocks_for_transfer, lanes)
         self._commands: queue.Queue = queue.Queue()
-        self._receiver.deliver_to(lambda outcome: self._commands.put(Delivered(outcome)))
+        self._receiver.deliver_to(lambda outcome, by_lanes: self._commands.put(Delivered(outcome, by_lanes)))
         self._waiting = WaitingRequests(config.expect_timeout_s)  # accepted, KV not admitted yet
         self._running: dict[str, EmitEvent] = {}
         self._stats = self._snapshot()
@@ -94,8 +93,7 @@ class DecodeWorker:
         return admission
 
     def add_kv_peer(self, rank: int) -> None:
-        """Receive KV from the prefill worker of sender rank `rank` too (one added while serving; gloo, nccl
-        and ipc listen per rank, grpc and a replica have nothing to do)."""
+        """Receive KV from sender rank `rank` too (a prefill worker added while serving; gloo/nccl/ipc only)."""
         self._receiver.add_peer(rank)
 
     def remove_kv_peer(self, rank: int) -> None:
@@ -165,7 +163,7 @@ class DecodeWorker:
             elif isinstance(command, TransferStarted):
                 self._waiting.start_deadline(command.request_id, time.monotonic())
             else:
-                self._deliver(command.outcome)
+                self._deliver(command)
         return True
 
     def _register(self, command: Expect) -> None:
@@ -176,7 +174,7 @@ class DecodeWorker:
         if command.request.prefill_locally:
             self._prefill_here(command.request, command.emit)
             return
-        if isinstance(self._receiver, NoReceiver):
+        if not self._receiver.receives_kv:
             self._end(request_id, command.emit, DecodeStatus.INVALID, "this worker receives no KV: it prefills "
                       "every prompt itself (expect it with prefill_locally)")
             return
@@ -211,7 +209,8 @@ class DecodeWorker:
         else:  # not registered yet (or already ended): remember it for a late expect
             self._waiting.remember_cancel(request_id, time.monotonic())
 
-    def _deliver(self, outcome: ReceiveOutcome) -> None:
+    def _deliver(self, delivered: Delivered) -> None:
+        outcome = delivered.outcome
         waiting = self._waiting.pop(outcome.request_id)
         if not isinstance(outcome, ReceivedKV):  # ReceiveFailed: the receiver freed everything
             if waiting is not None:
@@ -221,14 +220,15 @@ class DecodeWorker:
                 self._end(outcome.request_id, waiting.emit, status, message)
             return
         if waiting is None:  # cancelled or timed out meanwhile: nobody wants these blocks
-            drop_delivered(self._engine, outcome, self._staging)
+            self._receiver.drop(outcome, delivered.by_lanes)
             return
         request = waiting.request
         cached = self._admission.take_pinned(request.request_id)  # the sequence owns these pins from here on
         try:  # on failure admit_received frees the blocks (received and cached) itself
-            delta = admit_received(self._engine, land_delivered(outcome, self._staging), request.prompt_token_ids,
-                                   request.params, arrival_time=time.perf_counter(),
-                                   num_resumed_tokens=request.num_resumed_tokens, cached_block_ids=cached)
+            landed = self._receiver.land(outcome, delivered.by_lanes)
+            delta = admit_received(self._engine, landed, request.prompt_token_ids, request.params,
+                                   arrival_time=time.perf_counter(), num_resumed_tokens=request.num_resumed_tokens,
+                                   cached_block_ids=cached)
         except ValueError as error:
             self._end(request.request_id, waiting.emit, DecodeStatus.INVALID, str(error))
             return
@@ -281,7 +281,7 @@ class DecodeWorker:
         """After the step thread ended: free what was delivered, end what was accepted meanwhile."""
         for command in commands:
             if isinstance(command, Delivered) and isinstance(command.outcome, ReceivedKV):
-                drop_delivered(self._engine, command.outcome, self._staging)
+                self._receiver.drop(command.outcome, command.by_lanes)
             elif isinstance(command, Expect):
                 self._end(command.request.request_id, command.emit, DecodeStatus.SHUTDOWN, "the decode worker stopped")
 
@@ -289,8 +289,8 @@ class DecodeWorker:
         engine = self._engine
         return DecodeStats(self.name, len(self._running), len(self._waiting), engine.num_live_requests,
                            engine.num_free_blocks, engine.num_total_blocks, self._admission.promised_blocks,
-                           sum(self._receiver.dropped_connections.values()),
-                           *((self._staging.num_free, self._staging.num_blocks) if self._staging else ()))
+                           self._receiver.dropped_connections,
+                           *((staging.num_free, staging.num_blocks) if (staging := self._receiver.staging) else ()))
 
 
 def _safe_emit(emit: EmitEvent, event: DecodeEvent) -> None:

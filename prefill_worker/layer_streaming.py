@@ -34,9 +34,13 @@ class LayerStreaming:
     on_sent(request_id, handle): the worker's hook for a started send (it watches the handle)."""
 
     def __init__(self, engine: LLMEngine, sender: KVSender, slots: TransferSlots, lives: dict[str, Any],
-                 on_sent: Callable[[str, TransferHandle], None], staging: GroupStaging | None = None) -> None:
-        """staging: a tensor-parallel engine's (kv_transfer/group_pool.py): the streams send its blocks."""
+                 on_sent: Callable[[str, TransferHandle], None], staging: GroupStaging | None = None,
+                 sends_whole: Callable[[Any], bool] = lambda peer: False) -> None:
+        """staging: a tensor-parallel engine's (kv_transfer/group_pool.py): the streams send its blocks.
+        sends_whole(peer): whether KV for that decode worker goes whole after the step instead (by KV lanes:
+        prefill_worker/kv_senders.py)."""
         self._engine, self._sender, self._slots, self._lives, self._on_sent = engine, sender, slots, lives, on_sent
+        self._sends_whole = sends_whole
         self._clock: LayerClock | None = None
         self._group = GroupStreams(staging) if staging is not None else None
 
@@ -58,7 +62,8 @@ class LayerStreaming:
 
     def _start(self, seq: Sequence, clock: LayerClock) -> bool:
         live = self._lives.get(seq.request_id)
-        if live is None or live.cancelled or not self._slots.try_acquire(live.task.decode_address):
+        if live is None or live.cancelled or self._sends_whole(live.task.decode_address) \
+                or not self._slots.try_acquire(live.task.decode_address):
             return False
         stream = LayerStream(clock)
         skip = live.task.decode_cached_blocks  # the decode worker holds these: they do not travel

@@ -119,9 +119,11 @@ class PrefillStats:
     total_blocks: int
     staging_free: int = 0      # a tensor-parallel worker's full-head staging blocks (kv_transfer/group_pool.py)
     staging_total: int = 0
+    lane_transfers: int = 0    # transfers a tensor-parallel worker delivered by KV lanes (kv_transfer/lanes/)
 
 
-def collect_stats(name: str, engine: Any, lives: Iterable[tuple[str, Any]], staging: Any = None) -> PrefillStats:
+def collect_stats(name: str, engine: Any, lives: Iterable[tuple[str, Any]], staging: Any = None,
+                  lane_transfers: int = 0) -> PrefillStats:
     """The worker's load now: prompt tokens its engine has not computed yet (tasks not on the wire), tasks
     live and shipping, and the engine's requests and blocks. Reads only."""
     queued = shipping = live_requests = 0
@@ -131,5 +133,6 @@ def collect_stats(name: str, engine: Any, lives: Iterable[tuple[str, Any]], stag
         seq = engine.get_sequence(request_id) if live.handle is None else None
         if seq is not None:
             queued += max(0, seq.num_tokens - seq.num_computed_tokens)
+    staged = (staging.num_free, staging.num_blocks) if staging else (0, 0)
     return PrefillStats(name, queued, live_requests, shipping, engine.num_live_requests, engine.num_free_blocks,
-                        engine.num_total_blocks, *((staging.num_free, staging.num_blocks) if staging else ()))
+                        engine.num_total_blocks, *staged, lane_transfers)

@@ -22,10 +22,11 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.step_watch import StepHealth, StepWatch
 from engine.outputs import StepDelta
 from engine.runner.openmp_pools import start_stepping_thread
-from kv_transfer import KVTransferError, ReceiverAddress, TransferHandle, create_sender
-from kv_transfer.engine_pool import sender_pool, ship_prefilled
+from kv_transfer import KVTransferError, ReceiverAddress, TransferHandle
+from kv_transfer.lanes import GroupLanes
 from prefill_worker.commands import Cancel, Live, Stop, Submit, TransferDone
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.kv_senders import KVSenders
 from prefill_worker.layer_streaming import LayerStreaming
 from prefill_worker.messages import PrefillReport, PrefillStats, PrefillStatus, PrefillTask, collect_stats
 from prefill_worker.transfer_slots import TransferSlots
@@ -36,16 +37,18 @@ logger = logging.getLogger("tandem.prefill_worker")
 class PrefillWorker:
     """Owns `engine` from construction until stop(); starts its step thread at once."""
 
-    def __init__(self, engine: LLMEngine, config: PrefillWorkerConfig) -> None:
+    def __init__(self, engine: LLMEngine, config: PrefillWorkerConfig, lanes: GroupLanes | None = None) -> None:
+        """lanes: a tensor-parallel engine's, when its followers were started with them
+        (prefill_worker/kv_senders.py)."""
         self.name, self._engine, self._config = config.name, engine, config
-        pool, self._staging = sender_pool(engine)  # a tensor-parallel engine's: a full-head staging pool
-        self._sender = create_sender(config.transfer, pool, config.transport, config.rendezvous)
+        self._senders = KVSenders(engine, config, lanes)
+        self._staging = self._senders.staging
         self._commands: queue.Queue = queue.Queue()
         self._live: dict[str, Live] = {}
         self._slots = TransferSlots(config.transfer_slots_per_peer)
         streams = config.kv_streaming == "layer" and config.transport != "ipc"
-        self._streaming = LayerStreaming(engine, self._sender, self._slots, self._live, self._watch_transfer,
-                                         self._staging) if streams else None
+        self._streaming = LayerStreaming(engine, self._senders.sender, self._slots, self._live, self._watch_transfer,
+                                         self._staging, self._senders.by_lanes) if streams else None
         self._stopped = threading.Event()
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)
@@ -76,7 +79,7 @@ class PrefillWorker:
     def forget_kv_peer(self, peer: ReceiverAddress) -> None:
         """The decode worker at `peer` left (drained: nothing is in flight to it): the sender closes what it
         keeps for it."""
-        self._sender.forget_peer(peer)
+        self._senders.forget_peer(peer)
 
     def stats(self) -> PrefillStats:
         """The load as of the step thread's last iteration. Changes nothing."""
@@ -98,7 +101,7 @@ class PrefillWorker:
             self._stopped.set()
             self._commands.put(Stop())
         self._thread.join()
-        self._sender.close()
+        self._senders.close()
         if not self._engine.closed:
             self._stats = self._snapshot()
             self._engine.close()
@@ -214,9 +217,8 @@ class PrefillWorker:
             live.waiting_for_slot = False
             live.report = dataclasses.replace(live.report, transfer_started=time.time())
             try:
-                live.handle = ship_prefilled(self._engine, self._sender, live.task.decode_address, request_id,
-                                             live.report.first_logprobs, live.task.decode_cached_blocks,
-                                             self._staging)
+                live.handle = self._senders.ship(live.task.decode_address, request_id, live.report.first_logprobs,
+                                                 live.task.decode_cached_blocks)
             except Exception as error:  # ship_prefilled freed the blocks
                 self._resolve(request_id, PrefillStatus.TRANSFER_FAILED, f"send failed: {error}")
                 request_id = self._slots.release(live.task.decode_address)
@@ -281,7 +283,7 @@ class PrefillWorker:
                 command.future.set_result(_failed(report, PrefillStatus.CANCELLED, message))
 
     def _snapshot(self) -> PrefillStats:
-        return collect_stats(self.name, self._engine, self._live.items(), self._staging)
+        return collect_stats(self.name, self._engine, self._live.items(), self._staging, self._senders.lane_transfers)
 
 
 def _failed(report: PrefillReport, status: PrefillStatus, error: str) -> PrefillReport:

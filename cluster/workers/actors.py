@@ -71,9 +71,10 @@ class WorkerInfo:
     rank_pids: tuple[int, ...] = ()      # a tensor-parallel worker: every rank's pid, rank 0 (pid) first
 
 
-def _build_engine(spec: EngineSpec, worker_name: str):
+def _build_engine(spec: EngineSpec, worker_name: str, lanes=None):
     """The worker's engine, built in its process; on a GPU its Triton kernels compile into a cache directory of the
-    worker's own (engine/core/warmup.py triton_cache_dir: a restarted worker finds them compiled)."""
+    worker's own (engine/core/warmup.py triton_cache_dir: a restarted worker finds them compiled). lanes: a
+    tensor-parallel worker's KV lanes (GroupLanes), which its followers start with."""
     import torch
 
     from engine.builder import build_engine
@@ -84,8 +85,27 @@ def _build_engine(spec: EngineSpec, worker_name: str):
         use_triton_cache_dir(worker_name)
     if spec.engine.tensor_parallel_size > 1:  # rank 0 of a group: its followers are actors it starts
         from cluster.workers.tp_group import build_group_engine
-        return build_group_engine(spec)
+        return build_group_engine(spec, rank_service=None if lanes is None else lanes.spec)
     return build_engine(spec.model, spec.engine, dtype=spec.dtype, device=spec.device, tokenizer=spec.tokenizer)
+
+
+def _open_lanes(spec: EngineSpec, role: str, transport: str, config, rendezvous, peers=(), host="127.0.0.1"):
+    """A tensor-parallel worker's KV lanes (kv_transfer/lanes/), opened before its engine; None for one rank or a
+    transport without lanes."""
+    if spec.engine.tensor_parallel_size == 1:
+        return None
+    from kv_transfer.lanes import GroupLanes
+    return GroupLanes.open(role, transport, config, rendezvous, peers, host)
+
+
+def _build_with_lanes(spec: EngineSpec, worker_name: str, lanes):
+    """_build_engine; lanes' hub is closed if the engine does not start."""
+    try:
+        return _build_engine(spec, worker_name, lanes)
+    except BaseException:
+        if lanes is not None:
+            lanes.hub.close()
+        raise
 
 
 def _group_step_failure(engine):
@@ -191,8 +211,9 @@ class PrefillActor(_WorkerActor):
     """A PrefillWorker in a Ray actor process."""
 
     def __init__(self, spec: EngineSpec, config: PrefillWorkerConfig) -> None:
-        engine = _build_engine(spec, config.name)
-        self._worker = PrefillWorker(engine, config)
+        lanes = _open_lanes(spec, "send", config.transport, config.transfer, config.rendezvous)
+        engine = _build_with_lanes(spec, config.name, lanes)
+        self._worker = PrefillWorker(engine, config, lanes)
         self._calls = PrefillCalls(self._worker)
         self._info = _info(config.name, "prefill", engine, None)
         freeze_startup_heap()
@@ -224,9 +245,11 @@ class DecodeActor(_WorkerActor):
     replica (a worker of transport "none" that prefills every prompt itself)."""
 
     def __init__(self, spec: EngineSpec, config: DecodeWorkerConfig, role: str = "decode") -> None:
-        engine = _build_engine(spec, config.name)
         config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
-        self._worker = DecodeWorker(engine, config, on_step_failure=_group_step_failure(engine))
+        lanes = _open_lanes(spec, "receive", config.transport, config.transfer, config.rendezvous, config.peer_ranks,
+                            config.host)
+        engine = _build_with_lanes(spec, config.name, lanes)
+        self._worker = DecodeWorker(engine, config, on_step_failure=_group_step_failure(engine), lanes=lanes)
         self._info = _info(config.name, role, engine, self._worker.address)
         self._channel = ChannelServer(self._worker.expect)
         freeze_startup_heap()

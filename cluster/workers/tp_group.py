@@ -139,11 +139,12 @@ def exit_worker(reason: str) -> None:
     os._exit(1)
 
 
-def build_group_engine(spec, on_lost=exit_worker):
+def build_group_engine(spec, on_lost=exit_worker, rank_service=None):
     """The engine of a tensor-parallel worker (spec: cluster/workers/actors.py EngineSpec, with
-    engine.tensor_parallel_size > 1), this actor being rank 0 and its followers TPRankActors. ValueError (no
-    rank left running) when the model does not split or a rank fails to start (its error, not this actor's
-    exit: on_lost(reason) applies from the moment the engine is built, after the group's files are removed)."""
+    engine.tensor_parallel_size > 1), this actor being rank 0 and its followers TPRankActors, each running
+    rank_service beside its steps when given (its KV lane: kv_transfer/lanes/). ValueError (no rank left running)
+    when the model does not split or a rank fails to start (its error, not this actor's exit: on_lost(reason)
+    applies from the moment the engine is built, after the group's files are removed)."""
     armed: list = []  # the group's rendezvous, once the engine is built
 
     def lost(rank: int, how: str) -> None:
@@ -151,7 +152,7 @@ def build_group_engine(spec, on_lost=exit_worker):
             remove_group_files(armed[0])
             on_lost(f"its rank {rank} {how}")
 
-    engine = _build(spec, lost)
+    engine = _build(spec, lost, rank_service)
     armed.append(engine.tp_leader.rendezvous)
     followers = engine.tp_leader.followers
     for rank in range(1, engine.config.tensor_parallel_size):  # one that ended before the arming
@@ -172,7 +173,8 @@ def step_failure_exit(engine, on_lost=exit_worker):
     return failed
 
 
-def _build(spec, on_lost):
+def _build(spec, on_lost, rank_service):
     from engine.builder import build_engine
 
-    return build_engine(spec.model, spec.engine, spec.dtype, spec.device, spec.tokenizer, RayRankLauncher(on_lost))
+    return build_engine(spec.model, spec.engine, spec.dtype, spec.device, spec.tokenizer, RayRankLauncher(on_lost),
+                        rank_service)

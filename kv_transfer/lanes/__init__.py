@@ -1,10 +1,10 @@
 """KV lanes: a tensor-parallel group's KV moves rank to rank, each rank's heads straight from the prefill rank that
 computed them to the decode rank that holds them, with no hop through either group's rank 0.
 
-    prefill group (A ranks)                              decode group (B = A ranks, the same head layout)
-    rank 0 [h0 h1] ── its blocks' heads h0 h1 ──────────►  rank 0 [h0 h1]   each arrow: one ordinary transfer of
-    rank 1 [h2 h3] ── its blocks' heads h2 h3 ──────────►  rank 1 [h2 h3]   the rank's pool (its manifest says
-                                                                             kv_heads; checksums, any transport)
+    prefill group (A ranks)                    decode group (B = A ranks, the same head layout)
+    rank 0 [h0 h1] ── heads h0 h1 ──────────►  rank 0 [h0 h1]   each arrow: one ordinary transfer of the rank's
+    rank 1 [h2 h3] ── heads h2 h3 ──────────►  rank 1 [h2 h3]   pool (its manifest says kv_heads; checksums,
+                                                                 any transport but ipc)
 
 Every rank runs a lane: a KVSender or KVReceiver over its own pool (`rank_lane.py`), on followers as the engine's
 rank service (engine/parallel/rank_service.py). Rank 0 talks to its followers' lanes over a private Unix socket
@@ -14,9 +14,10 @@ owns blocks: LaneSender (`group_sender.py`) frees a request's blocks once every 
 rank's lane landed (or fails it, freeing the blocks once no lane can write them any more). Both are the KVSender /
 KVReceiver a worker holds; a receiver's ReceiverAddress lists its ranks' lane targets.
 """
+from kv_transfer.lanes.group import GroupLanes
 from kv_transfer.lanes.group_receiver import LaneReceiver
 from kv_transfer.lanes.group_sender import LaneSender
 from kv_transfer.lanes.hub import LaneHub
 from kv_transfer.lanes.rank_lane import LaneSpec
 
-__all__ = ["LaneHub", "LaneReceiver", "LaneSender", "LaneSpec"]
+__all__ = ["GroupLanes", "LaneHub", "LaneReceiver", "LaneSender", "LaneSpec"]

@@ -14,7 +14,7 @@ from typing import Any
 from kv_transfer.config import ReceiverAddress
 from kv_transfer.connector import KVSender
 from kv_transfer.lanes.hub import LaneHub
-from kv_transfer.lanes.messages import Forget, Ship
+from kv_transfer.lanes.messages import Forget, ForgetPeer, Ship
 from kv_transfer.lanes.rank_lane import LaneSpec, SendLane, lane_address
 from kv_transfer.results import SendRequest, SendResult, TransferHandle
 from kv_transfer.status import KVTransferError, TransferStatus
@@ -45,13 +45,26 @@ class LaneSender(KVSender):
         self._free, self._block_nbytes = engine.free_blocks, engine.kv_cache.kv[:, :, 0].nbytes
         self._shipping: dict[str, _Shipping] = {}
         self._lock = threading.Lock()
+        self.delivered = 0  # transfers every rank's lane delivered
         hub.on_ended = lambda ended: self._lane_ended(ended.rank, ended.request_id, ended.status, ended.message)
         hub.on_lost = self._lost
+
+    def reaches(self, peer: ReceiverAddress) -> bool:
+        """Whether peer is a receiving group of this group's size (its lanes take each rank's heads)."""
+        return len(peer.lanes) == self.size
+
+    def forget_peer(self, peer: ReceiverAddress) -> None:
+        """Every rank's lane closes what it keeps for the receiving group at peer."""
+        if not self.reaches(peer):
+            return
+        self.lane.sender.forget_peer(lane_address(peer, 0))
+        for rank in range(1, self.size):
+            self.hub.send(rank, ForgetPeer(lane_address(peer, rank)))
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
         """As KVSender.send, to a receiving group of the same size (len(peer.lanes) ranks). ValueError, before the
         blocks are taken, for a peer of another size, a layer-streamed request or a request id already in flight."""
-        if len(peer.lanes) != self.size:
+        if not self.reaches(peer):
             raise ValueError(f"a lane transfer needs a receiver of {self.size} ranks; {peer.target} has "
                              f"{len(peer.lanes) or 1}")
         if request.stream is not None:
@@ -93,6 +106,7 @@ class LaneSender(KVSender):
         if shipping.failure is not None:
             shipping.handle.settle(KVTransferError(*shipping.failure, request.request_id))
         else:
+            self.delivered += 1
             nbytes = len(request.block_ids) * self._block_nbytes * self.size
             shipping.handle.settle(SendResult(request.request_id, nbytes, time.monotonic() - shipping.started))
 

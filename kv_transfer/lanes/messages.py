@@ -49,6 +49,13 @@ class SetPeer:
 
 
 @dataclass(frozen=True)
+class ForgetPeer:
+    """Rank 0 -> a prefill follower: the decode worker whose lane of this rank is at peer left for good."""
+
+    peer: ReceiverAddress
+
+
+@dataclass(frozen=True)
 class LaneEnded:
     """Follower -> rank 0, exactly once per Ship and per Expect: how that rank's lane of request_id ended."""
 

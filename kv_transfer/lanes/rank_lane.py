@@ -18,7 +18,7 @@ import torch
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.lanes.hub import FollowerLink, HubAddress
-from kv_transfer.lanes.messages import Expect, Forget, Hello, LaneEnded, SetPeer, Ship
+from kv_transfer.lanes.messages import Expect, Forget, ForgetPeer, Hello, LaneEnded, SetPeer, Ship
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceiveFailed, ReceiveOutcome, SendRequest, TransferHandle
 from kv_transfer.status import KVTransferError, TransferStatus
@@ -196,6 +196,8 @@ class FollowerLane:
                 self._ended(command.request_id, TransferStatus.CANCELLED, "forgotten before its KV came")
             else:
                 self.lane.receiver.cancel(command.request_id)
+        elif isinstance(command, ForgetPeer):
+            self.lane.sender.forget_peer(command.peer)
         elif isinstance(command, SetPeer):
             (self.lane.receiver.add_peer if command.listen else self.lane.receiver.remove_peer)(command.rank)
 

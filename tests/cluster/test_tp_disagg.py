@@ -1,6 +1,7 @@
 """Disaggregated serving with tensor-parallel workers on a real local Ray: a prefill group of 2 ranks hands its KV to a
 single-rank decode worker over gRPC, and a single-rank prefill worker to decode groups of 2 ranks over gloo with
-layer streaming; the KV moves between the layouts through each group's rank 0 (kv_transfer/group_pool.py). Greedy
+layer streaming; the KV moves between the layouts through each group's rank 0 (kv_transfer/group_pool.py). Between
+groups of the same size (2 -> 2, gloo) it moves by KV lanes instead, rank to rank (kv_transfer/lanes/). Greedy
 output equals transformers, a second wave sharing prefixes reuses the decode side's cached blocks, every worker
 ends idle with its pool whole; a SIGKILLed decode rank under load takes its worker out and its requests migrate to
 the other decode group, token for token, no rank of it left running. (CPU: the tiny Llama checkpoint, 4 query / 2 KV
@@ -69,19 +70,25 @@ def test_a_prefill_group_of_2_ranks_hands_kv_to_a_single_rank_decode_worker(chec
     assert [last.timing.decode_cached_tokens for _, last in second] == [32, 32]
 
 
-def test_decode_groups_of_2_ranks_take_kv_from_one_rank_and_a_killed_rank_migrates(checkpoint, hf_greedy):
+@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["staged", "lanes"])
+def test_decode_groups_of_2_ranks_take_kv_and_a_killed_rank_migrates(prefill_tp, checkpoint, hf_greedy):
+    """From one rank through the decode groups' staging pools, or from a group of 2 by lanes (the transfers all
+    went by lanes: counted by the prefill worker)."""
     wave1, wave2 = two_waves(seed=41)
     prompts = random_prompts([20, 21, 22, 23], VOCAB, seed=42)
-    with running_cluster(disagg_config(checkpoint, prefill_tp=1, decode_tp=2, decode_workers=2,
+    with running_cluster(disagg_config(checkpoint, prefill_tp=prefill_tp, decode_tp=2, decode_workers=2,
                                        transport="gloo")) as coordinator:
+        assert all(len(coordinator.workers[name].kv_address.lanes) == 2 for name in ("decode-0", "decode-1"))
         first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6, groups=["decode-0", "decode-1"])
+        lane_transfers = asyncio.run(wait_until_idle(coordinator))["prefill-0"].lane_transfers
+        assert lane_transfers == (6 if prefill_tp == 2 else 0)
         victim = coordinator.workers["decode-1"]
         assert len(victim.rank_pids) == 2
         generations = [request(f"k{i}", p, greedy(KILLED_TOKENS)) for i, p in enumerate(prompts)]
         results, health = asyncio.run(kill_under_load(coordinator, generations,
                                                       lambda: os.kill(victim.rank_pids[1], signal.SIGKILL)))
         assert not wait_gone(victim.rank_pids), "a rank of the lost decode group is still running"
-        assert_actors(["DecodeActor", "PrefillActor", "TPRankActor"])
+        assert_actors(["DecodeActor", "PrefillActor"] + ["TPRankActor"] * prefill_tp)  # decode-0's, prefill-0's
     assert [tokens for tokens, _ in first] == hf_greedy(checkpoint, wave1, 6)
     assert [tokens for tokens, _ in second] == hf_greedy(checkpoint, wave2, 6)
     assert all(last.timing.decode_cached_tokens == 32 for _, last in second)
