@@ -35,6 +35,8 @@ COMMANDS = (
      "structured outputs: a decode step with every row constrained vs none, new vs cached schema TTFT"),
     (("bench", "tp"), "cluster.bench.tensor_parallel",
      "a tensor-parallel engine's step time against TP=1 on the same cores, side by side"),
+    (("bench", "tp-lanes"), "cluster.bench.tp_lanes",
+     "a KV hand-off between two tensor-parallel groups by lanes against through rank 0, side by side"),
     (("bench", "memory"), "cluster.bench.memory_stress",
      "many decodes with a long prompt arriving, on a random model of a real shape: memory and steps"),
     (("plan",), "cluster.plan.command", "which P:D split (or colocated replicas) to run: profile, simulate, recommend"),

@@ -96,6 +96,7 @@ class LayerStream:
         self._owned_blocks: Sequence[int] | None = None  # handed to the transfer by finish()
         self._ended = False
         self._cond = threading.Condition()
+        self._listeners: list[Callable[[StreamTail | None, str | None], None]] = []
 
     # ---- the step thread ------------------------------------------------------------------------
     def finish(self, tail: StreamTail, block_ids: Sequence[int]) -> bool:
@@ -106,14 +107,24 @@ class LayerStream:
                 return False
             self._tail, self._owned_blocks = tail, tuple(block_ids)
             self._cond.notify_all()
-            return True
+        for listener in self._listeners:
+            listener(tail, None)
+        return True
 
     def abort(self, reason: str) -> None:
         """Stop after the current layer, ABORT on the wire; the engine keeps (and frees) its blocks."""
         with self._cond:
-            if self._tail is None:
-                self._aborted = reason
-                self._cond.notify_all()
+            if self._tail is not None:
+                return
+            self._aborted = reason
+            self._cond.notify_all()
+        for listener in self._listeners:
+            listener(None, reason)
+
+    def add_listener(self, listener: Callable[[StreamTail | None, str | None], None]) -> None:
+        """listener(tail, None) after a finish() that handed the blocks over, listener(None, reason) after an abort()
+        (on the step thread; it must not block): a stream whose transfers are other streams' (KV lanes)."""
+        self._listeners.append(listener)
 
     # ---- the transfer thread --------------------------------------------------------------------
     def wait_layer(self, layer: int, deadline: float) -> "torch.cuda.Event | None":

@@ -36,6 +36,11 @@ class GroupStreams:
             self._step.append(request_id)
         return staged
 
+    @property
+    def streams_next_step(self) -> bool:
+        """Whether the coming step streams staged requests (its layer callback must gather them: layer_hook)."""
+        return bool(self._step)
+
     def unstage(self, request_id: str) -> None:
         """A stream that did not start after all: its staging blocks go back."""
         self._step.remove(request_id)

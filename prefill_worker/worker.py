@@ -48,7 +48,7 @@ class PrefillWorker:
         self._slots = TransferSlots(config.transfer_slots_per_peer)
         streams = config.kv_streaming == "layer" and config.transport != "ipc"
         self._streaming = LayerStreaming(engine, self._senders.sender, self._slots, self._live, self._watch_transfer,
-                                         self._staging, self._senders.by_lanes) if streams else None
+                                         self._staging, self._senders.lanes) if streams else None
         self._stopped = threading.Event()
         self._stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name=f"{self.name}-step", daemon=True)

@@ -26,6 +26,11 @@ class RankContext:
 
 
 class RankService(Protocol):
+    def layer_done(self, step: int, layer: int) -> None:
+        """On the follower's step thread, during the forward of step number `step` (the follower's count of rank 0's
+        step messages, from 0) of a step whose message asks for it (StepInputs.lane_stream): layer `layer` has
+        issued the work that writes its K/V (layers in order). Must not block."""
+
     def close(self) -> None:
         """Stops the service's threads and closes what it opened (called once, when the follower ends)."""
 

@@ -3,9 +3,10 @@ int32 buffer of a fixed size (one broadcast on the group's host control group, e
 which a follower stages the same batch tensors in one upload (engine/runner/follower_inputs.py) and runs the same
 forward.
 
-Layout (int32 words): header [kind, T, N, width, S, R, C, B, total] then input_ids [T], num_computed [N],
-num_new [N], block_tables [N * width], sample_rows [S], prompt_rows [R], copy sources [C], copy targets [C],
-streamed blocks [B] (every layer of theirs gathered to rank 0 as the forward writes it: engine/runner/group_kv.py).
+Layout (int32 words): header [kind, T, N, width, S, R, C, B, lane_stream, total] then input_ids [T], num_computed
+[N], num_new [N], block_tables [N * width], sample_rows [S], prompt_rows [R], copy sources [C], copy targets [C],
+streamed blocks [B] (every layer of theirs gathered to rank 0 as the forward writes it: engine/runner/group_kv.py);
+lane_stream 1: every rank tells its rank service each layer the forward wrote (KV lanes stream from every rank).
 kind STOP ends a follower. Kinds KV_GATHER / KV_SCATTER (a KVMove: header [kind, n, C, 0, ..., total], block ids
 [n], copies [C] [C]) move KV blocks between the ranks' pools and one full-head tensor on rank 0
 (engine/runner/group_kv.py). Every step of at most INLINE_WORDS words (decode steps of 256 sequences with up to
@@ -22,7 +23,7 @@ import torch
 from engine.parallel.group import TPGroup
 
 STEP, STOP, KV_GATHER, KV_SCATTER = 1, 2, 3, 4
-HEADER_WORDS = 9
+HEADER_WORDS = 10
 INLINE_WORDS = 16384  # 64 KiB: one broadcast of this size costs ~0.1 ms over loopback gloo
 
 
@@ -38,6 +39,7 @@ class StepInputs:
     prompt_rows: list[int]        # [R] batch rows that give prompt logprobs (in ROWS_PER_SLICE slices)
     copies: tuple[list[int], list[int]] = field(default=((), ()))  # [C] KV blocks copied (source, target)
     stream_blocks: list[int] = field(default=())  # [B] blocks whose every layer goes to rank 0 once written
+    lane_stream: bool = False  # every rank reports each layer written to its rank service (kv_transfer/lanes/)
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,13 @@ def pack(step: StepInputs) -> np.ndarray:
     body = np.concatenate([np.asarray(p, dtype=np.int32).reshape(-1) for p in parts])
     header = np.array([STEP, len(step.input_ids), len(step.num_new), tables.shape[1] if tables.ndim == 2 else 0,
                        len(step.sample_rows), len(step.prompt_rows), len(sources), len(step.stream_blocks),
-                       HEADER_WORDS + body.size], dtype=np.int32)
+                       int(step.lane_stream), HEADER_WORDS + body.size], dtype=np.int32)
     return np.concatenate([header, body])
 
 
 def unpack(words: np.ndarray) -> StepInputs:
     """pack's inverse."""
-    _, num_tokens, num_seqs, width, num_samples, num_prompt, num_copies, num_streamed, _ = (
+    _, num_tokens, num_seqs, width, num_samples, num_prompt, num_copies, num_streamed, lane_stream, _ = (
         int(w) for w in words[:HEADER_WORDS])
     sizes = [num_tokens, num_seqs, num_seqs, num_seqs * width, num_samples, num_prompt, num_copies, num_copies,
              num_streamed]
@@ -87,7 +89,8 @@ def unpack(words: np.ndarray) -> StepInputs:
     ids, computed, new, tables, samples, prompt, sources, targets, streamed = (
         words[start:stop] for start, stop in zip(bounds[:-1], bounds[1:]))
     return StepInputs(ids.tolist(), computed.tolist(), new.tolist(), tables.reshape(num_seqs, width).copy(),
-                      samples.tolist(), prompt.tolist(), (sources.tolist(), targets.tolist()), streamed.tolist())
+                      samples.tolist(), prompt.tolist(), (sources.tolist(), targets.tolist()), streamed.tolist(),
+                      bool(lane_stream))
 
 
 class StepChannel:

@@ -152,7 +152,7 @@ class FollowerInputs:
 
     def _graphed(self, step: StepInputs) -> bool:
         """Rank 0's rule for a graphed step (DecodeGraphs.takes), and no layer callback (a streaming step)."""
-        return self.graphs is not None and not step.stream_blocks \
+        return self.graphs is not None and not step.stream_blocks and not step.lane_stream \
             and self.graphs.takes(len(step.num_new), len(step.input_ids), len(step.sample_rows))
 
     def _stage_graph(self, step: StepInputs, table_rows: list[int], updates: TableUpdates,

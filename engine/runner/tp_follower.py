@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +91,11 @@ class FollowerRunner:
         return self.inputs.io
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> torch.Tensor | None:
+    def run(self, step: StepInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Run one step rank 0 sent: its queued block copies, the forward (writes the step's K/V into this rank's
-        pool; streamed blocks' layers gathered to rank 0) and the logits calls rank 0 makes (prompt-logprob slices,
-        then the sampled rows). Returns the sampled rows' logits [S, vocab] where this rank gets them (a one-rank
-        model), else None."""
+        pool; streamed blocks' layers gathered to rank 0; on_layer(l) after each layer l when given) and the logits
+        calls rank 0 makes (prompt-logprob slices, then the sampled rows). Returns the sampled rows' logits
+        [S, vocab] where this rank gets them (a one-rank model), else None."""
         if step.copies[0]:  # forks copied blocks on rank 0 after its last forward: the same here, before this one
             self.kv_cache.copy_blocks(list(step.copies[0]), list(step.copies[1]))
         staged = self.inputs.stage(step)  # the step's one upload (a graphed step's: in run_staged)
@@ -103,7 +104,7 @@ class FollowerRunner:
             hidden, sample_rows = self.inputs.graphs.run_staged(staged.graph, tables)  # [B, hidden], [S]
         else:
             hidden = self.model(staged.input_ids, staged.positions, staged.meta, self.kv_cache,
-                                self._layer_hook(staged.streamed))  # [T, hidden]
+                                self._layer_hook(staged.streamed, on_layer))  # [T, hidden]
             sample_rows = staged.sample_rows  # [S]
         for begin in range(0, len(step.prompt_rows), ROWS_PER_SLICE):  # as compute_prompt_logprobs slices them
             rows = staged.prompt_rows[begin:begin + ROWS_PER_SLICE]  # [r]
@@ -112,14 +113,16 @@ class FollowerRunner:
             return None
         return self.model.compute_logits(hidden.index_select(0, sample_rows))  # [S, hidden] -> [S, vocab] | None
 
-    def _layer_hook(self, streamed: torch.Tensor | None):
+    def _layer_hook(self, streamed: torch.Tensor | None, on_layer: Callable[[int], None] | None):
         """The forward's layer callback of a step that streams blocks ([B] on the device) to rank 0 (their layer,
-        gathered); else None."""
+        gathered) or reports its layers (on_layer); else None."""
         if streamed is None:
-            return None
+            return on_layer
 
         def gather(layer: int) -> None:
             gather_layer_heads(self.group, self.kv_cache, self.model_config, layer, streamed)
+            if on_layer is not None:
+                on_layer(layer)
 
         return gather
 
@@ -173,12 +176,13 @@ def follower_main(spec: FollowerSpec) -> None:
         runner = build_follower_runner(spec, model, group, layout.kv_heads, device)
         if spec.rank_service is not None:
             service = spec.rank_service(RankContext(spec.rank, size, runner.kv_cache.kv, layout.kv_heads))
-        channel = StepChannel(group)
+        channel, steps = StepChannel(group), 0
         while (message := channel.receive()) is not None:
             if isinstance(message, KVMove):
                 run_kv_move(message, group, runner.kv_cache, spec.model_config)
             else:
-                runner.run(message)
+                runner.run(message, _layers_to(service, steps) if message.lane_stream else None)
+                steps += 1
         runner.close()
     except RuntimeError as exc:  # rank 0's group is gone (its engine dropped unclosed, or its process died)
         logger.warning("tensor-parallel rank %d stops: rank 0 is gone (%s)", spec.rank, str(exc).splitlines()[0])
@@ -190,6 +194,11 @@ def follower_main(spec: FollowerSpec) -> None:
             service.close()
         if not leader_alive(spec):  # rank 0 died: nobody else removes the group's files
             remove_group_files(rendezvous)
+
+
+def _layers_to(service, step: int) -> Callable[[int], None] | None:
+    """The layer callback that reports step `step`'s layers to the rank service (None without one)."""
+    return None if service is None else (lambda layer: service.layer_done(step, layer))
 
 
 def _wait_leader_gone(spec: FollowerSpec, timeout_s: float) -> None:

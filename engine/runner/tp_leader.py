@@ -4,9 +4,10 @@ sends the step's inputs as one message (StepChannel) before rank 0 runs its own 
 follower: STOP, then a bounded wait, then a kill; a failed start kills them at once. Nothing of the group outlives
 the engine.
 
-Launchers: ProcessLauncher (the default: spawned child processes, the cores or GPUs of this host divided among
-the ranks) and, for a serving worker on Ray, cluster/workers/tp_group.py (one Ray actor per rank in the worker's
-placement group, each with its own GPU or CPU share). The engine imports no Ray: it sees FollowerRanks only.
+Launchers: ProcessLauncher (engine/runner/process_ranks.py, the default: spawned child processes, the cores or GPUs
+of this host divided among the ranks) and, for a serving worker on Ray, cluster/workers/tp_group.py (one Ray actor per
+rank in the worker's placement group, each with its own GPU or CPU share). The engine imports no Ray: it sees
+FollowerRanks only.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.multiprocessing as mp
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv.kv_cache import KVCache, KVCacheSpec
@@ -31,7 +31,8 @@ from engine.runner.group_kv import Blocks, gather_kv_heads, gather_layer_heads, 
 from engine.parallel.layout import tp_layout
 from engine.parallel.rank_service import RankServiceFactory
 from engine.parallel.step_message import StepChannel, StepInputs
-from engine.runner.tp_follower import FollowerSpec, follower_main, status_key
+from engine.runner.process_ranks import ProcessLauncher
+from engine.runner.tp_follower import FollowerSpec, status_key
 
 logger = logging.getLogger("tandem.engine.tp")
 STOP_WAIT_S = 10.0
@@ -60,42 +61,6 @@ class FollowerLauncher(Protocol):
         """Start one follower per spec (ranks 1..N-1; returns at once). Raises with nothing left running."""
 
 
-class ProcessRanks:
-    """FollowerRanks of spawned child processes (`processes`: rank 1 first)."""
-
-    def __init__(self, processes: list) -> None:
-        self.processes = processes
-
-    def exited(self, rank: int) -> str | None:
-        process = self.processes[rank - 1]
-        return None if process.is_alive() else f"exited (code {process.exitcode})"
-
-    def stop(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-        _kill(self.processes)
-
-
-class ProcessLauncher:
-    """The default launcher: each follower a spawned child process of this one (daemon)."""
-
-    own_resources = False
-
-    def start(self, specs: list[FollowerSpec]) -> ProcessRanks:
-        context, processes = mp.get_context("spawn"), []
-        try:
-            for spec in specs:
-                process = context.Process(target=follower_main, args=(spec,), daemon=True,
-                                          name=f"tandem-tp-rank{spec.rank}")
-                process.start()
-                processes.append(process)
-        except BaseException:
-            _kill(processes)
-            raise
-        return ProcessRanks(processes)
-
-
 class CopyRecordingKVCache(KVCache):
     """Rank 0's KV pool: block copies (forks) are done here and queued for the followers' next step."""
 
@@ -118,6 +83,8 @@ class TPLeader:
         self.shard = self.model_config = self.pool = None  # set by start() / kv_cache()
         self._copies: tuple[list[int], list[int]] = ([], [])
         self._stream_blocks: list[int] = []
+        self._lane_stream = False
+        self.steps_sent = 0  # step messages sent so far: the next one's number (its followers count the same)
         self._saved_threads = saved_threads
         self._closed = False
 
@@ -209,6 +176,12 @@ class TPLeader:
         or written straight into blocks out_blocks of out (one layer of a full-head pool, returned)."""
         return gather_layer_heads(self.group, self.pool, self.model_config, layer, ids, out, out_blocks)
 
+    def stream_lanes_next_step(self) -> int:
+        """Every follower reports each layer of the next step's forward to its rank service (KV lanes streaming
+        from every rank); returns that step's number (RankService.layer_done gets it)."""
+        self._lane_stream = True
+        return self.steps_sent
+
     def send_step(self, step: StepInputs) -> None:
         """Send the step (with the block copies queued since the last one, and the blocks it streams) to every
         follower: one message."""
@@ -216,7 +189,10 @@ class TPLeader:
             step, self._copies = replace(step, copies=self._copies), ([], [])
         if self._stream_blocks:
             step, self._stream_blocks = replace(step, stream_blocks=self._stream_blocks), []
+        if self._lane_stream:
+            step, self._lane_stream = replace(step, lane_stream=True), False
         self.channel.send(step)
+        self.steps_sent += 1
 
     def abort(self) -> None:
         """A failed start: kill the followers at once (they may be inside a collective), restore the threads."""
@@ -282,10 +258,3 @@ def _rendezvous(store_path: str, model_config: ModelConfig, config: EngineConfig
 def _remove_shared_file(rendezvous: Rendezvous) -> None:
     if rendezvous.shm_path:
         Path(rendezvous.shm_path).unlink(missing_ok=True)
-
-
-def _kill(processes: list) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-        process.join()

@@ -1,11 +1,20 @@
 """LaneSender: a tensor-parallel prefill group's KVSender over lanes. send() ships each rank's heads of the request's
 blocks from that rank to the same rank of the receiving group (peer.lanes), rank 0's lane here and the followers'
 through rank 0's hub, and the handle settles once every rank's lane ended: OK when all of them delivered, else the
-first failure (the other lanes are cancelled then). The blocks are the engine's (rank 0's allocator): they are freed
+first failure. A failed lane does not cancel the others here (a gRPC call cancelled early can leave its stream's
+writer waiting): the receiving group ends them, as it drops every lane of a request one of whose lanes failed
+(group_receiver.py). handle.cancel() cancels every lane. The blocks are the engine's (rank 0's allocator): they are freed
 once, when the last lane ended, so no lane still reads a block the engine hands out again.
+
+A layer-streamed request (request.stream, the worker's LayerStream) streams from every rank: rank 0's lane from a
+stream on the same clock, each follower's from a stream on its own forward's clock for the same step (Ship names the
+step; the engine's step message asks the followers to report its layers: TPLeader.stream_lanes_next_step). The
+worker's stream itself travels nowhere: its finish() / abort() is passed on to every rank's stream, and its blocks
+are freed (LayerStream.ended) once every lane ended.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +23,8 @@ from typing import Any
 from kv_transfer.config import ReceiverAddress
 from kv_transfer.connector import KVSender
 from kv_transfer.lanes.hub import LaneHub
-from kv_transfer.lanes.messages import Forget, ForgetPeer, Ship
+from kv_transfer.lanes.messages import EndStream, Forget, ForgetPeer, Ship
+from kv_transfer.layer_stream import LayerStream, StreamTail, release_send_blocks
 from kv_transfer.lanes.rank_lane import LaneSpec, SendLane, lane_address
 from kv_transfer.results import SendRequest, SendResult, TransferHandle
 from kv_transfer.status import KVTransferError, TransferStatus
@@ -61,26 +71,45 @@ class LaneSender(KVSender):
         for rank in range(1, self.size):
             self.hub.send(rank, ForgetPeer(lane_address(peer, rank)))
 
-    def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
-        """As KVSender.send, to a receiving group of the same size (len(peer.lanes) ranks). ValueError, before the
-        blocks are taken, for a peer of another size, a layer-streamed request or a request id already in flight."""
+    def send(self, peer: ReceiverAddress, request: SendRequest, stream_step: int | None = None) -> TransferHandle:
+        """As KVSender.send, to a receiving group of the same size (len(peer.lanes) ranks). A layer-streamed request
+        names the number of the step whose forward writes its KV (stream_step). ValueError, before the blocks are
+        taken, for a peer of another size, a streamed request without its step or a request id already in flight."""
         if not self.reaches(peer):
             raise ValueError(f"a lane transfer needs a receiver of {self.size} ranks; {peer.target} has "
                              f"{len(peer.lanes) or 1}")
-        if request.stream is not None:
-            raise ValueError("layer-streamed transfers do not travel by lanes")
+        if (request.stream is None) != (stream_step is None):
+            raise ValueError("a layer-streamed request travels by lanes with its step number (and only it)")
         handle = TransferHandle(request.request_id)
         with self._lock:
             if request.request_id in self._shipping:
                 raise ValueError(f"request {request.request_id!r} is already being shipped")
             self._shipping[request.request_id] = _Shipping(request, handle, set(range(self.size)))
+        unstreamed = dataclasses.replace(request, stream=None)
         for rank in range(1, self.size):
-            if not self.hub.send(rank, Ship(request, lane_address(peer, rank))):
+            if not self.hub.send(rank, Ship(unstreamed, lane_address(peer, rank), stream_step)):
                 self._lane_ended(rank, request.request_id, TransferStatus.PEER_FAILED, f"rank {rank}'s lane is gone")
-        self.lane.ship(lane_address(peer, 0), request, lambda rid, status, message: self._lane_ended(0, rid, status,
-                                                                                                     message))
+        own = unstreamed if request.stream is None else self._own_stream(request)
+        self.lane.ship(lane_address(peer, 0), own, lambda rid, status, message: self._lane_ended(0, rid, status,
+                                                                                                 message))
         handle.on_cancel(lambda: self._cancel(request.request_id))
         return handle
+
+    def _own_stream(self, request: SendRequest) -> SendRequest:
+        """Rank 0's lane of a streamed request: a stream on the worker's clock, finished or aborted with it, as the
+        followers' streams are (EndStream)."""
+        own = LayerStream(request.stream.clock)
+
+        def end(tail: StreamTail | None, reason: str | None) -> None:
+            if tail is not None:
+                own.finish(tail, request.block_ids)  # the lane frees nothing: the blocks go when every lane ended
+            else:
+                own.abort(reason)
+            for rank in range(1, self.size):
+                self.hub.send(rank, EndStream(request.request_id, tail, reason or ""))
+
+        request.stream.add_listener(end)
+        return dataclasses.replace(request, stream=own)
 
     def _lane_ended(self, rank: int, request_id: str, status: TransferStatus, message: str) -> None:
         """One rank's lane of request_id ended; the last one frees the blocks and settles the handle."""
@@ -89,20 +118,17 @@ class LaneSender(KVSender):
             if shipping is None or rank not in shipping.waiting:
                 return
             shipping.waiting.discard(rank)
-            first_failure = status != TransferStatus.OK and shipping.failure is None
-            if first_failure:
+            if status != TransferStatus.OK and shipping.failure is None:
                 shipping.failure = (status, f"rank {rank}'s lane: {message}")
             done = not shipping.waiting
             if done:
                 del self._shipping[request_id]
-        if first_failure and not done:
-            self._cancel(request_id)
         if done:
             self._settle(shipping)
 
     def _settle(self, shipping: _Shipping) -> None:
         request = shipping.request
-        self._free(request.block_ids)
+        release_send_blocks(request, self._free)  # a streamed one's only if the worker's stream handed them over
         if shipping.failure is not None:
             shipping.handle.settle(KVTransferError(*shipping.failure, request.request_id))
         else:

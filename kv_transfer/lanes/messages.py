@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer.config import ReceiverAddress
+from kv_transfer.layer_stream import StreamTail
 from kv_transfer.results import SendRequest
 from kv_transfer.status import TransferStatus
 
@@ -18,10 +19,23 @@ class Hello:
 
 @dataclass(frozen=True)
 class Ship:
-    """Rank 0 -> a prefill follower: send this rank's heads of request.block_ids to peer (that rank's lane)."""
+    """Rank 0 -> a prefill follower: send this rank's heads of request.block_ids to peer (that rank's lane).
+    stream_step: layer-streamed, each layer as the forward of step number stream_step writes it (the tail comes in
+    an EndStream); None: whole (request.stream is always None here)."""
 
     request: SendRequest
     peer: ReceiverAddress
+    stream_step: int | None = None
+
+
+@dataclass(frozen=True)
+class EndStream:
+    """Rank 0 -> a prefill follower, for a streamed Ship: the first token came (tail: the stream finishes) or the
+    stream aborts (tail None: reason)."""
+
+    request_id: str
+    tail: StreamTail | None
+    reason: str = ""
 
 
 @dataclass(frozen=True)

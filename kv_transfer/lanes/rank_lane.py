@@ -7,6 +7,7 @@ it as the engine's rank service (`__call__`: the lane plus its link to rank 0, F
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,8 @@ import torch
 from kv_transfer.config import DistRendezvous, ReceiverAddress, TransferConfig
 from kv_transfer.factory import create_receiver, create_sender
 from kv_transfer.lanes.hub import FollowerLink, HubAddress
-from kv_transfer.lanes.messages import Expect, Forget, ForgetPeer, Hello, LaneEnded, SetPeer, Ship
+from kv_transfer.lanes.messages import EndStream, Expect, Forget, ForgetPeer, Hello, LaneEnded, SetPeer, Ship
+from kv_transfer.layer_stream import LayerClock, LayerStream
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceiveFailed, ReceiveOutcome, SendRequest, TransferHandle
 from kv_transfer.status import KVTransferError, TransferStatus
@@ -140,6 +142,27 @@ class ExpectedBlocks:
         return list(blocks) if blocks is not None and len(blocks) == num_blocks else None
 
 
+class StepClocks:
+    """A follower's LayerClock per step number, made by whichever comes first: the step's forward (layer_done) or a
+    streamed Ship of it (which may come after the step ran: the last KEEP_STEPS steps' clocks are kept)."""
+
+    KEEP_STEPS = 64
+
+    def __init__(self, num_layers: int, device: torch.device) -> None:
+        self.num_layers, self.device = num_layers, device
+        self._clocks: dict[int, LayerClock] = {}
+        self._lock = threading.Lock()
+
+    def clock(self, step: int) -> LayerClock:
+        with self._lock:
+            clock = self._clocks.get(step)
+            if clock is None:
+                clock = self._clocks[step] = LayerClock(self.num_layers, self.device)
+                for old in [number for number in self._clocks if number < step - self.KEEP_STEPS]:
+                    del self._clocks[old]
+            return clock
+
+
 @dataclass(frozen=True)
 class LaneSpec:
     """How a group's ranks run their lanes: role "send" (a prefill group) or "receive" (a decode group), the
@@ -164,11 +187,15 @@ class LaneSpec:
 
 
 class FollowerLane:
-    """A follower rank's lane, serving rank 0's commands: Ship (send), Expect / Forget / SetPeer (receive)."""
+    """A follower rank's lane, serving rank 0's commands: Ship / EndStream / Forget / ForgetPeer (send), Expect /
+    Forget / SetPeer (receive); its layer_done is the follower's report of a lane-streamed step's layers."""
 
     def __init__(self, spec: LaneSpec, context: RankContext) -> None:
         self.rank = context.rank
         self.expected = ExpectedBlocks(spec.config.kv_transfer_timeout_s)
+        self.clocks = StepClocks(context.kv.shape[0], context.kv.device)
+        self._streams: dict[str, tuple[LayerStream, SendRequest]] = {}  # streamed Ships not ended yet
+        self._lock = threading.Lock()
         if spec.role == "send":
             self.lane, target = SendLane(spec, context.kv, context.kv_heads), ""
         else:
@@ -181,12 +208,39 @@ class FollowerLane:
             self.lane.close()
             raise
 
+    def layer_done(self, step: int, layer: int) -> None:
+        """RankService.layer_done: the streams of step `step` may send layer `layer`."""
+        self.clocks.clock(step).layer_done(layer)
+
     def _ended(self, request_id: str, status: TransferStatus, message: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
         self.link.report(LaneEnded(self.rank, request_id, status, message))
+
+    def _ship(self, command: Ship) -> None:
+        request = command.request
+        if command.stream_step is not None:
+            stream = LayerStream(self.clocks.clock(command.stream_step))
+            request = dataclasses.replace(request, stream=stream)
+            with self._lock:
+                self._streams[request.request_id] = (stream, request)
+        self.lane.ship(command.peer, request, self._ended)
+
+    def _end_stream(self, command: EndStream) -> None:
+        with self._lock:
+            stream, request = self._streams.get(command.request_id, (None, None))
+        if stream is None:
+            return
+        if command.tail is not None:
+            stream.finish(command.tail, request.block_ids)  # rank 0 owns the blocks: the lane frees nothing
+        else:
+            stream.abort(command.reason)
 
     def _handle(self, command: object) -> None:
         if isinstance(command, Ship):
-            self.lane.ship(command.peer, command.request, self._ended)
+            self._ship(command)
+        elif isinstance(command, EndStream):
+            self._end_stream(command)
         elif isinstance(command, Expect):
             self.expected.expect(command.request_id, command.block_ids)
         elif isinstance(command, Forget):

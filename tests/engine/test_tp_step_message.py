@@ -2,6 +2,8 @@
 STOP ends the receiver, KV moves between the steps; over a real 2-rank gloo group."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from engine.parallel.step_message import (HEADER_WORDS, KV_GATHER, KV_SCATTER, KVMove, StepChannel, StepInputs, pack,
@@ -21,11 +23,12 @@ def _same(a: StepInputs, b: StepInputs) -> bool:
     return (a.input_ids, a.num_computed, a.num_new, a.sample_rows, a.prompt_rows) == \
         (b.input_ids, b.num_computed, b.num_new, b.sample_rows, b.prompt_rows) and \
         np.array_equal(a.block_tables, b.block_tables) and [list(c) for c in a.copies] == [list(c) for c in b.copies] \
-        and list(a.stream_blocks) == list(b.stream_blocks)
+        and list(a.stream_blocks) == list(b.stream_blocks) and a.lane_stream == b.lane_stream
 
 
 def test_pack_unpack_round_trip():
-    for step in (_step(1, 1), _step(7, 3, ([1, 2], [9, 10])), _step(40, 0), _step(3, 2, ([4], [5]), [7, 8, 9])):
+    lanes = dataclasses.replace(_step(5, 2), lane_stream=True)  # its followers report each layer (KV lanes)
+    for step in (_step(1, 1), _step(7, 3, ([1, 2], [9, 10])), _step(40, 0), _step(3, 2, ([4], [5]), [7, 8, 9]), lanes):
         words = pack(step)
         assert words.dtype == np.int32 and words[HEADER_WORDS - 1] == words.size
         assert _same(unpack(words), step)

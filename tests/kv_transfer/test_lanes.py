@@ -5,6 +5,7 @@ a cancelled request and one the decode side refuses fail on every lane and free 
 input is refused before anything is taken. Every engine block is free at the end of each test."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -139,6 +140,28 @@ def test_a_refused_and_a_cancelled_request_fail_on_every_lane_and_free_both_side
     with pytest.raises(KVTransferError):
         handle.result(30)
     assert pair.receiver.wait(0.5) is None  # one outcome per request, whatever its lanes did
+    pair.assert_all_free()
+
+
+def test_a_lane_that_never_comes_fails_the_request_and_frees_its_blocks_once_its_wait_is_over(pair):
+    """Rank 1's lane goes to a port nobody listens on: the prefill side fails it at once (gloo); the decode side has
+    landed rank 0's lane and, past twice its transfer timeout, tells rank 1 to forget the request: it fails and its
+    blocks go back on both sides."""
+    if pair.receiver.address.transport != "gloo":
+        pytest.skip("a refused gRPC connection is retried until the connect timeout")
+    address = pair.receiver.address
+    nowhere = dataclasses.replace(address, lanes=(address.lanes[0], "127.0.0.1:9"))
+    pair.prefill_one("lost-lane", random_prompts([30], VOCAB, seed=35)[0])
+    pair.receiver.timeout_s = 0.5  # the sweeper's clock (the transfers' own timeout stays)
+    try:
+        handle = ship_prefilled(pair.prefill, pair.sender, nowhere, "lost-lane")
+        with pytest.raises(KVTransferError, match="rank 1's lane"):
+            handle.result(30)
+        outcome = pair.receiver.wait(30)
+        assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED, outcome
+        assert "rank 1's lane: forgotten before its KV came" in outcome.message
+    finally:
+        pair.receiver.timeout_s = CONFIG.kv_transfer_timeout_s
     pair.assert_all_free()
 
 

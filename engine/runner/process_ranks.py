@@ -1,0 +1,52 @@
+"""The default way a tensor-parallel group's followers start (engine/runner/tp_leader.py FollowerLauncher): each one a
+spawned child process of rank 0's (daemon), stopped by a bounded join and then a kill."""
+from __future__ import annotations
+
+import time
+
+import torch.multiprocessing as mp
+
+from engine.runner.tp_follower import FollowerSpec, follower_main
+
+
+class ProcessRanks:
+    """FollowerRanks of spawned child processes (`processes`: rank 1 first)."""
+
+    def __init__(self, processes: list) -> None:
+        self.processes = processes
+
+    def exited(self, rank: int) -> str | None:
+        process = self.processes[rank - 1]
+        return None if process.is_alive() else f"exited (code {process.exitcode})"
+
+    def stop(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill(self.processes)
+
+
+class ProcessLauncher:
+    """The default launcher: each follower a spawned child process of this one (daemon)."""
+
+    own_resources = False
+
+    def start(self, specs: list[FollowerSpec]) -> ProcessRanks:
+        context, processes = mp.get_context("spawn"), []
+        try:
+            for spec in specs:
+                process = context.Process(target=follower_main, args=(spec,), daemon=True,
+                                          name=f"tandem-tp-rank{spec.rank}")
+                process.start()
+                processes.append(process)
+        except BaseException:
+            _kill(processes)
+            raise
+        return ProcessRanks(processes)
+
+
+def _kill(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
