@@ -110,9 +110,14 @@ def ending(outcome: ReceiveOutcome) -> tuple[str, TransferStatus, str]:
     return outcome.request_id, TransferStatus.OK, ""
 
 
+EXPECT_WAIT_S = 5.0  # at most this long a follower's lane waits for rank 0's Expect (rank 0's own lane is late)
+
+
 class ExpectedBlocks:
     """A decode follower's blocks per request as rank 0's Expect named them: a lane's transfer takes them (waiting up
-    to wait_s for the Expect, which may come a little after the transfer); Forget drops one not yet taken."""
+    to wait_s for the Expect, which comes once rank 0's own lane of the request has arrived: about as soon as this
+    one); Forget drops one not yet taken. The wait holds the transport's thread that accepts the transfer (a gRPC
+    receiver's event loop: EXPECT_WAIT_S bounds it)."""
 
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s
@@ -192,7 +197,7 @@ class FollowerLane:
 
     def __init__(self, spec: LaneSpec, context: RankContext) -> None:
         self.rank = context.rank
-        self.expected = ExpectedBlocks(spec.config.kv_transfer_timeout_s)
+        self.expected = ExpectedBlocks(min(EXPECT_WAIT_S, spec.config.kv_transfer_timeout_s))
         self.clocks = StepClocks(context.kv.shape[0], context.kv.device)
         self._streams: dict[str, tuple[LayerStream, SendRequest]] = {}  # streamed Ships not ended yet
         self._lock = threading.Lock()

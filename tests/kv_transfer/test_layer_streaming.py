@@ -192,3 +192,21 @@ def test_streamed_manifests_are_validated():
         Manifest("w", FP, 8, (0, 1), None, (run,))
     with pytest.raises(ManifestError, match="no run checksums"):
         Manifest("s", FP, 8, (0, 1), None, (RunInfo(0, 2, 2 * FP.block_nbytes, 5),), streamed=True)
+
+
+def test_a_streams_listeners_hear_its_finish_or_its_abort_once_and_nothing_after_its_end():
+    """LayerStream.add_listener (KV lanes pass the worker's stream on to every rank's): a finish that hands the blocks
+    over and an abort are heard; an abort after the finish, and a finish after the transfer ended, are not."""
+    heard = []
+    finished = LayerStream(LayerClock(2, torch.device("cpu")))
+    finished.add_listener(lambda tail, reason: heard.append(("finished", tail, reason)))
+    assert finished.finish(StreamTail(7), (1, 2))
+    finished.abort("too late")
+    aborted = LayerStream(LayerClock(2, torch.device("cpu")))
+    aborted.add_listener(lambda tail, reason: heard.append(("aborted", tail, reason)))
+    aborted.abort("the first token ended the request")
+    ended = LayerStream(LayerClock(2, torch.device("cpu")))
+    ended.add_listener(lambda tail, reason: heard.append(("ended", tail, reason)))
+    ended.ended(lambda blocks: None)
+    assert not ended.finish(StreamTail(8), (3,))
+    assert heard == [("finished", StreamTail(7), None), ("aborted", None, "the first token ended the request")]
