@@ -165,6 +165,38 @@ def test_a_lane_that_never_comes_fails_the_request_and_frees_its_blocks_once_its
     pair.assert_all_free()
 
 
+def test_a_prefill_rank_killed_fails_its_lanes_and_every_block_comes_back(pair, ckpt):
+    """A second prefill group whose follower is SIGKILLed after the prefill: the ship fails (rank 1's lane is gone),
+    the decode side fails the request once its wait is over, and no block is left on either side."""
+    if pair.receiver.address.transport != "gloo":
+        pytest.skip("one transport is enough: the hub's link is the same for every one")
+    config = TransferConfig(transport="gloo", kv_transfer_timeout_s=20, connect_timeout_s=30)
+    hub = LaneHub()
+    spec = LaneSpec("send", "gloo", config, hub.address, DistRendezvous(1, 2))
+    engine = build_engine(ckpt, EngineConfig(**ENGINE), "float32", "cpu", tp_rank_service=spec)
+    sender = LaneSender(engine, hub, spec)
+    try:
+        engine.add_request("orphan", random_prompts([25], VOCAB, seed=36)[0], GREEDY, prefill_only=True)
+        while not any(d.kv_block_ids is not None for d in engine.step()):
+            pass
+        follower = engine.tp_leader.processes[0]
+        follower.kill()
+        follower.join()
+        pair.receiver.timeout_s = 0.5
+        handle = ship_prefilled(engine, sender, pair.receiver.address, "orphan")
+        with pytest.raises(KVTransferError) as failed:
+            handle.result(30)
+        assert failed.value.status == TransferStatus.PEER_FAILED and "rank 1" in failed.value.message
+        assert engine.num_free_blocks == engine.num_total_blocks
+        outcome = pair.receiver.wait(30)
+        assert isinstance(outcome, ReceiveFailed), outcome
+    finally:
+        pair.receiver.timeout_s = CONFIG.kv_transfer_timeout_s
+        sender.close()
+        engine.close()
+    pair.assert_all_free()
+
+
 def test_bad_input_is_refused_before_anything_is_taken(pair):
     prompt = random_prompts([20], VOCAB, seed=34)[0]
     pair.prefill_one("one-rank-peer", prompt)
