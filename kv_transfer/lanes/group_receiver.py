@@ -32,6 +32,7 @@ class _Landing:
     waiting: set[int]  # ranks whose lane has not ended yet
     tracked: float = field(default_factory=time.monotonic)
     received: ReceivedKV | None = None  # rank 0's delivery
+    released: bool = False  # rank 0's transfer gave its blocks back (it failed): its outcome is the lane's end
     failure: tuple[TransferStatus, str] | None = None
     forgotten: bool = False  # the followers still waiting were told to forget it
 
@@ -57,7 +58,7 @@ class LaneReceiver(KVReceiver):
         hub.on_ended = lambda ended: self._lane_ended(ended.rank, ended.request_id, ended.status, ended.message)
         hub.on_lost = self._lost
         self.lane = ReceiveLane(spec, engine.kv_cache.kv, engine.kv_cache.head_range, self._allocate_for,
-                                self._delivered_here)
+                                self._delivered_here, self._released)
         self._sweeper = threading.Thread(target=self._sweep, name="kv-lanes-sweep", daemon=True)
         self._sweeper.start()
 
@@ -69,30 +70,45 @@ class LaneReceiver(KVReceiver):
         return ReceiverAddress(own.transport, own.rank, own.target, targets)
 
     def _allocate_for(self, request_id: str, num_blocks: int) -> list[int] | None:
-        """Rank 0's lane: the request's manifest arrived. Its blocks, from now on tracked, named to the followers."""
-        blocks = self._allocate(request_id, num_blocks)
-        if blocks is None:
-            return None
+        """Rank 0's lane: the request's manifest arrived. Its blocks, from now on tracked, named to the followers. A
+        second transfer of a request already landing here is refused (None)."""
         with self._lock:
-            self._landing[request_id] = _Landing(list(blocks), set(range(self.size)))
+            if request_id in self._landing:
+                return None
+            self._landing[request_id] = landing = _Landing([], set(range(self.size)))
+        blocks = self._allocate(request_id, num_blocks)
+        with self._lock:
+            if blocks is None:
+                del self._landing[request_id]
+                return None
+            landing.block_ids = list(blocks)
         for rank in range(1, self.size):
             if not self.hub.send(rank, Expect(request_id, tuple(blocks))):
                 self._lane_ended(rank, request_id, TransferStatus.PEER_FAILED, f"rank {rank}'s lane is gone")
         return blocks
 
+    def _released(self, block_ids) -> None:
+        """Rank 0's lane gave back the blocks its transfer took (it failed); they are freed once every lane ended."""
+        with self._lock:
+            for landing in self._landing.values():
+                if landing.block_ids == list(block_ids):
+                    landing.released = True
+
     def _delivered_here(self, outcome: ReceiveOutcome) -> None:
-        """Rank 0's lane ended. A request it never allocated for (refused) fails at once; followers forget it."""
+        """Rank 0's lane ended. A request it never allocated for (refused) fails at once; followers forget it. The
+        refusal of a second transfer of a request already landing here is not that request's end."""
         request_id, status, message = ending(outcome)
         with self._lock:
             landing = self._landing.get(request_id)
-            if landing is not None and isinstance(outcome, ReceivedKV):
+            ours = landing is not None and (isinstance(outcome, ReceivedKV) or landing.released)
+            if ours and isinstance(outcome, ReceivedKV):
                 landing.received = outcome
         if landing is None:
             for rank in range(1, self.size):
                 self.hub.send(rank, Forget(request_id))
             self.inbox.put(outcome)
-            return
-        self._lane_ended(0, request_id, status, message)
+        elif ours:
+            self._lane_ended(0, request_id, status, message)
 
     def _lane_ended(self, rank: int, request_id: str, status: TransferStatus, message: str) -> None:
         """One rank's lane of request_id ended; the last one delivers it or fails it (freeing its blocks)."""

@@ -90,8 +90,10 @@ class ReceiveLane:
 
     def __init__(self, spec: "LaneSpec", kv: torch.Tensor, kv_heads: tuple[int, int],
                  allocate_for: Callable[[str, int], list[int] | None],
-                 deliver: Callable[[ReceiveOutcome], None]) -> None:
-        view = KVPoolView(kv, _refuse, _keep, allocate_for, kv_heads=kv_heads)
+                 deliver: Callable[[ReceiveOutcome], None],
+                 released: Callable[[Sequence[int]], None] = _keep) -> None:
+        """released(block_ids): a failed transfer gives back the blocks allocate_for gave it (rank 0 frees them)."""
+        view = KVPoolView(kv, _refuse, released, allocate_for, kv_heads=kv_heads)
         self.receiver = create_receiver(spec.config, view, spec.transport, spec.rendezvous, spec.peers, spec.host)
         self.receiver.deliver_to(deliver)
 
