@@ -1,7 +1,8 @@
 """Tensor-parallel workers across Ray nodes (ray.cluster_utils.Cluster on 127.0.0.2: the package's cluster,
 conftest.py, whose nodes of 1 CPU hold no rank group, and two nodes of 2 CPUs each added for this module): with
 --placement-strategy STRICT_SPREAD each replica's 2 ranks are STRICT_PACKed on one node and the two replicas on
-different nodes, and they serve transformers' greedy tokens; a third replica fits no node beside them; at the end
+different nodes, and they serve transformers' greedy tokens; a third replica fits no node beside them; a prefill
+group and a decode group of 2 ranks, each on a node of its own, move the KV by lanes between the nodes; at the end
 nothing of the cluster is left.
 """
 from __future__ import annotations
@@ -59,6 +60,34 @@ def test_spread_groups_each_packed_on_a_node(two_cpu_nodes, tiny_checkpoint, hf_
         results = asyncio.run(run())
         assert [tokens for tokens, _ in results] == hf_greedy(path, prompts, 5)
         assert {last.timing.decode_worker for _, last in results} == {"replica-0", "replica-1"}
+    finally:
+        asyncio.run(coordinator.shutdown())
+    assert_released(pids)
+
+
+def test_kv_lanes_between_groups_on_two_nodes(two_cpu_nodes, tiny_checkpoint, hf_greedy):
+    """A prefill group of 2 ranks on one node and a decode group of 2 on the other: each prefill rank's heads go to
+    its decode rank over gRPC between the nodes (KV lanes, kv_transfer/lanes/), and the tokens are transformers'."""
+    path = tiny_checkpoint("llama")
+    config = ClusterConfig(model=str(path), dtype="float32", device="cpu", num_prefill_workers=1,
+                           num_decode_workers=1, prefill_tp=2, decode_tp=2, transport="grpc",
+                           placement_strategy="STRICT_SPREAD", engine=EngineConfig(kv_cache_memory=POOL_BYTES),
+                           cpu_threads_per_worker=1, worker_start_timeout_s=120.0)
+    coordinator = start_cluster(config)
+    pids = {pid for info in coordinator.workers.values() for pid in info.rank_pids}
+    try:
+        assert {info.node_id for info in coordinator.workers.values()} == set(two_cpu_nodes)
+        assert len(coordinator.workers["decode-0"].kv_address.lanes) == 2
+        prompts = random_prompts([6, 21, 35], 300, seed=4)
+
+        async def run():
+            results = await asyncio.gather(*(collect(coordinator, request(f"l{i}", p, greedy(5)))
+                                             for i, p in enumerate(prompts)))
+            return results, await wait_until_idle(coordinator)
+
+        results, stats = asyncio.run(run())
+        assert [tokens for tokens, _ in results] == hf_greedy(path, prompts, 5)
+        assert stats["prefill-0"].lane_transfers == len(prompts)
     finally:
         asyncio.run(coordinator.shutdown())
     assert_released(pids)
