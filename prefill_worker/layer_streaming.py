@@ -47,12 +47,10 @@ class LayerStreaming:
         self._group = GroupStreams(staging) if staging is not None else None
         self._lanes = lanes
         self._by_lanes: set[str] = set()  # requests streaming by lanes until complete()
-        self._lane_step: int | None = None  # the coming step's number, once a stream by lanes asked for it
 
     def forward_starting(self, completing: list[Sequence]) -> Callable[[int], None] | None:
         """Starts a stream for each completing request that can have one; the clock's callback if any did."""
         clock = LayerClock(self._engine.model_config.num_layers, self._engine.device)
-        self._lane_step = None
         started = [seq for seq in completing if self._start(seq, clock)]
         self._clock = clock if started else None
         if not started:
@@ -96,10 +94,12 @@ class LayerStreaming:
         return True
 
     def _send_by_lanes(self, peer: Any, request: SendRequest) -> TransferHandle:
-        """A stream from every rank: the followers report the coming step's layers to their lanes."""
-        if self._lane_step is None:
-            self._lane_step = self._engine.tp_leader.stream_lanes_next_step()
-        return self._lanes.send(peer, request, self._lane_step)
+        """A stream from every rank, on the coming step (its number: the step messages sent so far); once it is under
+        way, the followers are asked to report that step's layers to their lanes."""
+        leader = self._engine.tp_leader
+        handle = self._lanes.send(peer, request, leader.steps_sent)
+        leader.stream_lanes_next_step()
+        return handle
 
     def complete(self, delta: StepDelta, live: Any) -> bool:
         """After the step: hands a PREFILLED request's blocks and first token to its stream (True), or

@@ -176,11 +176,10 @@ class TPLeader:
         or written straight into blocks out_blocks of out (one layer of a full-head pool, returned)."""
         return gather_layer_heads(self.group, self.pool, self.model_config, layer, ids, out, out_blocks)
 
-    def stream_lanes_next_step(self) -> int:
-        """Every follower reports each layer of the next step's forward to its rank service (KV lanes streaming
-        from every rank); returns that step's number (RankService.layer_done gets it)."""
+    def stream_lanes_next_step(self) -> None:
+        """Every follower reports each layer of the next step's forward (number steps_sent) to its rank service
+        (KV lanes streaming from every rank: RankService.layer_done)."""
         self._lane_stream = True
-        return self.steps_sent
 
     def send_step(self, step: StepInputs) -> None:
         """Send the step (with the block copies queued since the last one, and the blocks it streams) to every
