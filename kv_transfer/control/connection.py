@@ -65,20 +65,14 @@ class ControlConnection:
         """The local address this connection uses (the interface that reaches the peer)."""
         return self.sock.getsockname()[0]
 
-    def send(self, kind: Kind, payload: object, deadline: float | None, trailing: list = ()) -> None:
-        """Sends one frame; raises ControlClosed (or KVTransferError TIMEOUT past deadline). trailing: raw bytes
-        (bytes-like objects) that follow the frame in the same scatter-gather writes, the start of an inline
-        transfer; only for the thread inside raw_stream()."""
+    def send(self, kind: Kind, payload: object, deadline: float | None) -> None:
+        """Sends one frame; raises ControlClosed (or KVTransferError TIMEOUT past deadline)."""
         body = msgpack.packb(payload, use_bin_type=True)
         frame = _HEADER.pack(len(body), kind) + body
         with self._send_lock:
             writer = self._raw_writer
-            if trailing and writer != threading.get_ident():
-                raise RuntimeError("raw bytes behind a frame are for the thread inside raw_stream()")
             if writer is not None and writer != threading.get_ident():  # not between an inline transfer's bytes
                 self._deferred.append(frame)
-            elif trailing:
-                self._send_views([frame, *trailing], deadline)
             else:
                 self._io(self.sock.sendall, deadline, "send", frame)
             self.sent[kind] += 1

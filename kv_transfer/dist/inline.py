@@ -120,13 +120,11 @@ def send_inline(conn: ControlConnection, channel: PairChannel | None, outgoing: 
     frame = TransferFrame(seq, outgoing.manifest_bytes, bytes(outgoing.direct) if whole else b"",
                           inline_nbytes=inline_wire_nbytes(outgoing.manifest))
     with conn.raw_stream(deadline):
-        if whole:  # the frame and the first bytes in one write
-            writes = inline_writes(outgoing)
-            conn.send(Kind.TRANSFER, frame.encode(), deadline, trailing=next(writes))
-            for views in writes:
+        conn.send(Kind.TRANSFER, frame.encode(), deadline)  # alone: the receiver starts on it while we sum
+        if whole:
+            for views in inline_writes(outgoing):
                 conn.send_bytes(views, deadline)
         else:
-            conn.send(Kind.TRANSFER, frame.encode(), deadline)
             stopped = send_runs(ConnectionWire(conn, deadline), outgoing, deadline, cancel)
     on_sent()
     final, alive = await_status(conn, seq, deadline)

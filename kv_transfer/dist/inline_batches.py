@@ -1,7 +1,7 @@
 """An inline transfer's bytes, cut into batches: rows summed while in cache, each batch moved in one scatter-gather call
 (kv_transfer/dist/inline.py sends and reads them behind the TRANSFER frame). While one side sums a batch, the other
-moves the one before; the sender's first batch is small and goes in the frame's own write, so the receiver starts
-on the manifest while the rest is summed and sent.
+moves the one before. The frame goes alone, before the first batch is summed, so the receiver works on the manifest
+while the sender sums and sends.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from kv_transfer.outgoing import OutgoingTransfer
 
 RUN_CHECKSUM = struct.Struct("<Q")  # a whole request's run checksum, behind the run's bytes
 BATCH_BYTES = 512 << 10  # rows summed, then written or read in one call (in a core's L2) while the peer moves the last
-FIRST_BATCH_BYTES = 64 << 10  # the sender's first, which its frame leads: the receiver starts on the manifest sooner
 
 
 def byte_batches(pieces: list[np.ndarray], row_nbytes: int, first_nbytes: int = BATCH_BYTES) -> list[list[np.ndarray]]:
@@ -50,9 +49,8 @@ def inline_writes(outgoing: OutgoingTransfer) -> Iterator[list]:
     for index, run in enumerate(outgoing.manifest.runs):
         outgoing.gather(index)
         summed = RunChecksum.of_run(fingerprint, run.num_blocks)
-        first = FIRST_BATCH_BYTES if index == 0 else BATCH_BYTES  # the frame leaves with the first one
         pieces = outgoing.host_pieces(index)  # flat uint8: the planes, or the gathered run
-        batches = byte_batches(pieces, fingerprint.row_nbytes, first)
+        batches = byte_batches(pieces, fingerprint.row_nbytes)
         for number, batch in enumerate(batches, 1):
             for piece in batch:
                 summed.add(piece)
