@@ -88,15 +88,18 @@ class RunChecksum:
         itemsize = row_nbytes // (fp.block_size * fp.num_kv_heads * fp.head_dim)
         return cls(2 * fp.num_layers * num_blocks, row_nbytes, fp.head_dim * itemsize)
 
-    def add(self, piece: np.ndarray) -> None:
-        """Sums the next piece's rows (flat uint8, a whole number of rows). ValueError past the run's end or
-        for a piece that splits a row."""
-        count, rest = divmod(piece.size, self.row_nbytes)
-        if rest or self._filled + count > self.rows.size:
-            raise ValueError(f"a piece of {piece.size} bytes does not fit the run's rows")
-        words = piece.view(self._word).reshape(count, -1)  # [rows of this piece, words per row]
-        np.add.reduce(words, axis=-1, dtype=np.int64, out=self.rows[self._filled : self._filled + count])
-        self._filled += count
+    def add(self, pieces: np.ndarray) -> None:
+        """Sums the next rows in one call: pieces is one flat uint8 piece, or [k, bytes] uint8 of k pieces in wire
+        order (any stride between them, each contiguous), each a whole number of rows. ValueError past the run's
+        end or for a piece that splits a row."""
+        parts, nbytes = (1, pieces.size) if pieces.ndim == 1 else pieces.shape
+        count, rest = divmod(nbytes, self.row_nbytes)
+        if rest or self._filled + parts * count > self.rows.size:
+            raise ValueError(f"a batch of {parts} piece(s) of {nbytes} bytes does not fit the run's rows")
+        words = pieces.view(self._word).reshape(parts, count, -1)  # [pieces, rows of each, words per row], no copy
+        end = self._filled + parts * count
+        np.add.reduce(words, axis=-1, dtype=np.int64, out=self.rows[self._filled : end].reshape(parts, count))
+        self._filled = end
 
     def value(self) -> int:
         """The run's checksum; ValueError unless every row was added."""

@@ -43,7 +43,7 @@ class IncomingTransfer:
         self._staging, self.payloads = self._stage(sizes)
         self._landings: list[Future | None] = []
         self._cursor = (0, 0, 0)  # (run index, target piece, byte offset in it) of the next streamed byte
-        self._stream_targets: tuple[list[np.ndarray], bool] | None = None  # pieces of the streamed run
+        self._stream_targets: tuple[np.ndarray, bool] | None = None  # pieces of the streamed run
         self._checksums: list[int | None] = [None] * len(self.payloads) if manifest.streamed else \
             [run.checksum for run in manifest.runs]
         self._awaiting_checksum: tuple[int, bool] | None = None  # (run, in place): bytes in, checksum not yet
@@ -161,22 +161,24 @@ class IncomingTransfer:
             return block_planes(self.pool.kv[:, :, first : first + run.num_blocks]), True
         return block_planes(as_blocks(self.payloads[index], self.manifest.fingerprint, run.num_blocks)), False
 
-    def host_targets(self, index: int) -> tuple[list[np.ndarray], bool]:
-        """plane_targets for bytes read from a socket into host memory, as flat uint8 numpy views: straight into
-        this side's blocks when their ids are consecutive and the pool is on the host (True), else the planes of
-        the run's host staging piece (False). No torch op per plane."""
+    def host_targets(self, index: int) -> tuple[np.ndarray, bool]:
+        """plane_targets for bytes read from a socket into host memory, as one uint8 numpy view [2L, plane bytes]
+        (row i plane i, flat and contiguous): straight into this side's blocks when their ids are consecutive and
+        the pool is on the host (True), else the planes of the run's host staging piece (False). No torch op per
+        plane."""
         if self.pool.device.type == "cpu" and self._consecutive(index):
             first = self.block_ids[self._first_block[index]]
             return self.pool.host_planes(first, self.manifest.runs[index].num_blocks), True
         return staging_planes(self.payloads[index].numpy(), self.manifest.fingerprint.num_layers), False
 
-    def _stream_pieces(self, index: int) -> tuple[list[np.ndarray], bool]:
-        """Where a streamed run's bytes go, in order: its planes in this side's blocks (in place), or its
-        whole staging piece (always, for a layer of a layer-streamed transfer)."""
-        if self.manifest.streamed:
-            return [self.payloads[index].numpy()], False
-        planes, in_place = self.host_targets(index)
-        return (planes if in_place else [self.payloads[index].numpy()]), in_place
+    def _stream_pieces(self, index: int) -> tuple[np.ndarray, bool]:
+        """Where a streamed run's bytes go, in order ([pieces, bytes] uint8, row i piece i): its planes in this
+        side's blocks (in place), or its whole staging piece (always, for a layer of a layer-streamed transfer)."""
+        if not self.manifest.streamed:
+            planes, in_place = self.host_targets(index)
+            if in_place:
+                return planes, True
+        return self.payloads[index].numpy().reshape(1, -1), False
 
     def write(self, data: bytes | memoryview) -> None:
         """Appends streamed run bytes (runs concatenated in manifest order, no padding), straight into this

@@ -101,11 +101,12 @@ class OutgoingTransfer:
         piece (gathered: call gather(index) first)."""
         return self.planes(index) if self.direct[index] else [self.run_payloads[index]]
 
-    def host_pieces(self, index: int) -> list[np.ndarray]:
-        """pieces(index) as flat uint8 numpy views, for a transport that writes host memory to a socket: a direct
-        run's planes straight from the host pool (no torch op per plane), a gathered run's host staging piece."""
+    def host_pieces(self, index: int) -> np.ndarray:
+        """pieces(index) as one uint8 numpy view [pieces, bytes] (row i piece i, flat and contiguous), for a transport
+        that writes host memory to a socket: a direct run's planes straight from the host pool (no torch op per
+        plane), a gathered run's host staging piece (one row)."""
         if not self.direct[index]:
-            return [self.run_payloads[index].numpy()]
+            return self.run_payloads[index].numpy().reshape(1, -1)
         run = self.runs[index]
         return self.pool.host_planes(run.start, run.num_blocks)
 

@@ -70,13 +70,13 @@ class KVPoolView:
             raise ValueError("a CUDA pool has no host planes")
         return self.kv.view(torch.uint8).numpy().reshape(2 * self.kv.shape[0], -1)
 
-    def host_planes(self, start: int, num_blocks: int) -> list[np.ndarray]:
+    def host_planes(self, start: int, num_blocks: int) -> np.ndarray:
         """The 2 * num_layers planes of blocks start..start+num_blocks-1 of a host pool, in staging order
-        (layer-major, K then V), each a flat uint8 numpy view of the pool's memory: block_planes without a
-        torch op per plane (a few microseconds for a run of any length). ValueError for a CUDA pool."""
+        (layer-major, K then V), as one uint8 numpy view of the pool's memory, [2L, plane bytes]: row i is plane i,
+        flat and contiguous (block_planes without a torch op per plane). ValueError for a CUDA pool."""
         planes = self._host_plane_bytes  # [2L, N * row bytes]
         row = planes.shape[1] // self.num_blocks
-        return list(planes[:, start * row : (start + num_blocks) * row])
+        return planes[:, start * row : (start + num_blocks) * row]
 
     @cached_property
     def manifest_limits(self) -> ManifestLimits:

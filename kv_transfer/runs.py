@@ -91,9 +91,10 @@ def block_planes(blocks: torch.Tensor) -> list[torch.Tensor]:
     return planes
 
 
-def staging_planes(flat_u8: np.ndarray, num_layers: int) -> list[np.ndarray]:
-    """The 2 * num_layers planes of a run's flat host staging piece (numpy uint8), in staging order: views."""
-    return list(flat_u8.reshape(2 * num_layers, -1))
+def staging_planes(flat_u8: np.ndarray, num_layers: int) -> np.ndarray:
+    """The 2 * num_layers planes of a run's flat host staging piece (numpy uint8), in staging order: a
+    [2L, plane bytes] view, row i plane i."""
+    return flat_u8.reshape(2 * num_layers, -1)
 
 
 def gather_run(kv: torch.Tensor, run: BlockRun, out_flat_u8: torch.Tensor, fp: ModelFingerprint) -> None:

@@ -157,7 +157,7 @@ class _InlineReader:
         failed: KVTransferError | None = None
         fingerprint = incoming.manifest.fingerprint
         for index, run in enumerate(incoming.manifest.runs):
-            targets, in_place = incoming.host_targets(index)  # flat uint8 views
+            targets, in_place = incoming.host_targets(index)  # [planes, bytes] uint8
             summed = RunChecksum.of_run(fingerprint, run.num_blocks)
             trailer = bytearray(RUN_CHECKSUM.size)
             batches = byte_batches(targets, fingerprint.row_nbytes)
@@ -165,8 +165,7 @@ class _InlineReader:
                 views = [memoryview(target) for target in batch]
                 self.conn.read_into_all(views + [memoryview(trailer)] if number == len(batches) else views,
                                         self.deadline)
-                for target in batch:
-                    summed.add(target)
+                summed.add(batch)
             self.in_step = index == incoming.num_pieces - 1  # every byte read: a failure leaves the stream in step
             try:
                 if failed is None:

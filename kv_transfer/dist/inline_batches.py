@@ -17,28 +17,19 @@ RUN_CHECKSUM = struct.Struct("<Q")  # a whole request's run checksum, behind the
 BATCH_BYTES = 512 << 10  # rows summed, then written or read in one call (in a core's L2) while the peer moves the last
 
 
-def byte_batches(pieces: list[np.ndarray], row_nbytes: int, first_nbytes: int = BATCH_BYTES) -> list[list[np.ndarray]]:
-    """pieces (flat uint8, whole rows: a row is a block of one layer's K or V) in order, cut into batches of at most
-    BATCH_BYTES (the first of at most first_nbytes; a batch of one row when a row is larger), a piece that does not
-    fit cut at a row boundary. Each batch is summed, then moved in one scatter-gather call while it is still in
-    cache; while one side sums a batch, the other moves the one before."""
-    batches: list[list[np.ndarray]] = []
-    batch: list[np.ndarray] = []
-    room = max(first_nbytes, row_nbytes)
-    for piece in pieces:
-        offset = 0
-        while piece.size - offset > room:  # the batch is full before the piece ends: cut it at a row boundary
-            take = room // row_nbytes * row_nbytes
-            if take:
-                batch.append(piece[offset : offset + take])
-                offset += take
-            batches.append(batch)
-            batch, room = [], max(BATCH_BYTES, row_nbytes)
-        if offset < piece.size:
-            batch.append(piece[offset:] if offset else piece)
-            room -= piece.size - offset
-    batches.append(batch)
-    return batches
+def byte_batches(pieces: np.ndarray, row_nbytes: int) -> list[np.ndarray]:
+    """A run's pieces ([pieces, bytes] uint8, each piece whole rows and contiguous: a row is a block of one layer's
+    K or V) in order, cut into batches of at most BATCH_BYTES, each a [k, bytes] view: k whole pieces where a piece
+    fits, else one piece's part cut at a row boundary (one row when a row is larger). Each batch is summed in one
+    call (RunChecksum.add), then moved in one scatter-gather call while it is still in cache; while one side sums a
+    batch, the other moves the one before."""
+    count, nbytes = pieces.shape
+    if nbytes <= BATCH_BYTES:
+        per_batch = BATCH_BYTES // nbytes
+        return [pieces[first : first + per_batch] for first in range(0, count, per_batch)]
+    take = max(1, BATCH_BYTES // row_nbytes) * row_nbytes
+    return [pieces[piece : piece + 1, offset : offset + take] for piece in range(count)
+            for offset in range(0, nbytes, take)]
 
 
 def inline_writes(outgoing: OutgoingTransfer) -> Iterator[list]:
@@ -49,9 +40,8 @@ def inline_writes(outgoing: OutgoingTransfer) -> Iterator[list]:
     for index, run in enumerate(outgoing.manifest.runs):
         outgoing.gather(index)
         summed = RunChecksum.of_run(fingerprint, run.num_blocks)
-        pieces = outgoing.host_pieces(index)  # flat uint8: the planes, or the gathered run
-        batches = byte_batches(pieces, fingerprint.row_nbytes)
+        batches = byte_batches(outgoing.host_pieces(index), fingerprint.row_nbytes)  # the planes, or the gathered run
         for number, batch in enumerate(batches, 1):
-            for piece in batch:
-                summed.add(piece)
-            yield batch + [RUN_CHECKSUM.pack(summed.value())] if number == len(batches) else batch
+            summed.add(batch)
+            views = list(batch)  # its pieces' flat views
+            yield views + [RUN_CHECKSUM.pack(summed.value())] if number == len(batches) else views

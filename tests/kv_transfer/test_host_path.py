@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv_transfer.checksum import RunChecksum, checksum_blocks, checksum_of_row_sums
-from kv_transfer.dist.inline_batches import BATCH_BYTES, byte_batches
+from kv_transfer.dist.inline_batches import byte_batches
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest, ModelFingerprint, RunInfo
 from kv_transfer.runs import block_planes, group_runs
@@ -65,21 +65,16 @@ def test_every_reader_but_a_host_one_stages_every_run():
     incoming.fail(0, "test")
 
 
-@pytest.mark.parametrize("sizes,first", [
-    ([ROW_NBYTES] * 5, BATCH_BYTES), ([3 * ROW_NBYTES, 2 * ROW_NBYTES], 2 * ROW_NBYTES),
-    ([7 * ROW_NBYTES], 3 * ROW_NBYTES + 1), ([ROW_NBYTES, 9 * ROW_NBYTES, ROW_NBYTES], ROW_NBYTES // 2),
-])
-def test_batches_keep_the_bytes_in_order_and_cut_only_between_rows(sizes, first, monkeypatch):
-    monkeypatch.setattr("kv_transfer.dist.inline_batches.BATCH_BYTES", 4 * ROW_NBYTES)
-    data = np.random.default_rng(0).integers(0, 256, sum(sizes), dtype=np.uint8)
-    pieces = np.split(data, np.cumsum(sizes)[:-1])
-    batches = byte_batches(pieces, ROW_NBYTES, first)
+@pytest.mark.parametrize("count,rows,batch_rows", [(5, 1, 4), (2, 3, 4), (16, 2, 4), (1, 7, 3), (3, 9, 4), (2, 2, 1)])
+def test_batches_keep_the_bytes_in_order_and_cut_only_between_rows(count, rows, batch_rows, monkeypatch):
+    monkeypatch.setattr("kv_transfer.dist.inline_batches.BATCH_BYTES", batch_rows * ROW_NBYTES - 1)
+    data = np.random.default_rng(0).integers(0, 256, (count, 2 * rows * ROW_NBYTES), dtype=np.uint8)
+    pieces = data[:, : rows * ROW_NBYTES]  # strided, as a run's planes in a pool
+    batches = byte_batches(pieces, ROW_NBYTES)
     flat = [part for batch in batches for part in batch]
-    assert np.array_equal(np.concatenate(flat), data)
-    assert all(part.size % ROW_NBYTES == 0 and part.size for part in flat)
-    limits = [max(first, ROW_NBYTES)] + [4 * ROW_NBYTES] * (len(batches) - 1)
-    assert all(sum(p.size for p in batch) <= limit for batch, limit in zip(batches, limits))
-    assert all(sum(p.size for p in batch) > limit - ROW_NBYTES for batch, limit in zip(batches[:-1], limits))
+    assert np.array_equal(np.concatenate(flat), pieces.reshape(-1))
+    assert all(batch.ndim == 2 and batch.shape[1] % ROW_NBYTES == 0 and batch.size for batch in batches)
+    assert all(batch.nbytes < max(batch_rows, 2) * ROW_NBYTES for batch in batches)  # a row alone when it is larger
 
 
 def test_the_run_checksum_summed_piece_by_piece_equals_the_whole_runs():
@@ -87,9 +82,8 @@ def test_the_run_checksum_summed_piece_by_piece_equals_the_whole_runs():
     fill_blocks(pool.kv, list(range(16)), seed=11)
     for start, count in ((0, 1), (2, 5), (0, 16), (2, 5)):  # the second (2, 5) reuses the cached weights
         summed = RunChecksum.of_run(FP, count)
-        for batch in byte_batches(pool.view().host_planes(start, count), ROW_NBYTES, ROW_NBYTES):
-            for piece in batch:
-                summed.add(piece)
+        for batch in byte_batches(pool.view().host_planes(start, count), ROW_NBYTES):
+            summed.add(batch)
         assert summed.value() == checksum_blocks(pool.kv[:, :, start : start + count])
 
 
