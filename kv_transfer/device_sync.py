@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+if TYPE_CHECKING:
+    from kv_transfer.pool import KVPoolView
 
-def record_ready_event(device: torch.device) -> "torch.cuda.Event | None":
-    """On CUDA, an event on the caller's current stream marking that the pool's KV has been written."""
-    if device.type != "cuda":
+
+def record_ready_event(pool: "KVPoolView") -> "torch.cuda.Event | None":
+    """For a CUDA pool, an event on the caller's current stream marking that the pool's KV has been written; None
+    for a host pool."""
+    if pool.on_host:
         return None
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+    event.record(torch.cuda.current_stream(pool.device))
     return event
 
 

@@ -38,7 +38,7 @@ class IncomingTransfer:
         self._staging_pool, self._lander = staging_pool, lander
         self._first_block = list(accumulate((r.num_blocks for r in manifest.runs), initial=0))
         sizes = manifest.piece_nbytes  # a run each, or (streamed) a layer each
-        if host_reads and not manifest.streamed and pool.device.type == "cpu":  # runs host_targets fills in place
+        if host_reads and not manifest.streamed and pool.on_host:  # runs host_targets fills in place
             sizes = [0 if self._consecutive(index) else size for index, size in enumerate(sizes)]
         self._staging, self.payloads = self._stage(sizes)
         self._landings: list[Future | None] = []
@@ -166,7 +166,7 @@ class IncomingTransfer:
         (row i plane i, flat and contiguous): straight into this side's blocks when their ids are consecutive and
         the pool is on the host (True), else the planes of the run's host staging piece (False). No torch op per
         plane."""
-        if self.pool.device.type == "cpu" and self._consecutive(index):
+        if self.pool.on_host and self._consecutive(index):
             first = self.block_ids[self._first_block[index]]
             return self.pool.host_planes(first, self.manifest.runs[index].num_blocks), True
         return staging_planes(self.payloads[index].numpy(), self.manifest.fingerprint.num_layers), False

@@ -51,11 +51,17 @@ class KVPoolView:
         if self.kv_heads is not None and self.kv_heads[1] - self.kv_heads[0] != self.kv.shape[4]:
             raise ValueError(f"kv_heads {self.kv_heads} do not span the pool's {self.kv.shape[4]} KV heads")
 
-    @property
+    @cached_property
     def device(self) -> torch.device:
+        """kv's device (read once: a torch attribute costs a transfer microseconds each time, cold)."""
         return self.kv.device
 
-    @property
+    @cached_property
+    def on_host(self) -> bool:
+        """Whether kv lives in host memory (read once, like device)."""
+        return self.kv.device.type == "cpu"
+
+    @cached_property
     def num_blocks(self) -> int:
         return self.kv.shape[2]
 

@@ -187,7 +187,7 @@ class TorchDistSender(KVSender):
         return prepare_outgoing(self.pool, request, self.staging, ready, self.config.max_run_bytes,
                                 self.config.direct_min_plane_bytes, trailing_checksums=inline,
                                 stream_timeout_s=self.config.kv_transfer_timeout_s,
-                                all_direct=inline and self.pool.device.type == "cpu")
+                                all_direct=inline and self.pool.on_host)
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
         if not 0 <= peer.rank < self.rendezvous.world_size or peer.rank == self.rendezvous.rank:
@@ -195,7 +195,7 @@ class TorchDistSender(KVSender):
         if not peer.target:
             raise ValueError(f"receiver rank {peer.rank} has no control address (host:port)")
         handle = TransferHandle(request.request_id)
-        ready = record_ready_event(self.pool.device)
+        ready = record_ready_event(self.pool)
         with self._lock:
             if not self.closed:
                 if peer not in self._jobs:  # the pair's lanes start with its first transfer

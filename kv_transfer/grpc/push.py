@@ -24,7 +24,7 @@ SMALL_TRANSFER_BYTES = 2 << 20  # at most this much: checksums in the manifest, 
 
 def is_small(pool: KVPoolView, nbytes: int, streamed: bool) -> bool:
     """Whether a transfer of nbytes from (or into) pool takes the small way (see the module docstring)."""
-    return not streamed and pool.device.type == "cpu" and nbytes <= SMALL_TRANSFER_BYTES
+    return not streamed and pool.on_host and nbytes <= SMALL_TRANSFER_BYTES
 
 
 def request_nbytes(pool: KVPoolView, request: SendRequest) -> int:

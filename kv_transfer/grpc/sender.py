@@ -52,7 +52,7 @@ class GrpcSender(KVSender):
 
     def send(self, peer: ReceiverAddress, request: SendRequest) -> TransferHandle:
         handle = TransferHandle(request.request_id)
-        ready = record_ready_event(self.pool.device)
+        ready = record_ready_event(self.pool)
         with self._lock:
             future = None if self.closed else self._loop.submit(self._transfer(peer.target, request, handle, ready))
             if future is not None:
