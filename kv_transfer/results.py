@@ -69,13 +69,29 @@ class ReceiveFailed:
 ReceiveOutcome = Union[ReceivedKV, ReceiveFailed]
 
 
+class CancelFlag:
+    """Whether a send was asked to stop: set() once, is_set() from any thread (threading.Event's two calls, without
+    the Condition an Event builds: a handle is made per send, on the caller's thread)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class TransferHandle:
     """Future-like handle on one send. The transfer owns the sender's blocks until it ends."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.future: Future[SendResult] = Future()
-        self.cancel_requested = threading.Event()
+        self.cancel_requested = CancelFlag()
         self._cancel_hooks: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 

@@ -25,7 +25,6 @@ the connection (the sender connects afresh for its next transfer).
 """
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import torch
@@ -41,7 +40,7 @@ from kv_transfer.manifest import Manifest, ManifestError
 from kv_transfer.manifest_decode import decode_manifest
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
-from kv_transfer.results import ReceiveInbox
+from kv_transfer.results import CancelFlag, ReceiveInbox
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 from kv_transfer.stream_tail import MAX_TAIL_BYTES
@@ -107,7 +106,7 @@ class ConnectionWire:
 
 
 def send_inline(conn: ControlConnection, channel: PairChannel | None, outgoing: OutgoingTransfer, seq: int,
-                deadline: float, cancel: threading.Event, on_sent: Callable[[], None]) -> None:
+                deadline: float, cancel: CancelFlag, on_sent: Callable[[], None]) -> None:
     """Sender: the TRANSFER frame and the bytes behind it (a whole request's in one write; a streamed one's layer by
     layer, ABORT at the next layer once cancel is set), on_sent(), then the STATUS reply. Returns once the receiver
     landed everything (OK); raises Declined (the receiver said no, or the stream stopped) or KVTransferError (the

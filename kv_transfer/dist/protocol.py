@@ -18,7 +18,6 @@ so: alive False) and the sender opens the next epoch's group before its next tra
 """
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Executor
 from typing import Callable
@@ -33,7 +32,7 @@ from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.pool import KVPoolView
-from kv_transfer.results import ReceiveInbox
+from kv_transfer.results import CancelFlag, ReceiveInbox
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 from kv_transfer.stream_tail import MAX_TAIL_BYTES
@@ -60,7 +59,7 @@ def _stream_stop(step: Callable[[], object]) -> KVTransferError | None:
 
 
 def send_runs(channel: PairChannel, outgoing: OutgoingTransfer, deadline: float,
-              cancel: threading.Event) -> KVTransferError | None:
+              cancel: CancelFlag) -> KVTransferError | None:
     """Sends every piece, each announced by its control word (and followed by its checksum when streamed),
     gathering piece i+1 (unless direct) while piece i is on the wire; then COMMIT (+ a streamed transfer's
     tail). Stops with ABORT if cancel is set or the stream stops (its step failed, its first token ended
@@ -118,7 +117,7 @@ def send_pieces(channel: PairChannel, outgoing: OutgoingTransfer, deadline: floa
 
 
 def send_transfer(conn: ControlConnection, channel: PairChannel, outgoing: OutgoingTransfer, seq: int,
-                  deadline: float, cancel: threading.Event) -> None:
+                  deadline: float, cancel: CancelFlag) -> None:
     """The whole sender side: the TRANSFER frame, the bytes, the STATUS reply. Returns when the receiver
     has landed everything (OK); raises KVTransferError otherwise. A group the receiver closed leaves this
     channel broken, so the caller opens the next epoch. A cancel stops a layer-streamed transfer at its
