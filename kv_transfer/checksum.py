@@ -57,16 +57,16 @@ def _mix(plain: int, weighted: int, nbytes: int) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _row_weights(num_rows: int) -> np.ndarray:
-    """1..num_rows as int64 (read-only: shared by every checksum of that many rows)."""
-    weights = np.arange(1, num_rows + 1, dtype=np.int64)
+    """[num_rows, 2] int64: ones, and 1..num_rows (read-only: shared by every checksum of that many rows)."""
+    weights = np.stack([np.ones(num_rows, dtype=np.int64), np.arange(1, num_rows + 1, dtype=np.int64)], axis=1)
     weights.flags.writeable = False
     return weights
 
 
 def checksum_of_row_sums(rows: np.ndarray, nbytes: int) -> int:
     """The checksum of nbytes of blocks from their row sums ([rows] int64, in [L, 2, n] order)."""
-    weighted = np.dot(rows, _row_weights(rows.size))  # int64 products and sum, wrapping like the sums
-    return _mix(int(np.add.reduce(rows)), int(weighted), nbytes)
+    plain, weighted = (rows @ _row_weights(rows.size)).tolist()  # both sums in one call, int64, wrapping like the rows
+    return _mix(plain, weighted, nbytes)
 
 
 class RunChecksum:
