@@ -198,6 +198,8 @@ _MAX_IOV = 1024  # buffers per sendmsg / recvmsg_into (Linux's IOV_MAX)
 
 def _past(views: list[memoryview], count: int) -> list[memoryview]:
     """The views that remain once the first count bytes of them were moved (the first one cut where they end)."""
+    if count == sum(map(len, views)):  # the usual case: one call moved them all
+        return []
     index = 0
     while index < len(views) and count >= len(views[index]):
         count -= len(views[index])
