@@ -15,8 +15,8 @@ from kv_transfer.host_copy import put_blocks
 from kv_transfer.manifest import Manifest, ManifestError
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed
-from kv_transfer.runs import (as_blocks, block_planes, consecutive_start, layer_piece_shape, scatter_run,
-                             staging_offsets, staging_planes)
+from kv_transfer.runs import (HostPieces, as_blocks, block_planes, consecutive_start, layer_piece_shape, scatter_run,
+                             split_pieces, staging_offsets)
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
 from kv_transfer.stream_tail import complete_manifest
@@ -161,21 +161,20 @@ class IncomingTransfer:
             return block_planes(self.pool.kv[:, :, first : first + run.num_blocks]), True
         return block_planes(as_blocks(self.payloads[index], self.manifest.fingerprint, run.num_blocks)), False
 
-    def host_targets(self, index: int) -> tuple[np.ndarray, bool]:
-        """plane_targets for bytes read from a socket into host memory, as one uint8 numpy view [2L, plane bytes]
-        (row i plane i, flat and contiguous): straight into this side's blocks when their ids are consecutive and
-        the pool is on the host (True), else the planes of the run's host staging piece (False). No torch op per
-        plane."""
+    def host_targets(self, index: int) -> tuple[HostPieces, bool]:
+        """plane_targets for bytes read from a socket into host memory, as host views of its 2L planes
+        (runs.HostPieces): straight into this side's blocks when their ids are consecutive and the pool is on the
+        host (True), else the planes of the run's host staging piece (False). No torch op per plane."""
         if self.pool.on_host and self._consecutive(index):
             first = self.block_ids[self._first_block[index]]
             return self.pool.host_planes(first, self.manifest.runs[index].num_blocks), True
-        return staging_planes(self.payloads[index].numpy(), self.manifest.fingerprint.num_layers), False
+        return split_pieces(self.payloads[index].numpy(), 2 * self.manifest.fingerprint.num_layers), False
 
     def _stream_pieces(self, index: int) -> tuple[np.ndarray, bool]:
         """Where a streamed run's bytes go, in order ([pieces, bytes] uint8, row i piece i): its planes in this
         side's blocks (in place), or its whole staging piece (always, for a layer of a layer-streamed transfer)."""
         if not self.manifest.streamed:
-            planes, in_place = self.host_targets(index)
+            (planes, _), in_place = self.host_targets(index)
             if in_place:
                 return planes, True
         return self.payloads[index].numpy().reshape(1, -1), False

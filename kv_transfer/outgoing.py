@@ -9,7 +9,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kv_transfer.checksum import checksum_blocks
@@ -19,7 +18,8 @@ from kv_transfer.layer_stream import LayerStream
 from kv_transfer.manifest import Manifest, RunInfo, encode_manifest
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import SendRequest
-from kv_transfer.runs import BlockRun, block_planes, gather_run, group_runs, layer_piece_shape, staging_offsets
+from kv_transfer.runs import (BlockRun, HostPieces, block_planes, gather_run, group_runs, layer_piece_shape,
+                             split_pieces, staging_offsets)
 from kv_transfer.staging import StagingPool
 from kv_transfer.stream_tail import encode_tail
 
@@ -101,12 +101,12 @@ class OutgoingTransfer:
         piece (gathered: call gather(index) first)."""
         return self.planes(index) if self.direct[index] else [self.run_payloads[index]]
 
-    def host_pieces(self, index: int) -> np.ndarray:
-        """pieces(index) as one uint8 numpy view [pieces, bytes] (row i piece i, flat and contiguous), for a transport
-        that writes host memory to a socket: a direct run's planes straight from the host pool (no torch op per
-        plane), a gathered run's host staging piece (one row)."""
+    def host_pieces(self, index: int) -> HostPieces:
+        """pieces(index) as host views (runs.HostPieces), for a transport that writes host memory to a socket: a
+        direct run's planes straight from the host pool (no torch op per plane), a gathered run's host staging piece
+        (one piece)."""
         if not self.direct[index]:
-            return self.run_payloads[index].numpy().reshape(1, -1)
+            return split_pieces(self.run_payloads[index].numpy(), 1)
         run = self.runs[index]
         return self.pool.host_planes(run.start, run.num_blocks)
 

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 
 from kv_transfer.manifest import ManifestLimits, ModelFingerprint
+
+if TYPE_CHECKING:
+    from kv_transfer.runs import HostPieces
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
@@ -76,13 +79,20 @@ class KVPoolView:
             raise ValueError("a CUDA pool has no host planes")
         return self.kv.view(torch.uint8).numpy().reshape(2 * self.kv.shape[0], -1)
 
-    def host_planes(self, start: int, num_blocks: int) -> np.ndarray:
+    @cached_property
+    def _host_plane_buffers(self) -> list[memoryview]:
+        """Each of _host_plane_bytes' planes as a flat byte memoryview (made once)."""
+        return [memoryview(plane) for plane in self._host_plane_bytes]
+
+    def host_planes(self, start: int, num_blocks: int) -> "HostPieces":
         """The 2 * num_layers planes of blocks start..start+num_blocks-1 of a host pool, in staging order
-        (layer-major, K then V), as one uint8 numpy view of the pool's memory, [2L, plane bytes]: row i is plane i,
-        flat and contiguous (block_planes without a torch op per plane). ValueError for a CUDA pool."""
+        (layer-major, K then V), as views of the pool's memory (runs.HostPieces: one uint8 numpy view [2L, plane
+        bytes], and a flat memoryview per plane): block_planes without a torch op per plane. ValueError for a CUDA
+        pool."""
         planes = self._host_plane_bytes  # [2L, N * row bytes]
         row = planes.shape[1] // self.num_blocks
-        return planes[:, start * row : (start + num_blocks) * row]
+        begin, end = start * row, (start + num_blocks) * row
+        return planes[:, begin:end], [plane[begin:end] for plane in self._host_plane_buffers]
 
     @cached_property
     def manifest_limits(self) -> ManifestLimits:

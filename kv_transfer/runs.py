@@ -91,10 +91,17 @@ def block_planes(blocks: torch.Tensor) -> list[torch.Tensor]:
     return planes
 
 
-def staging_planes(flat_u8: np.ndarray, num_layers: int) -> np.ndarray:
-    """The 2 * num_layers planes of a run's flat host staging piece (numpy uint8), in staging order: a
-    [2L, plane bytes] view, row i plane i."""
-    return flat_u8.reshape(2 * num_layers, -1)
+HostPieces = tuple[np.ndarray, list[memoryview]]
+"""A run's bytes in host memory, two views of the same memory: [pieces, bytes] uint8 (row i piece i, flat and
+contiguous: summed in one call), and each piece as a flat byte memoryview (a socket's scatter-gather list; slicing one
+costs a fraction of a numpy view)."""
+
+
+def split_pieces(flat_u8: np.ndarray, count: int) -> HostPieces:
+    """A flat host byte piece (numpy uint8: a run's staging piece) as `count` equal pieces (its planes, or itself)."""
+    planes, whole = flat_u8.reshape(count, -1), memoryview(flat_u8)
+    size = planes.shape[1]
+    return planes, [whole[i * size : (i + 1) * size] for i in range(count)]
 
 
 def gather_run(kv: torch.Tensor, run: BlockRun, out_flat_u8: torch.Tensor, fp: ModelFingerprint) -> None:

@@ -33,7 +33,7 @@ from kv_transfer.checksum import RunChecksum
 from kv_transfer.control.connection import ControlConnection, Kind
 from kv_transfer.control.exchange import Declined, TransferFrame, answer_manifest, await_status, land_and_settle
 from kv_transfer.dist.channel import PairChannel
-from kv_transfer.dist.inline_batches import RUN_CHECKSUM, byte_batches, inline_writes
+from kv_transfer.dist.inline_batches import RUN_CHECKSUM, batch, byte_batches, inline_writes
 from kv_transfer.dist.protocol import ABORT, COMMIT, NEXT_RUN, receive_runs, send_runs
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest, ManifestError
@@ -156,15 +156,14 @@ class _InlineReader:
         failed: KVTransferError | None = None
         fingerprint = incoming.manifest.fingerprint
         for index, run in enumerate(incoming.manifest.runs):
-            targets, in_place = incoming.host_targets(index)  # [planes, bytes] uint8
+            targets, in_place = incoming.host_targets(index)  # its planes, in its blocks or staging
             summed = RunChecksum.of_run(fingerprint, run.num_blocks)
             trailer = bytearray(RUN_CHECKSUM.size)
-            batches = byte_batches(targets, fingerprint.row_nbytes)
-            for number, batch in enumerate(batches, 1):
-                views = [memoryview(target) for target in batch]
-                self.conn.read_into_all(views + [memoryview(trailer)] if number == len(batches) else views,
-                                        self.deadline)
-                summed.add(batch)
+            cuts = byte_batches(*targets[0].shape, fingerprint.row_nbytes)
+            for number, cut in enumerate(cuts, 1):
+                rows, views = batch(targets, cut)
+                self.conn.read_into_all(views + [memoryview(trailer)] if number == len(cuts) else views, self.deadline)
+                summed.add(rows)
             self.in_step = index == incoming.num_pieces - 1  # every byte read: a failure leaves the stream in step
             try:
                 if failed is None:

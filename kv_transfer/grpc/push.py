@@ -95,7 +95,7 @@ async def _write_small(writer: PipelinedWriter, outgoing: OutgoingTransfer, chun
     """Gathers and writes on this thread, each write awaited in place (nothing to overlap it with)."""
     for index in range(outgoing.num_pieces):
         outgoing.gather(index)  # a no-op for a direct run; a small CPU copy otherwise
-        pieces = (memoryview(piece) for piece in outgoing.host_pieces(index))
+        _, pieces = outgoing.host_pieces(index)  # flat memoryviews
         for parts in chunk_parts(pieces, chunk_bytes):
             if not await writer.write_now("data", encode_data_chunk(parts)):
                 return False
@@ -109,7 +109,7 @@ async def _write_trailing(writer: PipelinedWriter, outgoing: OutgoingTransfer, c
             await gathering
             if index + 1 < outgoing.num_pieces:
                 gathering = gather_soon(outgoing, index + 1)
-            pieces = (memoryview(piece) for piece in outgoing.host_pieces(index))
+            _, pieces = outgoing.host_pieces(index)  # flat memoryviews
             for parts in chunk_parts(pieces, chunk_bytes):
                 if not await writer.write("data", encode_data_chunk(parts)):  # encoded while the previous one sends
                     return False

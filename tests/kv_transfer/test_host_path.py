@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kv_transfer.checksum import RunChecksum, checksum_blocks, checksum_of_row_sums
-from kv_transfer.dist.inline_batches import byte_batches
+from kv_transfer.dist.inline_batches import batch, byte_batches
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest, ModelFingerprint, RunInfo
 from kv_transfer.runs import block_planes, group_runs
@@ -24,14 +24,21 @@ def _same_memory(a: np.ndarray, b: torch.Tensor) -> bool:
     return a.ctypes.data == b.data_ptr() and a.size == b.numel() * b.element_size()
 
 
+def _same_pieces(pieces, reference: list[torch.Tensor]) -> bool:
+    """Both views of HostPieces are the reference planes' memory, in order."""
+    planes, buffers = pieces
+    return len(planes) == len(buffers) == len(reference) and all(
+        _same_memory(p, r) and _same_memory(np.frombuffer(b, dtype=np.uint8), r)
+        for p, b, r in zip(planes, buffers, reference))
+
+
 @pytest.mark.parametrize("start,count", [(0, 1), (3, 4), (9, 7), (0, 16)])
 def test_host_planes_are_the_pools_planes_without_a_torch_op_each(start, count):
     pool = FreeListPool(FP, 16)
     fill_blocks(pool.kv, list(range(16)), seed=3)
-    planes = pool.view().host_planes(start, count)
+    pieces = pool.view().host_planes(start, count)
     reference = block_planes(pool.kv[:, :, start : start + count])
-    assert len(planes) == len(reference) == 2 * FP.num_layers
-    assert all(_same_memory(p, r) for p, r in zip(planes, reference))
+    assert len(reference) == 2 * FP.num_layers and _same_pieces(pieces, reference)
 
 
 def _manifest(block_ids: tuple[int, ...]) -> Manifest:
@@ -52,7 +59,7 @@ def test_a_host_reader_stages_only_the_runs_it_cannot_read_in_place():
             targets, in_place = incoming.host_targets(index)
             reference, reference_in_place = incoming.plane_targets(index, torch.device("cpu"))
             assert in_place == reference_in_place == (index == 0)
-            assert all(_same_memory(t, r) for t, r in zip(targets, reference))
+            assert _same_pieces(targets, reference)
     finally:
         incoming.fail(0, "test")
     assert pool.num_free == 16
@@ -69,12 +76,14 @@ def test_every_reader_but_a_host_one_stages_every_run():
 def test_batches_keep_the_bytes_in_order_and_cut_only_between_rows(count, rows, batch_rows, monkeypatch):
     monkeypatch.setattr("kv_transfer.dist.inline_batches.BATCH_BYTES", batch_rows * ROW_NBYTES - 1)
     data = np.random.default_rng(0).integers(0, 256, (count, 2 * rows * ROW_NBYTES), dtype=np.uint8)
-    pieces = data[:, : rows * ROW_NBYTES]  # strided, as a run's planes in a pool
-    batches = byte_batches(pieces, ROW_NBYTES)
-    flat = [part for batch in batches for part in batch]
-    assert np.array_equal(np.concatenate(flat), pieces.reshape(-1))
-    assert all(batch.ndim == 2 and batch.shape[1] % ROW_NBYTES == 0 and batch.size for batch in batches)
-    assert all(batch.nbytes < max(batch_rows, 2) * ROW_NBYTES for batch in batches)  # a row alone when it is larger
+    planes = data[:, : rows * ROW_NBYTES]  # strided, as a run's planes in a pool
+    batches = [batch((planes, [memoryview(plane) for plane in planes]), cut)
+               for cut in byte_batches(*planes.shape, ROW_NBYTES)]
+    assert np.array_equal(np.concatenate([part for rows_, _ in batches for part in rows_]), planes.reshape(-1))
+    assert all(np.array_equal(np.concatenate(list(rows_)), np.frombuffer(b"".join(views), dtype=np.uint8))
+               for rows_, views in batches)  # both views of a batch are the same bytes
+    assert all(rows_.ndim == 2 and rows_.shape[1] % ROW_NBYTES == 0 and rows_.size for rows_, _ in batches)
+    assert all(rows_.nbytes < max(batch_rows, 2) * ROW_NBYTES for rows_, _ in batches)  # a row alone when larger
 
 
 def test_the_run_checksum_summed_piece_by_piece_equals_the_whole_runs():
@@ -82,8 +91,9 @@ def test_the_run_checksum_summed_piece_by_piece_equals_the_whole_runs():
     fill_blocks(pool.kv, list(range(16)), seed=11)
     for start, count in ((0, 1), (2, 5), (0, 16), (2, 5)):  # the second (2, 5) reuses the cached weights
         summed = RunChecksum.of_run(FP, count)
-        for batch in byte_batches(pool.view().host_planes(start, count), ROW_NBYTES):
-            summed.add(batch)
+        pieces = pool.view().host_planes(start, count)
+        for cut in byte_batches(*pieces[0].shape, ROW_NBYTES):
+            summed.add(batch(pieces, cut)[0])
         assert summed.value() == checksum_blocks(pool.kv[:, :, start : start + count])
 
 
