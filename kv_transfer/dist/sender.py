@@ -1,5 +1,5 @@
-"""The sending end of the torch.distributed transports (gloo on CPU, nccl on CUDA): TransferConfig.dist_lanes links per peer, each
-one authenticated control connection (kv_transfer/control/) with a thread at both ends, and over it the
+"""The sending end of the torch.distributed transports (gloo on CPU, nccl on CUDA): TransferConfig.dist_lanes links per
+peer, each one authenticated control connection (kv_transfer/control/) with a thread at both ends, and over it the
 data plane's process group (one epoch at a time).
 
 Transfers to the same peer start in submission order, up to dist_lanes at once (each lane takes the next

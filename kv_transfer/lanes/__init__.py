@@ -1,5 +1,7 @@
 """KV lanes: a tensor-parallel group's KV moves rank to rank, each rank's heads straight from the prefill rank that
-computed them to the decode rank that holds them, with no hop through either group's rank 0.
+computed them to the decode rank that holds them, with no hop through either group's rank 0. (A KV lane is one rank's
+share of a group's transfers; TransferConfig.dist_lanes is something else: the parallel connections of one
+sender/receiver pair, which every lane's own transport has too.)
 
     prefill group (A ranks)                    decode group (B = A ranks, the same head layout)
     rank 0 [h0 h1] ── heads h0 h1 ──────────►  rank 0 [h0 h1]   each arrow: one ordinary transfer of the rank's

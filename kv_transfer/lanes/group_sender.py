@@ -3,8 +3,8 @@ blocks from that rank to the same rank of the receiving group (peer.lanes), rank
 through rank 0's hub, and the handle settles once every rank's lane ended: OK when all of them delivered, else the
 first failure. A failed lane does not cancel the others here (a gRPC call cancelled early can leave its stream's
 writer waiting): the receiving group ends them, as it drops every lane of a request one of whose lanes failed
-(group_receiver.py). handle.cancel() cancels every lane. The blocks are the engine's (rank 0's allocator): they are freed
-once, when the last lane ended, so no lane still reads a block the engine hands out again.
+(group_receiver.py). handle.cancel() cancels every lane. The blocks are the engine's (rank 0's allocator): they are
+freed once, when the last lane ended, so no lane still reads a block the engine hands out again.
 
 A layer-streamed request (request.stream, the worker's LayerStream) streams from every rank: rank 0's lane from a
 stream on the same clock, each follower's from a stream on its own forward's clock for the same step (Ship names the

@@ -1,6 +1,7 @@
 """Layer-streamed transfers over real gloo (on the pair's process group, and inline on its control connection) and
-gRPC (sender and receiver in this process, on their own threads): bytes land bit-identical, the first token comes from the tail, and a stream that breaks after
-k of n layers, is aborted or cancelled between layers frees everything on both sides."""
+gRPC (sender and receiver in this process, on their own threads): bytes land bit-identical, the first token comes
+from the tail, and a stream that breaks after k of n layers, is aborted or cancelled between layers frees everything
+on both sides; a stream's listeners (KV lanes) hear its finish or abort."""
 from __future__ import annotations
 
 import threading
