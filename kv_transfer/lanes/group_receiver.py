@@ -20,6 +20,7 @@ from kv_transfer.lanes.group_sender import JOIN_TIMEOUT_S
 from kv_transfer.lanes.hub import LaneHub
 from kv_transfer.lanes.messages import Expect, Forget, SetPeer
 from kv_transfer.lanes.rank_lane import LaneSpec, ReceiveLane, ending
+from kv_transfer.lanes.tally import LaneTally
 from kv_transfer.results import ReceivedKV, ReceiveFailed, ReceiveInbox, ReceiveOutcome
 from kv_transfer.status import TransferStatus
 
@@ -27,7 +28,7 @@ SWEEP_S = 0.5
 
 
 @dataclass
-class _Landing:
+class _Landing(LaneTally):
     block_ids: list[int]
     waiting: set[int]  # ranks whose lane has not ended yet
     tracked: float = field(default_factory=time.monotonic)
@@ -114,12 +115,9 @@ class LaneReceiver(KVReceiver):
         """One rank's lane of request_id ended; the last one delivers it or fails it (freeing its blocks)."""
         with self._lock:
             landing = self._landing.get(request_id)
-            if landing is None or rank not in landing.waiting:
+            first_failure = None if landing is None else landing.count_end(rank, status, message)
+            if first_failure is None:
                 return
-            landing.waiting.discard(rank)
-            first_failure = status != TransferStatus.OK and landing.failure is None
-            if first_failure:
-                landing.failure = (status, f"rank {rank}'s lane: {message}")
             done = not landing.waiting
             if done:
                 del self._landing[request_id]

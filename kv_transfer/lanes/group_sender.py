@@ -26,6 +26,7 @@ from kv_transfer.lanes.hub import LaneHub
 from kv_transfer.lanes.messages import EndStream, Forget, ForgetPeer, Ship
 from kv_transfer.layer_stream import LayerStream, StreamTail, release_send_blocks
 from kv_transfer.lanes.rank_lane import LaneSpec, SendLane, lane_address
+from kv_transfer.lanes.tally import LaneTally
 from kv_transfer.results import SendRequest, SendResult, TransferHandle
 from kv_transfer.status import KVTransferError, TransferStatus
 
@@ -33,7 +34,7 @@ JOIN_TIMEOUT_S = 120.0  # how long the followers' lanes may take to join rank 0'
 
 
 @dataclass
-class _Shipping:
+class _Shipping(LaneTally):
     request: SendRequest
     handle: TransferHandle
     waiting: set[int]  # ranks whose lane has not ended yet
@@ -115,11 +116,8 @@ class LaneSender(KVSender):
         """One rank's lane of request_id ended; the last one frees the blocks and settles the handle."""
         with self._lock:
             shipping = self._shipping.get(request_id)
-            if shipping is None or rank not in shipping.waiting:
+            if shipping is None or shipping.count_end(rank, status, message) is None:
                 return
-            shipping.waiting.discard(rank)
-            if status != TransferStatus.OK and shipping.failure is None:
-                shipping.failure = (status, f"rank {rank}'s lane: {message}")
             done = not shipping.waiting
             if done:
                 del self._shipping[request_id]
