@@ -13,9 +13,9 @@ from kv_transfer.checksum import checksum_blocks
 from kv_transfer.device_sync import copy_stream
 from kv_transfer.host_copy import put_blocks
 from kv_transfer.manifest import Manifest, ManifestError
-from kv_transfer.pool import KVPoolView
+from kv_transfer.pool import HostPieces, KVPoolView
 from kv_transfer.results import ReceivedKV, ReceiveFailed
-from kv_transfer.runs import (HostPieces, as_blocks, block_planes, consecutive_start, layer_piece_shape, scatter_run,
+from kv_transfer.runs import (as_blocks, block_planes, consecutive_start, layer_piece_shape, scatter_run,
                              split_pieces, staging_offsets)
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import KVTransferError, TransferStatus
@@ -163,7 +163,7 @@ class IncomingTransfer:
 
     def host_targets(self, index: int) -> tuple[HostPieces, bool]:
         """plane_targets for bytes read from a socket into host memory, as host views of its 2L planes
-        (runs.HostPieces): straight into this side's blocks when their ids are consecutive and the pool is on the
+        (pool.HostPieces): straight into this side's blocks when their ids are consecutive and the pool is on the
         host (True), else the planes of the run's host staging piece (False). No torch op per plane."""
         if self.pool.on_host and self._consecutive(index):
             first = self.block_ids[self._first_block[index]]

@@ -16,9 +16,9 @@ from kv_transfer.device_sync import copy_stream
 from kv_transfer.host_copy import take_blocks
 from kv_transfer.layer_stream import LayerStream
 from kv_transfer.manifest import Manifest, RunInfo, encode_manifest
-from kv_transfer.pool import KVPoolView
+from kv_transfer.pool import HostPieces, KVPoolView
 from kv_transfer.results import SendRequest
-from kv_transfer.runs import (BlockRun, HostPieces, block_planes, gather_run, group_runs, layer_piece_shape,
+from kv_transfer.runs import (BlockRun, block_planes, gather_run, group_runs, layer_piece_shape,
                              split_pieces, staging_offsets)
 from kv_transfer.staging import StagingPool
 from kv_transfer.stream_tail import encode_tail
@@ -102,7 +102,7 @@ class OutgoingTransfer:
         return self.planes(index) if self.direct[index] else [self.run_payloads[index]]
 
     def host_pieces(self, index: int) -> HostPieces:
-        """pieces(index) as host views (runs.HostPieces), for a transport that writes host memory to a socket: a
+        """pieces(index) as host views (pool.HostPieces), for a transport that writes host memory to a socket: a
         direct run's planes straight from the host pool (no torch op per plane), a gathered run's host staging piece
         (one piece)."""
         if not self.direct[index]:

@@ -3,18 +3,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from kv_transfer.manifest import ManifestLimits, ModelFingerprint
 
-if TYPE_CHECKING:
-    from kv_transfer.runs import HostPieces
-
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+HostPieces = tuple[np.ndarray, list[memoryview]]
+"""A run's bytes in host memory, two views of the same memory: [pieces, bytes] uint8 (row i piece i, flat and
+contiguous: summed in one call), and each piece as a flat byte memoryview (a socket's scatter-gather list; slicing one
+costs a fraction of a numpy view)."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,9 @@ class KVPoolView:
         """Each of _host_plane_bytes' planes as a flat byte memoryview (made once)."""
         return [memoryview(plane) for plane in self._host_plane_bytes]
 
-    def host_planes(self, start: int, num_blocks: int) -> "HostPieces":
+    def host_planes(self, start: int, num_blocks: int) -> HostPieces:
         """The 2 * num_layers planes of blocks start..start+num_blocks-1 of a host pool, in staging order
-        (layer-major, K then V), as views of the pool's memory (runs.HostPieces: one uint8 numpy view [2L, plane
+        (layer-major, K then V), as views of the pool's memory (HostPieces: one uint8 numpy view [2L, plane
         bytes], and a flat memoryview per plane): block_planes without a torch op per plane. ValueError for a CUDA
         pool."""
         planes = self._host_plane_bytes  # [2L, N * row bytes]

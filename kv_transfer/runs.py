@@ -13,7 +13,7 @@ import torch
 
 from kv_transfer.host_copy import copy_tensor
 from kv_transfer.manifest import ModelFingerprint
-from kv_transfer.pool import TORCH_DTYPES
+from kv_transfer.pool import TORCH_DTYPES, HostPieces
 
 STAGING_ALIGN = 64
 
@@ -91,10 +91,6 @@ def block_planes(blocks: torch.Tensor) -> list[torch.Tensor]:
     return planes
 
 
-HostPieces = tuple[np.ndarray, list[memoryview]]
-"""A run's bytes in host memory, two views of the same memory: [pieces, bytes] uint8 (row i piece i, flat and
-contiguous: summed in one call), and each piece as a flat byte memoryview (a socket's scatter-gather list; slicing one
-costs a fraction of a numpy view)."""
 
 
 def split_pieces(flat_u8: np.ndarray, count: int) -> HostPieces:

@@ -12,7 +12,7 @@ import numpy as np
 
 from kv_transfer.checksum import RunChecksum
 from kv_transfer.outgoing import OutgoingTransfer
-from kv_transfer.runs import HostPieces
+from kv_transfer.pool import HostPieces
 
 RUN_CHECKSUM = struct.Struct("<Q")  # a whole request's run checksum, behind the run's bytes
 BATCH_BYTES = 512 << 10  # rows summed, then written or read in one call (in a core's L2) while the peer moves the last

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -24,9 +24,6 @@ from kv_transfer.layer_stream import LayerClock, LayerStream
 from kv_transfer.pool import KVPoolView
 from kv_transfer.results import ReceiveFailed, ReceiveOutcome, SendRequest, TransferHandle
 from kv_transfer.status import KVTransferError, TransferStatus
-
-if TYPE_CHECKING:
-    from engine.parallel.rank_service import RankContext
 
 Ended = Callable[[str, TransferStatus, str], None]  # (request_id, status, message): once per lane transfer
 
@@ -188,8 +185,9 @@ class LaneSpec:
         if self.role not in ("send", "receive"):
             raise ValueError(f"a lane's role is 'send' or 'receive', got {self.role!r}")
 
-    def __call__(self, context: RankContext) -> "FollowerLane":
-        """A follower's lane and its link to rank 0 (engine/parallel/rank_service.py)."""
+    def __call__(self, context: Any) -> "FollowerLane":
+        """A follower's lane and its link to rank 0: the engine's rank service, context its RankContext
+        (engine/parallel/rank_service.py; not imported: kv_transfer does not depend on the engine's runner)."""
         return FollowerLane(self, context)
 
 
@@ -197,7 +195,7 @@ class FollowerLane:
     """A follower rank's lane, serving rank 0's commands: Ship / EndStream / Forget / ForgetPeer (send), Expect /
     Forget / SetPeer (receive); its layer_done is the follower's report of a lane-streamed step's layers."""
 
-    def __init__(self, spec: LaneSpec, context: RankContext) -> None:
+    def __init__(self, spec: LaneSpec, context: Any) -> None:
         self.rank = context.rank
         self.expected = ExpectedBlocks(min(EXPECT_WAIT_S, spec.config.kv_transfer_timeout_s))
         self.clocks = StepClocks(context.kv.shape[0], context.kv.device)
