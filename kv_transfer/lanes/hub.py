@@ -3,7 +3,9 @@ authenticated connection per follower (multiprocessing.connection: an HMAC chall
 framed messages of kv_transfer/lanes/messages.py).
 
 LaneHub (rank 0) accepts the followers, learns their lane targets from their Hello, sends them commands and hands
-every LaneEnded to its owner's callback; a follower whose link ends is reported once as lost. FollowerLink (a
+every LaneEnded to its owner's callback; a follower whose link ends is reported once as lost. Once every follower has
+joined, the socket and its directory are removed (nothing else may join; nothing is left behind if rank 0's process
+is killed later). FollowerLink (a
 follower) connects, says Hello and serves rank 0's commands on a thread of its own.
 """
 from __future__ import annotations
@@ -44,17 +46,19 @@ class LaneHub:
         self.targets: dict[int, str] = {}
         self._send_locks: dict[int, threading.Lock] = {}
         self._joined = threading.Condition()
-        self._closed = False
+        self._closed = self._accepting_done = False
         self.on_ended: Callable[[LaneEnded], None] = lambda ended: None
         self.on_lost: Callable[[int], None] = lambda rank: None
         threading.Thread(target=self._accept, name="kv-lane-hub", daemon=True).start()
 
     def wait_followers(self, ranks: range, timeout_s: float) -> None:
-        """Until every rank in ranks said Hello; ValueError past timeout_s."""
+        """Until every rank in ranks said Hello, then stops accepting and removes the socket's directory; ValueError
+        past timeout_s."""
         with self._joined:
             if not self._joined.wait_for(lambda: set(ranks) <= set(self._links), timeout_s):
                 missing = sorted(set(ranks) - set(self._links))
                 raise ValueError(f"KV lanes of ranks {missing} did not join within {timeout_s:.0f} s")
+        self._stop_accepting()
 
     def send(self, rank: int, message: object) -> bool:
         """Sends message to follower `rank`; False when its link is gone (it is reported lost then)."""
@@ -75,19 +79,38 @@ class LaneHub:
                 return
             self._closed = True
             links = list(self._links.values())
-        self._listener.close()
+        self._stop_accepting()
         for link in links:
             link.close()
+
+    def _stop_accepting(self) -> None:
+        """Ends the accept thread (a connection of our own wakes its accept(): closing a listening socket does
+        not), closes the listener and removes the socket's directory. Idempotent."""
+        with self._joined:
+            if self._accepting_done:
+                return
+            self._accepting_done = True
+        try:
+            Client(self.address.path, family="AF_UNIX", authkey=self.address.authkey).close()
+        except OSError:
+            pass
+        self._listener.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _accept(self) -> None:
-        while not self._closed:
+        """Until _stop_accepting's own connection comes (the flags are read only after an accept returns, so that
+        connection always finds this thread in accept() or on its way back to it)."""
+        while True:
             try:
                 link = self._listener.accept()  # the key's challenge both ways, before anything is unpickled
+                if self._accepting_done:  # the wake-up connection of _stop_accepting
+                    link.close()
+                    return
                 hello = link.recv() if link.poll(10.0) else None
-            except Exception as exc:  # noqa: BLE001 - a refused or broken connection; closed listener ends it
-                if not self._closed:
-                    log.warning("kv lane hub: connection refused: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - a refused or broken connection
+                if self._accepting_done:
+                    return
+                log.warning("kv lane hub: connection refused: %s", exc)
                 continue
             if not isinstance(hello, Hello):
                 link.close()

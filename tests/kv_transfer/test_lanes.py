@@ -6,6 +6,8 @@ input is refused before anything is taken. Every engine block is free at the end
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 import time
 
 import pytest
@@ -195,6 +197,12 @@ def test_a_prefill_rank_killed_fails_its_lanes_and_every_block_comes_back(pair, 
         sender.close()
         engine.close()
     pair.assert_all_free()
+
+
+def test_the_hubs_leave_no_socket_and_no_accepting_thread_once_every_follower_joined(pair):
+    for hub in (pair.sender.hub, pair.receiver.hub):
+        assert not os.path.exists(os.path.dirname(hub.address.path))
+    assert not [thread for thread in threading.enumerate() if thread.name == "kv-lane-hub"]
 
 
 def test_bad_input_is_refused_before_anything_is_taken(pair):
