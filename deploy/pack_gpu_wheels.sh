@@ -2,9 +2,9 @@
 # The wheels `make gpu-check WHEELS=DIR` installs on a GPU host without network that has torch, triton,
 # transformers, numpy and aiohttp but not the rest: Ray 2.60 trimmed of its Java jar and of the Ray libraries
 # Tandem does not use (about 40 MiB instead of 79), gRPC and protobuf with the health and reflection services,
-# jsonschema (Ray's), msgpack, prometheus-client, pytest-xdist and llguidance (structured outputs; its wheel
-# needs glibc >= 2.31). Run it on a machine with network, for the
-# GPU host's Python (default 3.12, x86-64 Linux).   usage: deploy/pack_gpu_wheels.sh DIR [PYTHON_VERSION]
+# jsonschema (Ray's), msgpack, prometheus-client, pytest-xdist, gguf (the GGUF tests write their files with it) and
+# llguidance (structured outputs; its wheel needs glibc >= 2.31). Run it on a machine with network, for the GPU
+# host's Python (default 3.12, x86-64 Linux).   usage: deploy/pack_gpu_wheels.sh DIR [PYTHON_VERSION]
 set -euo pipefail
 DIR=${1:?usage: deploy/pack_gpu_wheels.sh DIR [PYTHON_VERSION]}; PYVER=${2:-3.12}
 mkdir -p "$DIR"; TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT
@@ -14,7 +14,7 @@ PLATFORM=(--only-binary=:all: --python-version "$PYVER" --implementation cp --pl
 python3 -m pip download -q --no-deps "${PLATFORM[@]}" -d "$TMP" "ray==2.60.0"
 python3 -m pip download -q --no-deps "${PLATFORM[@]}" -d "$DIR" grpcio==1.85.1 protobuf==7.35.1 \
   grpcio-reflection==1.85.1 grpcio-health-checking==1.85.1 jsonschema jsonschema-specifications referencing rpds-py \
-  msgpack prometheus-client pytest-xdist execnet "llguidance>=1.9,<2"
+  msgpack prometheus-client pytest-xdist execnet gguf "llguidance>=1.9,<2"
 python3 - "$TMP"/ray-*.whl "$DIR" <<'PY'
 """Copy the Ray wheel without the folders Tandem never imports, and without their lines in its RECORD."""
 import os

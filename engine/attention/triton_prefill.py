@@ -39,6 +39,15 @@ def tile_configs(interpret: bool) -> list[triton.Config]:
             for rows in (64, 128) for keys in (32, 64) for stages in (2, 3)]
 
 
+def prune_tiles(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """fp32 pools (exact dots, "ieee": a correctness dtype, not a speed one) try the smallest tile alone: ieee dots
+    on large tiles take minutes to compile and spill; the 16-bit dtypes try every config."""
+    if kwargs.get("PRECISION") != "ieee":
+        return configs
+    smallest = min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))
+    return [smallest]
+
+
 def tile_queries(block_m: int, group_pad: int) -> int:
     """Query tokens per tile: BLOCK_M rows over the group's padded heads (at least one token). Host and kernel."""
     return (block_m + group_pad - 1) // group_pad
@@ -77,7 +86,8 @@ def _attend_tiles(acc, m_i, l_i, q, q_pos, qk_scale, n_start, n_end, k_head_ptr,
 
 
 @triton.autotune(configs=tile_configs(os.environ.get("TRITON_INTERPRET") == "1"),
-                 key=["HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE"], cache_results=True)
+                 key=["HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE"], prune_configs_by={"early_config_prune": prune_tiles},
+                 cache_results=True)
 @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_POINTERS)
 def _prefill_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, qk_scale, first_seq,

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from engine.attention import triton_decode  # noqa: E402
 from engine.attention.metadata import query_starts  # noqa: E402
 from engine.attention.triton_decode import merge_partitions_reference, paged_decode  # noqa: E402
-from engine.attention.triton_prefill import paged_prefill  # noqa: E402
+from engine.attention.triton_prefill import paged_prefill, prune_tiles, tile_configs  # noqa: E402
 from tests.support.engines import TEST_DEVICE as DEVICE  # noqa: E402
 
 HEAD_SHAPES = [(4, 4), (8, 2), (8, 1), (14, 2)]  # (query heads, KV heads): GQA 1, 4, 8 and 7 (Qwen2.5-0.5B)
@@ -125,6 +125,14 @@ def test_prefill_over_cached_prefix_matches_reference(heads, kv_heads, head_dim,
         start, end = query_start[i], query_start[i + 1]
         want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
         torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_fp32_prefill_tries_one_small_tile_and_16_bit_dtypes_every_tile():
+    """Exact fp32 dots on large tiles take minutes to compile on a GPU (each test shape would autotune all of them)."""
+    configs = tile_configs(interpret=False)
+    (only,) = prune_tiles(configs, {}, PRECISION="ieee")
+    assert (only.kwargs["BLOCK_M"], only.kwargs["BLOCK_N"]) == (64, 32)
+    assert prune_tiles(configs, {}, PRECISION="tf32") == configs and len(configs) == 8
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(14, 2), (4, 4)])

@@ -40,7 +40,10 @@ def _faults(mode: str) -> int:
 
 @pytest.mark.skipif(_glibc() is None, reason="mallopt's parameters are glibc's")
 def test_freed_step_memory_is_reused_instead_of_faulted_in_again():
-    default, kept = _faults("default"), _faults("keep")
+    default = _faults("default")
+    if default == 0:  # seen on a Firecracker VM (the H200 host): the count this proxy reads is not kept there
+        pytest.skip("this kernel reports no minor page faults (getrusage's ru_minflt stays 0)")
+    kept = _faults("keep")
     assert default > 10_000           # glibc's own settings give the pages back and fault them in again
     assert kept < default / 5         # (a few hundred faults of the interpreter's own may land in the window)
 

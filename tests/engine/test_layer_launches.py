@@ -1,7 +1,7 @@
 """Issue 27's budget: at most 10 launches per decoder layer in a decode step on the Triton path (fused RMSNorm
-with the residual add, RoPE with the K/V store, SiLU x up, two for the paged decode), counted on CPU: the
-same forward under Triton's interpreter, torch ops counted with a dispatch mode, Triton launches with a
-counting wrapper (tests/support/launch_count.py)."""
+with the residual add, RoPE with the K/V store, SiLU x up, two for the paged decode), counted on CPU (the same
+forward under Triton's interpreter; on a GPU host, on the GPU), torch ops counted with a dispatch mode, Triton
+launches with a counting wrapper (tests/support/launch_count.py)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from engine import SamplingParams  # noqa: E402
 from engine.attention import triton_decode, triton_prefill, triton_store  # noqa: E402
 from engine.model import fused_triton  # noqa: E402
-from tests.support.engines import make_llm  # noqa: E402
+from tests.support.engines import TEST_DEVICE, make_llm  # noqa: E402
 from tests.support.launch_count import LaunchCounter  # noqa: E402
 
 MAX_LAUNCHES_PER_LAYER = 10
@@ -18,7 +18,7 @@ MAX_LAUNCHES_PER_LAYER = 10
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_decode_steps_layers_take_at_most_ten_launches_each(arch, tiny_checkpoint):
-    llm = make_llm(str(tiny_checkpoint(arch)), dtype="float32", device="cpu", attention_backend="triton",
+    llm = make_llm(str(tiny_checkpoint(arch)), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton",
                    enforce_eager=True)
     engine, layers = llm.engine, llm.engine.runner.model.layers
     engine.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

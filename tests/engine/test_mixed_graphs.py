@@ -108,7 +108,9 @@ def _mixed_step_launches(llm, graphs: MixedGraphs | None) -> LaunchCounter:
 def test_a_mixed_step_launches_a_replay_per_piece_and_its_attention(tiny_checkpoint):
     """The CPU proxy of what the graphs save: per layer, the eager mixed step launches its norms, projections,
     rotation and store, SiLU x up and attention; the piecewise one a replay and the attention only."""
-    path, options = str(tiny_checkpoint("llama")), dict(dtype="float32", device="cpu", attention_backend="triton")
+    # on a GPU too (no graph of its own: mixed_graph_max_tokens=0; the pieces below run uncaptured)
+    path = str(tiny_checkpoint("llama"))
+    options = dict(dtype="float32", device=TEST_DEVICE.type, attention_backend="triton", mixed_graph_max_tokens=0)
     with make_llm(path, **options) as eager, make_llm(path, **options) as pieced:
         num_layers = len(eager.engine.runner.model.layers)
         graphs = MixedGraphs(pieced.engine.runner.model, pieced.engine.kv_cache, pieced.engine.runner.attention,

@@ -126,6 +126,7 @@ def test_bad_tensor_parallel_size_values():
 
 def test_tp_from_a_gguf_file_matches_transformers(tiny_checkpoint, hf_greedy, tmp_path):
     """A GGUF file's tensors are read whole, dequantized, then cut per rank."""
+    pytest.importorskip("gguf")  # the test writes its file with the gguf package (the engine reads it without)
     path = tiny_checkpoint("llama")
     gguf = write_gguf(path, tmp_path / "llama.gguf", "F32")
     with LLM(str(gguf), dtype="float32", device="cpu", tensor_parallel_size=2) as llm:
@@ -147,7 +148,7 @@ def test_followers_exit_when_rank_0_is_killed():
     script = Path(__file__).resolve().parents[1] / "support" / "tp_rank0_process.py"
     repo = Path(__file__).resolve().parents[2]
     rank0 = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=repo,
-                             env={**os.environ, "PYTHONPATH": str(repo)})
+                             env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     try:
         followers = json.loads(rank0.stdout.readline())
         assert followers and all(process_alive(pid) for pid in followers) and group_files_of(rank0.pid)

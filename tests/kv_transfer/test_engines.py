@@ -20,7 +20,7 @@ from tests.support.kv_engine_peer import (AwaitShipped, PoolState, Prefill, Pref
                                           prompt_kv_digest)
 
 BLOCK_SIZE = 8
-PREFILL_BLOCKS = 128   # A hands out ids < 128; B reserves its first 128 ids, so the two sides' ids differ
+PREFILL_BLOCKS = 128   # A hands out ids < 128; B holds its ids < 128, so the two sides' ids differ
 DECODE_BLOCKS = 320
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -99,9 +99,14 @@ def colocated(ckpt) -> LLM:
 @pytest.fixture
 def decode_engine(ckpt):
     engine = make_llm(ckpt, block_size=BLOCK_SIZE, num_kv_blocks=DECODE_BLOCKS).engine
-    offset = engine.reserve_blocks(PREFILL_BLOCKS)
+    # B holds the ids A hands out (< PREFILL_BLOCKS) whatever order its free list is in (a warm-up on a GPU
+    # reorders it): take every block, give back the others
+    every_block = engine.reserve_blocks(engine.num_free_blocks)
+    engine.free_blocks([block for block in every_block if block >= PREFILL_BLOCKS])
+    held = sorted(block for block in every_block if block < PREFILL_BLOCKS)
+    assert held == list(range(PREFILL_BLOCKS))
     yield engine
-    engine.free_blocks(offset)
+    engine.free_blocks(held)
     assert engine.num_live_requests == 0, "requests still live on the decode side"
     assert engine.num_free_blocks == engine.num_total_blocks, "decode side leaks KV blocks"
 
