@@ -256,12 +256,12 @@ def run(args: argparse.Namespace) -> int:
             rows.append(_measure_size(args, receivers, pool, sink, peer, num_blocks, 1000 * i, floored))
             print_row(rows[-1])
     finally:
+        for receiver in receivers.values():  # first: an ipc receiver lets go of the sender's pool before it exits
+            receiver.close()
         peer.send(None)
         process.join(60)
         if process.is_alive():
             process.kill()
-        for receiver in receivers.values():
-            receiver.close()
         sink.close()
         if floor_sink is not None:
             floor_sink.close()
