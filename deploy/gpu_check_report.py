@@ -81,6 +81,10 @@ def _step_profiles(profiles: list[dict]) -> list[str]:
                      f"on the device" + (f"; {calls}" if calls else ""), "",
                  "| ms | count | kernel |", "|---|---|---|"]
         rows += [f"| {ms:.3f} | {count:g} | `{_cell(name[:100])}` |" for name, count, ms in profile["top"]]
+        if profile.get("wall_ms") is not None:  # the host's side: wall per step, then cProfile's heaviest functions
+            rows += ["", f"host: {profile['wall_ms']:.3f} ms wall per step; Python's heaviest own times:", "",
+                     "| ms | calls | function |", "|---|---|---|"]
+            rows += [f"| {ms:.3f} | {count:g} | `{_cell(name[:100])}` |" for name, count, ms in profile.get("python", [])]
     return rows
 
 
@@ -128,6 +132,11 @@ def _serving(out: Path) -> str:
         ttfts = first["ttft_ms"]
         pairs.append((f"TTFT of the first {len(ttfts)} requests, one at a time ({first['prompt_tokens']} tokens), ms",
                       " / ".join(f"{ttft:.1f}" for ttft in ttfts) + f" (first / last {first['first_over_tenth']:.2f})"))
+        for which in ("first", "last"):  # where the server says each went (tandem_timing)
+            phases = first.get(f"phases_{which}") or {}
+            if phases:
+                pairs.append((f"the {which} one's tandem_timing, ms",
+                              ", ".join(f"{name.removesuffix('_ms')} {ms:.1f}" for name, ms in phases.items())))
     smoke = (out / "serve-1p1d.log").read_text().strip() if (out / "serve-1p1d.log").exists() else ""
     rows = [title, "", "| what | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in pairs]
     return "\n".join(rows + ([f"\n{smoke.splitlines()[-1]}"] if smoke else []))

@@ -1,10 +1,11 @@
 """A 1P1D serving smoke test on one GPU, for `make gpu-check`: `tandem serve` with one prefill and one decode
 worker sharing the card (transport auto: CUDA IPC); its first ten requests one at a time, each's time to first
-token taken (issue 27: the first within 1.2x the tenth, nothing compiled while serving); `tandem bench serve` of
-the mixed dataset; then a clean stop. Writes OUT/serve.log, OUT/first_requests.json, OUT/bench_serve.log and
-OUT/bench_serve.json; exits non-zero when the server did not come up, the benchmark failed, or the server did not
-stop within 60 s. The serve log is also searched
-for torch's warning that a process ended while another still mapped its CUDA memory (the ipc shutdown order).
+token taken with the server's own account of it, tandem_timing (issue 27: the first within 1.2x the tenth, nothing
+compiled while serving; the H200 run of session 31 had the first 7x the tenth with no slow step); `tandem bench
+serve` of the mixed dataset; then a clean stop. Writes OUT/serve.log, OUT/first_requests.json, OUT/bench_serve.log
+and OUT/bench_serve.json; exits non-zero when the server did not come up, the benchmark failed, or the server did
+not stop within 60 s. The serve log is also searched for torch's warning that a process ended while another still
+mapped its CUDA memory (the ipc shutdown order).
 
     python deploy/gpu_serve_smoke.py --out OUT [--num-prompts 64] [--request-rate 16]
 """
@@ -27,6 +28,7 @@ BANNER = re.compile(r"gRPC 127\.0\.0\.1:(\d+), HTTP http://127\.0\.0\.1:(\d+)/v1
 IPC_WARNING = "Producer process has been terminated before all shared CUDA tensors released"
 START_TIMEOUT_S = 120
 FIRST_REQUESTS, FIRST_PROMPT_TOKENS = 10, 512
+PHASES = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_exposed_ms")
 
 
 def main() -> int:
@@ -42,9 +44,11 @@ def main() -> int:
                                    "--http-port", "0"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             http_port = _wait_for_banner(log_path, server)
-            ttfts = first_request_ttfts(http_port, FIRST_REQUESTS)
+            firsts = first_requests(http_port, FIRST_REQUESTS)
+            ttfts = [first["ttft_ms"] for first in firsts]
             (args.out / "first_requests.json").write_text(json.dumps(
-                {"ttft_ms": ttfts, "first_over_tenth": ttfts[0] / ttfts[-1], "prompt_tokens": FIRST_PROMPT_TOKENS}))
+                {"ttft_ms": ttfts, "first_over_tenth": ttfts[0] / ttfts[-1], "prompt_tokens": FIRST_PROMPT_TOKENS,
+                 "phases_first": firsts[0]["phases"], "phases_last": firsts[-1]["phases"]}))
             bench = _bench(args, http_port)
         finally:
             stopped = _stop(server)
@@ -53,25 +57,27 @@ def main() -> int:
     return 0 if bench == 0 and stopped and not warned else 1
 
 
-def first_request_ttfts(http_port: int, count: int, prompt_tokens: int = 0) -> list[float]:
-    """The time to first token (ms) of `count` streamed completions sent one after another to a fresh server, each a
-    prompt of its own random token ids (no prefix-cache hit) and 2 output tokens."""
-    ttfts = []
+def first_requests(http_port: int, count: int, prompt_tokens: int = 0) -> list[dict]:
+    """`count` streamed completions sent one after another to a fresh server, each a prompt of its own random token
+    ids (no prefix-cache hit) and 2 output tokens: per request its time to first token (ms, `ttft_ms`) and where
+    the server says that time went (`phases`: tandem_timing's queue, prefill, transfer and its exposed part, ms)."""
+    results = []
     for index in range(count):
         rng = random.Random(index)
         prompt = [rng.randrange(100, 250) for _ in range(prompt_tokens or FIRST_PROMPT_TOKENS)]
-        body = json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
-                           "stream": True}).encode()
+        body = json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
-        started = time.perf_counter()
+        started, ttft, timing = time.perf_counter(), None, {}
         with urllib.request.urlopen(request, timeout=120) as reply:
-            for line in reply:  # server-sent events: the first data line carries the first token
+            for line in reply:  # server-sent events: the first data line carries the first token, a later one timing
                 if line.startswith(b"data: {"):
-                    ttfts.append((time.perf_counter() - started) * 1e3)
-                    break
-            reply.read()
-    return ttfts
+                    ttft = ttft if ttft is not None else (time.perf_counter() - started) * 1e3
+                    timing = json.loads(line[len(b"data: "):]).get("tandem_timing") or timing
+        phases = {name: round(timing[name], 3) for name in PHASES if isinstance(timing.get(name), (int, float))}
+        results.append({"ttft_ms": ttft, "phases": phases})
+    return results
 
 
 def _wait_for_banner(log_path: Path, server: subprocess.Popen) -> int:

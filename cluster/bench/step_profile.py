@@ -4,13 +4,19 @@ For a packed prefill (8 x 256 tokens), decode steps at batch 1 and 32 (128-token
 decodes beside one 512-token chunk), torch.profiler records the steps and this prints, per step: on CUDA the
 kernels the device ran (CUDA-graph replays included) and their device time, with the heaviest kernels by name,
 and the CUDA runtime calls the host made (launches, copies, syncs); on CPU the aten operators and their self time.
-It is the measurement behind "where does a step's time go" on a GPU host, taken in one call by `make gpu-check`.
+Beside them, the host's side: the wall time per step (unprofiled) and, from a pass under cProfile, the Python
+functions that took the most time of their own (a host-bound step names what its host time is spent on: the H200
+run of session 31 found a mixed step issuing for 11 ms over 2.3 ms of kernels). It is the measurement behind
+"where does a step's time go" on a GPU host, taken in one call by `make gpu-check`.
 """
 from __future__ import annotations
 
+import cProfile
+import pstats
 import random
+import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.autograd import DeviceType
@@ -35,6 +41,8 @@ class StepProfile:
     busy_ms: float
     top: tuple[tuple[str, float, float], ...]
     runtime: dict[str, float] = field(default_factory=dict)
+    wall_ms: float | None = None   # the host's wall time per step, unprofiled
+    python: tuple[tuple[str, float, float], ...] = ()  # cProfile: (function, calls per step, own ms per step)
 
 
 def profile_steps(llm, top: int = 8) -> list[StepProfile]:
@@ -48,17 +56,41 @@ def profile_steps(llm, top: int = 8) -> list[StepProfile]:
               (f"mixed {MIXED_DECODES}d + {MIXED_CHUNK}", lambda: _mixed(engine, vocab))]
     profiles = []
     for name, setup in phases:
-        for profiled in (False, True):  # once unprofiled: nothing in the profile is a first call
-            run_steps, ids = setup()
-            try:
-                if profiled:
-                    profiles.append(_profile(name, run_steps, engine.device, top))
-                else:
-                    run_steps()
-            finally:
-                _drain(engine, ids)
+        wall_ms = _run_fresh(engine, setup, _wall_ms)  # first unprofiled: nothing profiled below is a first call
+        profile = _run_fresh(engine, setup, lambda run: _profile(name, run, engine.device, top))
+        python = _run_fresh(engine, setup, lambda run: _python_hotspots(run, top))
+        profiles.append(replace(profile, wall_ms=wall_ms, python=python))
     _print(profiles)
     return profiles
+
+
+def _run_fresh(engine, setup, measure):
+    """measure(run_steps) over a fresh set-up of the phase, its requests aborted and drained afterwards."""
+    run_steps, ids = setup()
+    try:
+        return measure(run_steps)
+    finally:
+        _drain(engine, ids)
+
+
+def _wall_ms(run_steps) -> float:
+    started = time.perf_counter()
+    steps = run_steps()
+    return (time.perf_counter() - started) * 1e3 / steps
+
+
+def _python_hotspots(run_steps, top: int) -> tuple[tuple[str, float, float], ...]:
+    """The `top` functions by their own time (cProfile's tottime) over the steps: (where, calls and ms per step)."""
+    profiler = cProfile.Profile()
+    steps = profiler.runcall(run_steps)
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, tottime, cumtime, ...)}
+    heaviest = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return tuple((_where(key), row[1] / steps, row[2] * 1e3 / steps) for key, row in heaviest)
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    path, line, name = key
+    return name if path == "~" else f"{'/'.join(path.split('/')[-2:])}:{line} {name}"  # "~": a C function
 
 
 def _drain(engine, ids: list[str]) -> None:
@@ -150,4 +182,8 @@ def _print(profiles: list[StepProfile]) -> None:
         print(f"\n{p.phase}: {p.steps} step(s); per step {p.kernels:g} {what}, {p.busy_ms:.3f} ms busy"
               + (f"; runtime calls: {calls}" if calls else ""))
         for name, count, ms in p.top:
+            print(f"  {ms:8.3f} ms  {count:6g}x  {name[:90]}")
+        if p.wall_ms is not None:
+            print(f"  host: {p.wall_ms:.3f} ms wall per step; own time of the heaviest Python functions (cProfile):")
+        for name, count, ms in p.python:
             print(f"  {ms:8.3f} ms  {count:6g}x  {name[:90]}")

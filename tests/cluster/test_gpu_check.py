@@ -60,7 +60,8 @@ def test_the_report_carries_every_number(tmp_path):
         {"phase": "decode step", "batch": "1 seqs x 128 ctx", "engine_ms": 3.1, "floor_ms": 0.3, "floor": "weights",
          "host_ms": 1.29, "device_ms": 1.49}],
         "step_profiles": [{"phase": "decode b=1", "steps": 8, "kernels": 250.0, "busy_ms": 1.402,
-                           "top": [["_decode_attention_kernel", 24.0, 0.311]], "runtime": {"cudaGraphLaunch": 1.0}}]}))
+                           "top": [["_decode_attention_kernel", 24.0, 0.311]], "runtime": {"cudaGraphLaunch": 1.0},
+                           "wall_ms": 1.75, "python": [["runtime/jit.py:580 run", 72.0, 0.412]]}]}))
     eager_mixed = {"phase": "mixed step", "batch": "32 dec + 512 prompt", "engine_ms": 12.5, "floor_ms": 3.5,
                    "floor": "decode + matmuls"}
     (tmp_path / "bench_engine_eager.json").write_text(json.dumps({"num_requests": 48, "engine_tok_s": 4100.0,
@@ -75,7 +76,9 @@ def test_the_report_carries_every_number(tmp_path):
                                                            "median_ttft_ms": 20.5, "p99_ttft_ms": 850.0,
                                                            "disagg": {"transfer_ms_p50": 4.19}}))
     (tmp_path / "first_requests.json").write_text(json.dumps({"ttft_ms": [827.0, 16.5], "first_over_tenth": 50.12,
-                                                              "prompt_tokens": 512}))
+                                                              "prompt_tokens": 512,
+                                                              "phases_first": {"queue_ms": 1.5, "prefill_ms": 812.0},
+                                                              "phases_last": {"queue_ms": 1.2, "prefill_ms": 6.1}}))
     (tmp_path / "pytest.log").write_text("....\nFAILED tests/engine/test_x.py::test_y\n"
                                          "1 failed, 345 passed in 226.72s\n")
     report = render_report(tmp_path)
@@ -83,12 +86,15 @@ def test_the_report_carries_every_number(tmp_path):
                      "max \\|err\\| 5.4e-07", "4,590 useful tok/s", "| 3.10 | 1.29 | 1.49 | 0.30 | 10.3x |",
                      "**decode b=1**, per step: 250 kernels, 1.402 ms on the device; cudaGraphLaunch 1",
                      "| 0.311 | 24 | `_decode_attention_kernel` |", "682.95",
+                     "host: 1.750 ms wall per step", "| 0.412 | 72 | `runtime/jit.py:580 run` |",
                      "prefill and mixed steps eager)", "| mixed step | 32 dec + 512 prompt | 12.50 |",
                      "KV cache 56183 blocks", "| 0.0625 | 1.30 | 0.05 | 0.52 | True |",
                      "| 1 | 3.67 | 0.29 | 2.14 | True |", "fixed cost 1.492 ms per transfer, then 20.31 GB/s",
                      "| completed / failed | 64 / 0 |",
                      "20.50 / 850.00", "| KV transfer p50 ms | 4.19 |",
                      "one at a time (512 tokens), ms | 827.0 / 16.5 (first / last 50.12) |",
+                     "| the first one's tandem_timing, ms | queue 1.5, prefill 812.0 |",
+                     "| the last one's tandem_timing, ms | queue 1.2, prefill 6.1 |",
                      "`1 failed, 345 passed in 226.72s`",
                      "FAILED tests/engine/test_x.py::test_y"):
         assert expected in report, expected
@@ -105,9 +111,11 @@ def test_a_suite_cut_by_its_timeout_still_names_its_failures(tmp_path):
 
 
 def test_the_smoke_test_times_a_fresh_servers_first_requests():
-    """deploy/gpu_serve_smoke.py's first_request_ttfts against a real `tandem serve` (the tiny model on CPU): one
-    time to first token per request, each a streamed completion that did produce a token."""
+    """deploy/gpu_serve_smoke.py's first_requests against a real `tandem serve` (the tiny model on CPU): one time to
+    first token per request, each a streamed completion that did produce a token, and where the server says it
+    went."""
     smoke = load_script("gpu_serve_smoke")
     with start_serve("--device", "cpu") as (_, _, http_port):
-        ttfts = smoke.first_request_ttfts(http_port, 3, prompt_tokens=24)
-    assert len(ttfts) == 3 and all(ttft > 0 for ttft in ttfts)
+        firsts = smoke.first_requests(http_port, 3, prompt_tokens=24)
+    assert len(firsts) == 3 and all(first["ttft_ms"] > 0 for first in firsts)
+    assert all(set(first["phases"]) >= {"queue_ms", "prefill_ms"} for first in firsts), firsts

@@ -18,8 +18,12 @@ def test_each_kind_of_step_is_profiled_and_nothing_is_left_running():
             assert profile.kernels > 0 and profile.busy_ms > 0 and 0 < len(profile.top) <= 5
             assert all(name.startswith("aten::") and count > 0 for name, count, _ in profile.top)
             assert profile.runtime == {}  # no CUDA runtime calls on a CPU
+            assert profile.wall_ms > 0 and 0 < len(profile.python) <= 5  # the host's side, from cProfile
+            assert all(calls > 0 and ms >= 0 for _, calls, ms in profile.python)
         by_phase = {p.phase: p for p in profiles}
         assert by_phase["mixed 32d + 512"].kernels > by_phase["decode b=32"].kernels  # the chunk's prefill ops too
+        heaviest_prefill = by_phase["prefill 8 x 256"].python[0][0]  # the matmuls and attention of 2,048 tokens
+        assert "linear" in heaviest_prefill or "attention" in heaviest_prefill or "mm" in heaviest_prefill
         assert_all_blocks_free(llm)
 
 
