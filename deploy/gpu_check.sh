@@ -8,7 +8,8 @@
 # GPU_CHECK_STEPS: the steps to run, comma-separated (default all: selftest,bench-engine,bench-memory,
 # bench-transfer,serve-1p1d,pytest); on a one-H100 lease the suite alone takes most of 8 minutes, so a session
 # may run the benchmarks in one call and GPU_CHECK_STEPS=pytest in the next. Not in the default list:
-# bench-engine-eager, the same benchmark with prefill and mixed steps eager (no piecewise graphs), to compare.
+# bench-engine-eager, the same benchmark with prefill and mixed steps eager (no piecewise graphs), to compare;
+# bench-structured, a decode step with every row under a JSON schema against the same rows free (issue 30).
 set -u
 OUT=${1:?usage: deploy/gpu_check.sh OUT [WHEELS]}; WHEELS=${2:-}
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
@@ -68,6 +69,7 @@ step bench-engine 100 "$PY" -m cluster.cli bench engine --shape qwen2.5-0.5b --d
   --skip-transformers --profile-steps --json "$OUT/bench_engine.json"
 step bench-engine-eager 70 "$PY" -m cluster.cli bench engine --shape qwen2.5-0.5b --device cuda --dtype bfloat16 \
   --skip-transformers --mixed-graph-max-tokens 0 --json "$OUT/bench_engine_eager.json"
+step bench-structured 90 "$PY" -m cluster.cli bench structured --batch 32 --rounds 2 --ttft-repeats 3
 step bench-memory 90 "$PY" -m cluster.cli bench memory --json "$OUT/memory.json"
 # one layer: 64 KiB blocks, so the 64 KiB transfer shows the fixed cost and the sizes above it the per-byte rate
 step bench-transfer 40 "$PY" -m kv_transfer.bench --transport ipc --num-layers 1 --sizes-mib 0.0625,1,4,16,64 \

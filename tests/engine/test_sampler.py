@@ -9,6 +9,7 @@ import torch
 
 from engine.sampling.sampler import Sampler, sampling_probs
 from engine.sampling_params import SamplingParams as SP
+from tests.support.engine_checks import real_syncs
 
 VOCAB = 3000  # two full blocks of the two-level draw and a short third one
 CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
@@ -213,12 +214,6 @@ def test_cuda_processors_and_logprobs_keep_one_sync():
         assert (got is None) == (want is None)
         if got is not None:
             assert got.top_ids == want.top_ids and abs(got.logprob - want.logprob) < 1e-4
-
-
-def real_syncs(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
-    """The synchronizing operations torch's sync debug mode reported, without its one-time notice that the
-    mode is a prototype."""
-    return [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
 
 
 def test_top_p_candidates_climb_the_ladder_and_cut_as_a_full_sort_would():

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import threading
+import warnings
 
 import jsonschema
 import pytest
@@ -17,7 +18,7 @@ import torch
 from engine import SamplingParams, StructuredOutputsParams
 from engine.sampling.sampler import Sampler
 from engine.sampling.token_mask import apply_token_masks
-from tests.support.engine_checks import assert_all_blocks_free, random_prompts
+from tests.support.engine_checks import assert_all_blocks_free, random_prompts, real_syncs
 from tests.support.engines import make_llm
 
 VOCAB = 300
@@ -240,6 +241,38 @@ def test_a_compiling_request_waits_outside_the_schedule_while_others_run(llm):
     late = [d for _ in range(200) if engine.has_unfinished_requests() for d in engine.step()]
     assert json.loads("".join(d.new_text for d in late)) in ({"slow": "a"}, {"slow": "b"})
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_mask_is_applied_on_the_device_without_a_sync_of_its_own():
+    """Issue 30 on a GPU: the bitmask crosses in the step's one upload and is applied on the device; a batch with
+    constrained rows syncs exactly as often as the same batch without (once: the picks' copy to the host)."""
+    class Filler:
+        words = 2
+
+        def fill_into(self, grammars, out):
+            out[:] = 0
+            out[:, 0] = 0b1010  # tokens 1 and 3
+
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(3)).cuda()  # [4, 40]
+    params, sampler = [SamplingParams(temperature=0)] * 4, Sampler(mask_filler=Filler())
+
+    def syncs_of(constraints) -> tuple[int, list[int]]:
+        sampler.sample(logits, params, [5] * 4, constraints=constraints)  # warm: kernels, staging buffers
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                tokens = sampler.sample(logits, params, [5] * 4, constraints=constraints).tokens
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return len(real_syncs(caught)), tokens
+
+    plain, plain_tokens = syncs_of(None)
+    masked, masked_tokens = syncs_of([object(), None, object(), None])
+    assert masked == plain == 1
+    assert masked_tokens[0] in (1, 3) and masked_tokens[2] in (1, 3) and masked_tokens[1::2] == plain_tokens[1::2]
 
 
 def test_the_sampler_masks_only_constrained_rows_and_does_no_work_without_them():
