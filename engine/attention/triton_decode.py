@@ -104,29 +104,31 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype))
     if out is None:
         out = torch.empty_like(q)
-    _merge_kernel[(batch, num_heads)](out, acc, maxes, sums, out.stride(0), out.stride(1), num_partitions,
-                                      HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=MERGE_BLOCK_P)
+    _merge_kernel[(batch, num_heads)](out, acc, maxes, sums, seq_lens, out.stride(0), out.stride(1), num_partitions,
+                                      partition, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=MERGE_BLOCK_P)
     return out
 
 
-@triton.jit(do_not_specialize=["num_partitions"])
-def _merge_kernel(out_ptr, acc_ptr, max_ptr, sum_ptr, stride_ob, stride_oh, num_partitions,
+@triton.jit(do_not_specialize=["num_partitions", "partition"], do_not_specialize_on_alignment=["seq_lens_ptr"])
+def _merge_kernel(out_ptr, acc_ptr, max_ptr, sum_ptr, seq_lens_ptr, stride_ob, stride_oh, num_partitions, partition,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr):
     """One (sequence, head): sum_p acc_p * exp(max_p - top) / sum_p sum_p * exp(max_p - top), in out's dtype.
-    acc: [B, H, P, BLOCK_D]; max, sum: [B, H, P] (a partition past the sequence's end: -inf and 0). Reads
-    BLOCK_P partitions at a time: a first pass finds top, a second sums (one pass when P <= BLOCK_P)."""
+    acc: [B, H, P, BLOCK_D]; max, sum: [B, H, P]. Reads only the partitions the sequence's context reaches
+    (ceil(seq_len / partition), at least one): a short context in a graph sized for long ones costs one read, not
+    P. BLOCK_P partitions at a time: a first pass finds top, a second sums (one pass each when they fit)."""
     seq, head, num_heads = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
     row = (seq * num_heads + head) * num_partitions
-    top = tl.max(tl.load(max_ptr + row + offs_p, mask=offs_p < num_partitions, other=float("-inf")), 0)
-    for p0 in range(BLOCK_P, num_partitions, BLOCK_P):  # partition 0 is never empty: top is finite
-        p_mask = p0 + offs_p < num_partitions
+    used = tl.minimum(tl.maximum(tl.cdiv(tl.load(seq_lens_ptr + seq), partition), 1), num_partitions)
+    top = tl.max(tl.load(max_ptr + row + offs_p, mask=offs_p < used, other=float("-inf")), 0)
+    for p0 in range(BLOCK_P, used, BLOCK_P):  # partition 0 is never empty: top is finite
+        p_mask = p0 + offs_p < used
         top = tl.maximum(top, tl.max(tl.load(max_ptr + row + p0 + offs_p, mask=p_mask, other=float("-inf")), 0))
     total = tl.zeros([BLOCK_D], tl.float32)
     denominator = tl.sum(tl.zeros([BLOCK_P], tl.float32), 0)
-    for p0 in range(0, num_partitions, BLOCK_P):
+    for p0 in range(0, used, BLOCK_P):
         parts = p0 + offs_p  # [P]
-        p_mask = parts < num_partitions
+        p_mask = parts < used
         maxes = tl.load(max_ptr + row + parts, mask=p_mask, other=float("-inf"))
         sums = tl.load(sum_ptr + row + parts, mask=p_mask, other=0.0)
         weights = tl.where(p_mask, tl.exp(maxes - top), 0.0)  # [P]

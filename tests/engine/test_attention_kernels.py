@@ -91,18 +91,26 @@ def test_decode_with_more_partitions_than_one_merge_read_matches_reference():
 
 @pytest.mark.parametrize("num_partitions", [1, 5, 32, 45])
 def test_merge_kernel_matches_its_reference(num_partitions):
-    """Partials of 3 sequences x 4 heads, the later partitions of the first sequence empty (max -inf, sum 0)."""
+    """Partials of 3 sequences x 4 heads over 16-token partitions: the first sequence's context ends inside its
+    (P // 2 + 1)-th partition, the second fills all P, the third reaches 2 and what lies past them is NaN: the
+    merge reads only the partitions a context reaches."""
+    partition = 16
     gen = torch.Generator().manual_seed(num_partitions)
     acc = torch.randn(3, 4, num_partitions, 64, generator=gen)  # [B, H, P, D]
     maxes = torch.randn(3, 4, num_partitions, generator=gen) * 4
     sums = torch.rand(3, 4, num_partitions, generator=gen) + 0.5
-    empty = num_partitions // 2 + 1
-    maxes[0, :, empty:], sums[0, :, empty:], acc[0, :, empty:] = float("-inf"), 0.0, 0.0
+    used = [num_partitions // 2 + 1, num_partitions, min(2, num_partitions)]
+    seq_lens = [(used[0] - 1) * partition + 3, num_partitions * partition, 2 * partition - 1]
+    maxes[0, :, used[0]:], sums[0, :, used[0]:], acc[0, :, used[0]:] = float("-inf"), 0.0, 0.0
+    maxes[2, :, used[2]:], sums[2, :, used[2]:], acc[2, :, used[2]:] = float("nan"), float("nan"), float("nan")
+    want = torch.cat([merge_partitions_reference(acc[i:i + 1, :, :n], maxes[i:i + 1, :, :n], sums[i:i + 1, :, :n])
+                      for i, n in enumerate(used)])  # [3, 4, 64]
     acc, maxes, sums = acc.to(DEVICE), maxes.to(DEVICE), sums.to(DEVICE)
     out = torch.empty(3, 4, 64, device=DEVICE)
-    triton_decode._merge_kernel[(3, 4)](out, acc, maxes, sums, out.stride(0), out.stride(1), num_partitions,
-                                        HEAD_DIM=64, BLOCK_D=64, BLOCK_P=triton_decode.MERGE_BLOCK_P)
-    torch.testing.assert_close(out, merge_partitions_reference(acc, maxes, sums), rtol=1e-5, atol=1e-5)
+    triton_decode._merge_kernel[(3, 4)](out, acc, maxes, sums, as_int32(seq_lens), out.stride(0), out.stride(1),
+                                        num_partitions, partition, HEAD_DIM=64, BLOCK_D=64,
+                                        BLOCK_P=triton_decode.MERGE_BLOCK_P)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", KERNEL_SHAPES)
