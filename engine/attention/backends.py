@@ -102,6 +102,7 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         from engine.attention import triton_decode, triton_prefill, triton_store  # imports triton
         self._decode, self._prefill, self._store = triton_decode, triton_prefill, triton_store
+        self._step_plan: tuple | None = None  # (meta, DecodeScratch, tables, seq_lens) of the step being run
 
     def store(self, k, v, k_pool, v_pool, slot_mapping):
         self._store.store_kv(k, v, k_pool, v_pool, slot_mapping)
@@ -113,9 +114,16 @@ class TritonBackend(AttentionBackend):
         self._decode_to(out, q, k_pool, v_pool, meta)  # the merge kernel writes out's rows: no copy
 
     def _decode_to(self, out, q, k_pool, v_pool, meta):
-        batch = meta.num_decode_rows
-        return self._decode.paged_decode(q, k_pool, v_pool, meta.block_tables[:batch], meta.seq_lens[:batch],
-                                         meta.block_size, meta.decode_len_bound, out=out)
+        """The decode rows' attention; the step's plan (partition, partials, the rows' tables) is made by its first
+        layer and reused by the others: a step's layers share one meta."""
+        if self._step_plan is None or self._step_plan[0] is not meta:
+            batch, (num_heads, head_dim), num_kv_heads = meta.num_decode_rows, q.shape[1:], k_pool.shape[1]
+            scratch = self._decode.decode_scratch(batch, num_heads, num_kv_heads, head_dim, meta.decode_len_bound,
+                                                  q.device)
+            self._step_plan = (meta, scratch, meta.block_tables[:batch], meta.seq_lens[:batch])
+        _, scratch, tables, seq_lens = self._step_plan
+        return self._decode.paged_decode(q, k_pool, v_pool, tables, seq_lens, meta.block_size, meta.decode_len_bound,
+                                         out=out, scratch=scratch)
 
     def prefill(self, out, q, k, v, k_pool, v_pool, meta):
         self._prefill.paged_prefill(out, q, k_pool, v_pool, meta.block_tables, meta.query_start, meta.seq_lens,

@@ -17,6 +17,7 @@ Imported only when the triton backend is chosen (importing triton reads TRITON_I
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -75,38 +76,70 @@ def _decode_partition_kernel(
     tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
 
 
+@dataclass(frozen=True)
+class DecodeScratch:
+    """One step's flash-decoding plan for B rows: tokens per partition, how many partitions, and the partials the
+    partition kernel writes and the merge reads (acc [B, H, P, BLOCK_D], maxes and sums [B, H, P], fp32). Made once
+    per step (decode_scratch) and used by every layer in turn: each layer's merge has read them before the next
+    layer's partition kernel writes them (one stream)."""
+
+    partition: int
+    num_partitions: int
+    acc: torch.Tensor
+    maxes: torch.Tensor
+    sums: torch.Tensor
+
+
+def decode_scratch(batch: int, num_heads: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+                   device: torch.device, partition_tokens: int | None = None) -> DecodeScratch:
+    """The partition size (partition_tokens, else choose_partition's) rounded to the kernel's key tile, and the
+    partials' buffers, for `batch` rows of contexts of at most max_seq_len tokens."""
+    block_n = _key_tile(head_dim)
+    partition = partition_tokens or choose_partition(batch * num_kv_heads, max_seq_len, device)
+    partition = max(block_n, -(-partition // block_n) * block_n)
+    num_partitions = max(1, -(-max_seq_len // partition))
+    block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
+    acc = torch.empty(batch, num_heads, num_partitions, block_d, dtype=torch.float32, device=device)
+    maxes = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=device)
+    return DecodeScratch(partition, num_partitions, acc, maxes, torch.empty_like(maxes))
+
+
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, block_size: int, max_seq_len: int,
-                 partition_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context. Changes nothing but `out`.
+                 partition_tokens: int | None = None, out: torch.Tensor | None = None,
+                 scratch: DecodeScratch | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context. Changes nothing but `out` (and scratch).
 
     q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32, the query's own token included (its K/V already in the pool); max_seq_len:
     an upper bound of seq_lens (sizes the partition grid; no host sync). Returns [B, H, D] in q's dtype,
-    written into `out` (any [B, H, D] view whose heads are rows) when given.
+    written into `out` (any [B, H, D] view whose heads are rows) when given. scratch: the step's
+    decode_scratch for these B rows (a layer after the first reuses it), else made here.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
     block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
-    block_n = 32 if block_d <= 128 else 16
-    partition = partition_tokens or choose_partition(batch * num_kv_heads, max_seq_len, q.device)
-    partition = max(block_n, -(-partition // block_n) * block_n)
-    num_partitions = max(1, -(-max_seq_len // partition))
-    acc = torch.empty(batch, num_heads, num_partitions, block_d, dtype=torch.float32, device=q.device)
-    maxes = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=q.device)
-    sums = torch.empty_like(maxes)
+    if scratch is None:
+        scratch = decode_scratch(batch, num_heads, num_kv_heads, head_dim, max_seq_len, q.device, partition_tokens)
+    partition, num_partitions = scratch.partition, scratch.num_partitions
     _decode_partition_kernel[(batch, num_kv_heads, num_partitions)](
-        acc, maxes, sums, q, k_pool, v_pool, block_tables, seq_lens, head_dim ** -0.5,
+        scratch.acc, scratch.maxes, scratch.sums, q, k_pool, v_pool, block_tables, seq_lens, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_tables.stride(0), num_heads, num_partitions, partition,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(MIN_TILE, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_key_tile(head_dim), PRECISION=_dot_precision(q.dtype))
     if out is None:
         out = torch.empty_like(q)
-    _merge_kernel[(batch, num_heads)](out, acc, maxes, sums, seq_lens, out.stride(0), out.stride(1), num_partitions,
-                                      partition, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=MERGE_BLOCK_P)
+    _merge_kernel[(batch, num_heads)](out, scratch.acc, scratch.maxes, scratch.sums, seq_lens, out.stride(0),
+                                      out.stride(1), num_partitions, partition,
+                                      HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=MERGE_BLOCK_P)
     return out
+
+
+def _key_tile(head_dim: int) -> int:
+    """Keys per tile of the partition kernel's loop."""
+    return 32 if max(MIN_TILE, triton.next_power_of_2(head_dim)) <= 128 else 16
 
 
 @triton.jit(do_not_specialize=["num_partitions", "partition"], do_not_specialize_on_alignment=["seq_lens_ptr"])

@@ -30,7 +30,8 @@ def test_a_decode_steps_layers_take_at_most_ten_launches_each(arch, tiny_checkpo
 
     def leave(*_):
         counter.counting = False
-    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
+    hooks = [h for layer in layers
+             for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
     try:
         with counter, counter.triton_launches(fused_triton, triton_decode, triton_store, triton_prefill):
             engine.step()  # one decode row
@@ -40,4 +41,23 @@ def test_a_decode_steps_layers_take_at_most_ten_launches_each(arch, tiny_checkpo
     per_layer = counter.total / len(layers)
     assert counter.triton["_rotary_store_kernel"] == len(layers) and counter.triton["_merge_kernel"] == len(layers)
     assert per_layer <= MAX_LAUNCHES_PER_LAYER, (per_layer, dict(counter.torch_ops), dict(counter.triton))
+    llm.close()
+
+
+def test_a_steps_layers_share_one_decode_plan(tiny_checkpoint, monkeypatch):
+    """The decode rows' partition size and partial buffers are made once per step, not once per layer (host time
+    a GPU step would otherwise pay per layer: two allocations, two slices, the sizing), mixed steps included."""
+    llm = make_llm(str(tiny_checkpoint("llama")), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton",
+                   enforce_eager=True)
+    engine, made = llm.engine, []
+    make_scratch = triton_decode.decode_scratch
+    monkeypatch.setattr(triton_decode, "decode_scratch",
+                        lambda *args, **kw: made.append(args) or make_scratch(*args, **kw))
+    engine.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()  # the prefill: no decode row
+    engine.step()  # a decode step
+    engine.add_request("p", list(range(10, 40)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    engine.step()  # a mixed step: the decode row beside the prompt
+    assert len(engine.runner.model.layers) > 1 and len(made) == 2, made
+    assert made[0][0] == made[1][0] == 1  # one decode row each time
     llm.close()
