@@ -84,7 +84,8 @@ def _step_profiles(profiles: list[dict]) -> list[str]:
         if profile.get("wall_ms") is not None:  # the host's side: wall per step, then cProfile's heaviest functions
             rows += ["", f"host: {profile['wall_ms']:.3f} ms wall per step; Python's heaviest own times:", "",
                      "| ms | calls | function |", "|---|---|---|"]
-            rows += [f"| {ms:.3f} | {count:g} | `{_cell(name[:100])}` |" for name, count, ms in profile.get("python", [])]
+            rows += [f"| {ms:.3f} | {count:g} | `{_cell(name[:100])}` |"
+                     for name, count, ms in profile.get("python", [])]
     return rows
 
 
