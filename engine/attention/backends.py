@@ -91,6 +91,9 @@ class CpuKernelBackend(AttentionBackend):
                                                        meta.seq_lens[:batch], meta.block_size)
 
 
+UNIFIED_DECODE_MAX_CONTEXT = 1024  # a mixed step's decode rows this short go through the prefill kernel
+
+
 class TritonBackend(AttentionBackend):
     """Triton kernels for all three parts; the only backend whose decode CUDA graphs can capture (no host
     sync, and its KV write skips the negative slots of a graph's padding rows)."""
@@ -106,6 +109,19 @@ class TritonBackend(AttentionBackend):
 
     def store(self, k, v, k_pool, v_pool, slot_mapping):
         self._store.store_kv(k, v, k_pool, v_pool, slot_mapping)
+
+    def attend(self, q, k, v, k_pool, v_pool, meta, out=None):
+        """AttentionBackend.attend; a mixed step whose decode rows' contexts are at most UNIFIED_DECODE_MAX_CONTEXT
+        tokens runs them through the prefill kernel with its prompts (a decode row is a chunk of one token): one
+        launch a layer instead of three (the decode kernel, its merge, the prefill kernel). Longer contexts keep the
+        decode kernel, which splits them across the device."""
+        decodes = meta.num_decode_rows
+        if not 0 < decodes < meta.num_seqs or meta.decode_len_bound > UNIFIED_DECODE_MAX_CONTEXT:
+            return super().attend(q, k, v, k_pool, v_pool, meta, out)
+        out = torch.empty_like(q) if out is None else out
+        self._prefill.paged_prefill(out, q, k_pool, v_pool, meta.block_tables, meta.query_start, meta.seq_lens, 0,
+                                    meta.num_seqs, meta.max_prefill_query_len, meta.block_size)
+        return out
 
     def decode(self, q, k_pool, v_pool, meta):
         return self._decode_to(None, q, k_pool, v_pool, meta)

@@ -135,6 +135,26 @@ def test_prefill_over_cached_prefix_matches_reference(heads, kv_heads, head_dim,
         torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(14, 2), (4, 4)])
+def test_decode_rows_through_the_prefill_kernel_match_reference(heads, kv_heads):
+    """A mixed step's short decode rows go through the prefill kernel with the prompts (TritonBackend.attend): a
+    decode row is a chunk of one token after its context, in one launch with the chunks."""
+    block_size, head_dim = 16, 64
+    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
+    specs = [(4, 1), (40, 1), (150, 1), (0, 21), (33, 9)]  # (num_computed, num_new): three decode rows, two chunks
+    query_start = query_starts([n for _, n in specs])
+    seq_lens = [c + n for c, n in specs]
+    tables = random_tables(len(specs), 48, 12)
+    q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    out = torch.zeros_like(q)
+    paged_prefill(out, q, k_pool, v_pool, tables, as_int32(query_start), as_int32(seq_lens),
+                  first_seq=0, num_seqs=len(specs), max_query_len=21, block_size=block_size)
+    for i in range(len(specs)):
+        start, end = query_start[i], query_start[i + 1]
+        want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
+        torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+
+
 def test_fp32_prefill_tries_one_small_tile_and_16_bit_dtypes_every_tile():
     """Exact fp32 dots on large tiles take minutes to compile on a GPU (each test shape would autotune all of them)."""
     configs = tile_configs(interpret=False)

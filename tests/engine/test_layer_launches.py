@@ -46,7 +46,8 @@ def test_a_decode_steps_layers_take_at_most_ten_launches_each(arch, tiny_checkpo
 
 def test_a_steps_layers_share_one_decode_plan(tiny_checkpoint, monkeypatch):
     """The decode rows' partition size and partial buffers are made once per step, not once per layer (host time
-    a GPU step would otherwise pay per layer: two allocations, two slices, the sizing), mixed steps included."""
+    a GPU step would otherwise pay per layer: two allocations, two slices, the sizing). A mixed step whose decode
+    rows are short makes none: they go through the prefill kernel with the prompt (one launch a layer)."""
     llm = make_llm(str(tiny_checkpoint("llama")), dtype="float32", device=TEST_DEVICE.type, attention_backend="triton",
                    enforce_eager=True)
     engine, made = llm.engine, []
@@ -56,8 +57,11 @@ def test_a_steps_layers_share_one_decode_plan(tiny_checkpoint, monkeypatch):
     engine.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.step()  # the prefill: no decode row
     engine.step()  # a decode step
+    assert len(engine.runner.model.layers) > 1 and len(made) == 1 and made[0][0] == 1, made  # one row, one plan
     engine.add_request("p", list(range(10, 40)), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    engine.step()  # a mixed step: the decode row beside the prompt
-    assert len(engine.runner.model.layers) > 1 and len(made) == 2, made
-    assert made[0][0] == made[1][0] == 1  # one decode row each time
+    counter = LaunchCounter()
+    with counter, counter.triton_launches(triton_decode, triton_prefill):
+        counter.counting = True
+        engine.step()  # a mixed step: the decode row beside the prompt
+    assert len(made) == 1 and counter.triton == {"_prefill_kernel": len(engine.runner.model.layers)}, counter.triton
     llm.close()
