@@ -95,10 +95,11 @@ def mixed_row(llm, decodes: int = MIXED_DECODES, chunk: int = MIXED_CHUNK, repea
                 engine.step()
                 if stats.num_decode_tokens - decoded == decodes:
                     kind = "mixed" if stats.num_prefill_tokens > prefilled else "decode"
-                    steps[kind].append(_span_s(stats.forward_seconds - seconds, engine.step_log.last()))
+                    record = engine.step_log.last()
+                    steps[kind].append(_span_s(stats.forward_seconds - seconds, record))
                     if kind == "mixed":
                         chunk_tokens.append(stats.num_prefill_tokens - prefilled)
-                        records.append(engine.step_log.last())
+                        records.append(record)
     finally:
         for request_id in ids + [f"limits-chunk-{r}" for r in range(1, repeats + 1)]:
             engine.abort(request_id)
@@ -178,8 +179,8 @@ def _decode_step_ms(llm, batch: int, context: int, steps: int) -> tuple[float, f
             prefilled, decoded, seconds = stats.num_prefill_tokens, stats.num_decode_tokens, stats.forward_seconds
             engine.step()
             if stats.num_prefill_tokens == prefilled and stats.num_decode_tokens - decoded == batch:
-                times.append(_span_s(stats.forward_seconds - seconds, engine.step_log.last()))
                 records.append(engine.step_log.last())
+                times.append(_span_s(stats.forward_seconds - seconds, records[-1]))
     finally:
         for request_id in ids:
             engine.abort(request_id)

@@ -8,6 +8,7 @@ Python loop runs over tokens or context positions.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,7 +56,7 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
-    @property
+    @functools.cached_property  # read by every layer's attention: counted once a step
     def max_prefill_query_len(self) -> int:
         starts = self.query_start_host
         return max((starts[i + 1] - starts[i] for i in range(self.num_decode_rows, self.num_seqs)), default=0)

@@ -113,46 +113,40 @@ def test_merge_kernel_matches_its_reference(num_partitions):
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 
 
+def check_prefill(specs, heads, kv_heads, head_dim, block_size, first_seq, table_width, seed):
+    """paged_prefill over sequences of (num_computed, num_new) specs, sequences [first_seq, N): each of their rows
+    against the reference; the rows before first_seq left untouched (zero)."""
+    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
+    query_start = query_starts([n for _, n in specs])
+    seq_lens = [c + n for c, n in specs]
+    tables = random_tables(len(specs), 48, table_width)
+    q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    out = torch.zeros_like(q)  # [T, H, D]
+    paged_prefill(out, q, k_pool, v_pool, tables, as_int32(query_start), as_int32(seq_lens), first_seq=first_seq,
+                  num_seqs=len(specs) - first_seq, max_query_len=max(n for _, n in specs[first_seq:]),
+                  block_size=block_size)
+    assert out[:query_start[first_seq]].abs().sum() == 0
+    for i in range(first_seq, len(specs)):
+        start, end = query_start[i], query_start[i + 1]
+        want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
+        torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", KERNEL_SHAPES)
 def test_prefill_over_cached_prefix_matches_reference(heads, kv_heads, head_dim, block_size):
     """Several packed chunks after decode rows: fresh prompts, prefixes cached to a block boundary and to
     mid-block (chunked prefill), new parts that end mid-block."""
-    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
     decode_rows = [(4, 1), (9, 1)]  # (num_computed, num_new): rows the prefill call must leave alone
     chunks = [(0, 5), (block_size, 20), (block_size + 3, 2 * block_size + 1), (0, 70)]
-    specs = decode_rows + chunks
-    query_start = query_starts([n for _, n in specs])
-    seq_lens = [c + n for c, n in specs]
-    tables = random_tables(len(specs), 48, 6)
-    q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    out = torch.zeros_like(q)
-    paged_prefill(out, q, k_pool, v_pool, tables, as_int32(query_start), as_int32(seq_lens),
-                  first_seq=len(decode_rows), num_seqs=len(chunks), max_query_len=70, block_size=block_size)
-    assert out[:len(decode_rows)].abs().sum() == 0
-    for i in range(len(decode_rows), len(specs)):
-        start, end = query_start[i], query_start[i + 1]
-        want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
-        torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+    check_prefill(decode_rows + chunks, heads, kv_heads, head_dim, block_size, len(decode_rows), 6, seed=4)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(14, 2), (4, 4)])
 def test_decode_rows_through_the_prefill_kernel_match_reference(heads, kv_heads):
     """A mixed step's short decode rows go through the prefill kernel with the prompts (TritonBackend.attend): a
     decode row is a chunk of one token after its context, in one launch with the chunks."""
-    block_size, head_dim = 16, 64
-    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
     specs = [(4, 1), (40, 1), (150, 1), (0, 21), (33, 9)]  # (num_computed, num_new): three decode rows, two chunks
-    query_start = query_starts([n for _, n in specs])
-    seq_lens = [c + n for c, n in specs]
-    tables = random_tables(len(specs), 48, 12)
-    q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    out = torch.zeros_like(q)
-    paged_prefill(out, q, k_pool, v_pool, tables, as_int32(query_start), as_int32(seq_lens),
-                  first_seq=0, num_seqs=len(specs), max_query_len=21, block_size=block_size)
-    for i in range(len(specs)):
-        start, end = query_start[i], query_start[i + 1]
-        want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
-        torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+    check_prefill(specs, heads, kv_heads, 64, 16, 0, 12, seed=6)
 
 
 def test_fp32_prefill_tries_one_small_tile_and_16_bit_dtypes_every_tile():
@@ -167,20 +161,7 @@ def test_fp32_prefill_tries_one_small_tile_and_16_bit_dtypes_every_tile():
 def test_prefill_after_long_prefixes_matches_reference(heads, kv_heads):
     """Prefixes of several key tiles (read without a mask), chunks of several query tiles ending mid-tile and
     mid-block: the unmasked tiles, the causal diagonal and the last partial tile all meet the reference."""
-    block_size, head_dim = 16, 64
-    k_pool, v_pool = make_pool(kv_heads, head_dim, block_size)
-    specs = [(130, 45), (64, 64), (0, 33), (17, 100)]
-    query_start = query_starts([n for _, n in specs])
-    seq_lens = [c + n for c, n in specs]
-    tables = random_tables(len(specs), 48, 12)
-    q = torch.randn(query_start[-1], heads, head_dim, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    out = torch.zeros_like(q)
-    paged_prefill(out, q, k_pool, v_pool, tables, as_int32(query_start), as_int32(seq_lens), first_seq=0,
-                  num_seqs=len(specs), max_query_len=100, block_size=block_size)
-    for i in range(len(specs)):
-        start, end = query_start[i], query_start[i + 1]
-        want = reference(q[start:end], k_pool, v_pool, tables[i], seq_lens[i], block_size)
-        torch.testing.assert_close(out[start:end].float(), want, rtol=1e-4, atol=1e-4)
+    check_prefill([(130, 45), (64, 64), (0, 33), (17, 100)], heads, kv_heads, 64, 16, 0, 12, seed=6)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="half-precision tl.dot needs a GPU (the interpreter is fp32)")
