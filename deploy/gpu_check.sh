@@ -10,6 +10,7 @@
 # may run the benchmarks in one call and GPU_CHECK_STEPS=pytest in the next. Not in the default list:
 # bench-engine-eager, the same benchmark with prefill and mixed steps eager (no piecewise graphs), to compare;
 # bench-structured, a decode step with every row under a JSON schema against the same rows free (issue 30).
+# GPU_CHECK_PYTEST_S: the suite's own timeout (default 240 s).
 set -u
 OUT=${1:?usage: deploy/gpu_check.sh OUT [WHEELS]}; WHEELS=${2:-}
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
@@ -86,7 +87,7 @@ PARALLEL=(); "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n "$WORKERS")
 # -v: each test's result is in the log as it ends, so a step cut by its timeout still names what failed;
 # --timeout (pytest-timeout, where installed): one hung test does not take the step's whole time.
 "$PY" -c "import pytest_timeout" 2>/dev/null && PARALLEL+=(--timeout 120)
-step pytest 240 "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${PARALLEL[@]}" --durations 20 \
+step pytest "${GPU_CHECK_PYTEST_S:-240}" "$PY" -m pytest -v -p no:cacheprovider -p no:benchmark "${PARALLEL[@]}" --durations 20 \
   tests/engine tests/kv_transfer -rfE
 
 "$PY" deploy/gpu_check_report.py "$OUT" > "$OUT/report.md"

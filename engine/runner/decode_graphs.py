@@ -24,6 +24,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
+from engine.runner.device_memory import garbage_collection_paused
 from engine.runner.device_tables import DeviceBlockTables, TableUpdates
 from engine.runner.step_batch import feed_tokens
 from engine.host_lists import Uploads
@@ -205,14 +206,15 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_allocated()
-        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
-            self._capture_inputs(size)
-            self._forward(size)  # warm-up: kernels compiled and autotuned outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self._forward(size)
-            self._graphs[size] = (graph, hidden)
+        with garbage_collection_paused():
+            for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
+                self._capture_inputs(size)
+                self._forward(size)  # warm-up: kernels compiled and autotuned outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self._forward(size)
+                self._graphs[size] = (graph, hidden)
         torch.cuda.synchronize()
         logger.info("decode graphs: captured batch sizes %s, graph memory %.1f MiB", list(self.sizes),
                     (torch.cuda.memory_allocated() - before) / (1 << 20))

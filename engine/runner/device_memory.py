@@ -1,7 +1,9 @@
 """Giving an engine's device memory back once the engine lets go of its tensors (LLMEngine.close)."""
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 import torch
 
@@ -19,3 +21,22 @@ def release_device_memory(device: torch.device) -> None:
     if clear_cublas_workspaces is not None:
         clear_cublas_workspaces()
     torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def garbage_collection_paused() -> Iterator[None]:
+    """Collect once, then keep Python's cyclic garbage collector off until the block ends (CUDA graph capture).
+
+    A collection that starts while a stream is capturing runs finalizers in the middle of the capture: one that
+    frees device memory, closes a CUDA IPC mapping or synchronizes (an earlier engine's or transfer's tensors
+    left in a reference cycle) is illegal there and aborts the process. Nothing is lost: the garbage made in the
+    block is collected by the next collection after it. The collector's earlier state is restored on the way out.
+    """
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.kv.kv_cache import KVCache
 from engine.model.causal_lm import CausalLM
 from engine.model.pieces import ForwardPieces, PieceBuffers
+from engine.runner.device_memory import garbage_collection_paused
 
 logger = logging.getLogger("tandem.engine")
 SMALLEST_SIZE = 16
@@ -113,8 +114,9 @@ class MixedGraphs:
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_allocated(device)
         try:
-            for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
-                self._graphs[size] = self._capture(size, pool)
+            with garbage_collection_paused():
+                for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool memory
+                    self._graphs[size] = self._capture(size, pool)
             differ = [size for size in self.sizes if not self._replays_match(size, device)]
         except Exception as exc:  # noqa: BLE001 - the steps run eager instead; the engine stays usable
             logger.warning("mixed-step graphs: capture failed, prefill and mixed steps run eager: %r", exc)

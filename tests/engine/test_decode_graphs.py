@@ -3,12 +3,15 @@
 needs CUDA (the last test)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
 from engine.attention.backends import TorchBackend, triton_available
 from engine.runner.decode_graphs import DecodeGraphs, batch_size_ladder, decode_graphs_for
+from engine.runner.device_memory import garbage_collection_paused
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.engines import TEST_DEVICE, kernel_tensor, make_llm
 
@@ -107,3 +110,55 @@ def test_capture_runs_on_harmless_inputs_whatever_the_buffers_held(tiny_checkpoi
     assert hidden.shape[0] == 4 and torch.isfinite(hidden).all()
     assert torch.equal(engine.kv_cache.kv, pool)
     assert_all_blocks_free(llm)
+
+
+class _CyclicGarbage:
+    """An object in a reference cycle whose finalizer notes whether a CUDA stream was capturing when it ran."""
+
+    def __init__(self, seen: list[bool]) -> None:
+        self.seen, self.cycle = seen, self
+
+    def __del__(self) -> None:
+        self.seen.append(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def test_garbage_collection_is_paused_after_one_collection_and_restored():
+    seen: list[bool] = []
+    _CyclicGarbage(seen)
+    assert gc.isenabled()
+    with garbage_collection_paused():
+        assert seen == [False], "the garbage made before the block is collected on the way in"
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with garbage_collection_paused():
+            pass
+        assert not gc.isenabled(), "a collector that was off stays off"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs CUDA")
+def test_no_garbage_is_collected_while_graphs_are_captured(tiny_checkpoint, monkeypatch):
+    """Cyclic garbage made inside every capture (as a finalizer-bearing cycle left by an earlier engine would be
+    found there) with the collector set to run at every allocation: none of its finalizers runs while the stream
+    captures, where one that frees device memory aborts the process; all run once the capture is over."""
+    seen: list[bool] = []
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin_making_garbage(graph, *args, **kwargs):
+        begin(graph, *args, **kwargs)
+        for _ in range(5):
+            _CyclicGarbage(seen)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin_making_garbage)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        llm = make_llm(str(tiny_checkpoint("llama")), dtype="float32", device="cuda", max_num_seqs=8)
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert seen and not any(seen), f"{sum(seen)} of {len(seen)} finalizers ran inside a capture"
+    llm.engine.close()

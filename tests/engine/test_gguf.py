@@ -20,11 +20,19 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")  # transformers loads GGUF files only with it
 from tests.support.gguf_files import _permute, write_gguf  # noqa: E402
 
-# The tokenizer oracle: transformers' GGUF tokenizer conversion as rewritten in transformers.integrations.gguf. The
-# one before it (transformers 5.17, seen on the H200 host) drops the BOS a file asks for and takes another EOS id.
+
+def _gguf_tokenizer_oracle_missing() -> bool:
+    """Whether this transformers lacks the GGUF tokenizer conversion the tests compare with (the one in
+    transformers.integrations.gguf). Before it (transformers 5.17, seen on the H200 host, where both exist and
+    integrations/ggml.py's GGUFTokenizerSkeleton converts) EOS is read from the BOS id and BOS and EOS are swapped."""
+    if importlib.util.find_spec("transformers.integrations.gguf") is None:
+        return True
+    return hasattr(importlib.import_module("transformers.integrations.ggml"), "GGUFTokenizerSkeleton")
+
+
 needs_gguf_tokenizer_oracle = pytest.mark.skipif(
-    importlib.util.find_spec("transformers.integrations.gguf") is None,
-    reason="this transformers predates the GGUF tokenizer conversion the tests compare with")
+    _gguf_tokenizer_oracle_missing(), reason="this transformers predates the GGUF tokenizer conversion the tests "
+                                             "compare with")
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 TEXTS = ["Hello world! The quick brown fox.", "  two leading spaces,\ttabs\tand\n\nnew lines\n",
          "café, naïve, 日本語 and an emoji 😀", "def f(x):\n    return x ** 2  # code, 42 and 2024",

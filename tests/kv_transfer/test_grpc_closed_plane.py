@@ -18,9 +18,9 @@ from proto import tandem_pb2
 from tests.support import kv_scenarios as sc
 from tests.support.kv_peer import FP32, PeerProcess, PeerSpec, Wait
 
-TIMEOUT_S = 20.0
+TIMEOUT_S = 60.0
 SECRET = "5ec2e7" * 8
-QUICK_S = 5.0  # a refusal takes milliseconds; this only catches a receiver that walks or allocates a huge size
+QUICK_S = TIMEOUT_S / 2  # a refusal takes ms (6 s seen with 8 suites on one host); catches one that waits it out
 
 
 def _side(secret: str | None) -> sc.Side:

@@ -73,10 +73,23 @@ class StallingPool:
         return KVPoolView(self.pool.kv, self.allocate, self.pool.free)
 
 
+def _deliver(sender, receiver, sender_pool: FreeListPool, receiver_pool: StallingPool, key: str, seed: int) -> None:
+    """One transfer of 5 blocks, checked bit for bit on arrival; the receiver's blocks are freed after."""
+    blocks = sender_pool.allocate(5)
+    fill_blocks(sender_pool.kv, blocks, seed=seed)
+    expected = blocks_bytes(sender_pool.kv, blocks)
+    sender.send(receiver.address, SendRequest(key, tuple(blocks), 17, 7)).result(20)
+    got = receiver.wait(20)
+    assert isinstance(got, ReceivedKV) and got.request_id == key, got
+    assert blocks_bytes(receiver_pool.pool.kv, got.block_ids) == expected
+    receiver_pool.pool.free(got.block_ids)
+
+
 def test_a_timed_out_transfer_fails_only_itself():
-    """Sender and receiver in this process, on threads: the slow transfer times out (both ends free its
-    blocks), both ends open the pair's next channel, the pool is published and mapped again, and the next
-    transfers arrive bit for bit."""
+    """Sender and receiver in this process, on threads, their pair connected and the pool mapped by a first
+    transfer (so the 1 s timeout is all the receiver's stall, however loaded the machine): the slow transfer
+    times out (both ends free its blocks), both ends open the pair's next channel, the pool is published and
+    mapped again, and the next transfers arrive bit for bit."""
     config = TransferConfig(transport="ipc", kv_transfer_timeout_s=1.0, connect_timeout_s=10)
     sender_pool, receiver_pool = FreeListPool(FP32, BLOCKS), StallingPool(FreeListPool(FP32, BLOCKS))
     sender_pool.kv.share_memory_()
@@ -84,6 +97,7 @@ def test_a_timed_out_transfer_fails_only_itself():
                                peers=[0])
     sender = create_sender(config, sender_pool.view(), "ipc", DistRendezvous(0, 2, "pr"))
     try:
+        _deliver(sender, receiver, sender_pool, receiver_pool, "first", seed=9)
         receiver_pool.open.clear()  # the receiver takes longer than the timeout
         slow = sender.send(receiver.address, SendRequest("slow", tuple(sender_pool.allocate(3)), 10, 7))
         with pytest.raises(KVTransferError):
@@ -92,14 +106,7 @@ def test_a_timed_out_transfer_fails_only_itself():
         failed = receiver.wait(10)
         assert isinstance(failed, ReceiveFailed) and failed.request_id == "slow", failed
         for i in range(3):
-            blocks = sender_pool.allocate(5)
-            fill_blocks(sender_pool.kv, blocks, seed=10 + i)
-            expected = blocks_bytes(sender_pool.kv, blocks)
-            sender.send(receiver.address, SendRequest(f"after-{i}", tuple(blocks), 17, 7)).result(20)
-            got = receiver.wait(20)
-            assert isinstance(got, ReceivedKV) and got.request_id == f"after-{i}", got
-            assert blocks_bytes(receiver_pool.pool.kv, got.block_ids) == expected
-            receiver_pool.pool.free(got.block_ids)
+            _deliver(sender, receiver, sender_pool, receiver_pool, f"after-{i}", seed=10 + i)
     finally:
         sender.close()
         receiver.close()
