@@ -33,6 +33,7 @@ from cluster.api.metrics import ServingMetrics
 from cluster.backend import Backend
 from cluster.local.backend import LocalBackendConfig, LocalEngineBackend
 from cluster.serve_config import ServeConfig, cluster_config
+from cluster.serve_warmup import WarmupPlan, default_warmup_requests, warm_up
 from cluster.serve_flags import (add_api_arguments, add_engine_arguments, add_kv_inline_argument, add_ray_arguments,
                                  add_scaling_arguments, engine_config_from_args, http_limits_from_args,
                                  kv_inline_bytes_from_args, mode_and_workers_from_args, scaling_from_args,
@@ -73,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace-s", type=float, default=5.0,
                         help="on SIGTERM/SIGINT, how long requests in flight may still run before they end "
                              "with 'the server is stopping' (0: end them at once)")
+    parser.add_argument("--warmup-requests", type=int, default=None,
+                        help="short requests sent through the workers before the server listens, so the first "
+                             "user's does not pay for first uses (default: one per prefill -> decode pair, one per "
+                             "replica; 0: none)")
     parser.add_argument("--kv-host", default=None, help=KV_HOST_GONE)
     parser.add_argument("--kv-streaming", default="layer", choices=list(STREAMING_MODES),
                         help="disaggregated: send each prompt's KV layer by layer while its last prefill step "
@@ -124,6 +129,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--max-prefill-queue-tokens must be >= 0 (0: no bound)")
     if not 0 <= args.shutdown_grace_s <= 60:
         raise ValueError("--shutdown-grace-s must be in [0, 60]")
+    if args.warmup_requests is not None and not 0 <= args.warmup_requests <= 1024:
+        raise ValueError("--warmup-requests must be in [0, 1024]")
     if args.node_ip_address is not None and args.address is None:
         raise ValueError("--node-ip-address names this machine's node of the Ray cluster at --address: give both")
     placement = {"node_ip_address": args.node_ip_address,
@@ -140,7 +147,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          kv_streaming=args.kv_streaming, kv_inline_max_bytes=kv_inline_bytes_from_args(args, mode),
                          disagg_policy=args.disagg_policy, decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
                          drain_timeout_s=args.drain_timeout_s, autoscale=autoscale, tokenizer=args.tokenizer,
-                         **http_limits_from_args(args), **tp_sizes_from_args(args, mode))
+                         warmup_requests=args.warmup_requests, **http_limits_from_args(args),
+                         **tp_sizes_from_args(args, mode))
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):
             raise ValueError("colocated replicas move no KV and have no prefill workers: --transport, "
@@ -186,16 +194,20 @@ def start_backend(config: ServeConfig) -> Backend:
 
 
 async def serve(config: ServeConfig) -> None:
-    """Start the backend and both front ends, print where they listen, run until SIGTERM/SIGINT, then
-    stop in order (the module docstring): refuse new requests, let those in flight finish for
-    config.shutdown_grace_s, end the rest with "the server is stopping", close the front ends, stop the
-    backend (workers, actors, placement group, local Ray). Returns once all of it is gone."""
+    """Start the backend, warm it up (cluster/serve_warmup.py), start both front ends, print where they listen,
+    run until SIGTERM/SIGINT, then stop in order (the module docstring): refuse new requests, let those in
+    flight finish for config.shutdown_grace_s, end the rest with "the server is stopping", close the front
+    ends, stop the backend (workers, actors, placement group, local Ray). Returns once all of it is gone."""
     inner = start_backend(config)
     scaling = None if isinstance(inner, LocalEngineBackend) else inner.scaling  # the worker set on Ray
-    if scaling is not None and config.autoscale is not None:
-        scaling.start_autoscaler(config.autoscale)
     backend = DrainingBackend(AdmissionBound(inner, config.max_pending_requests))
     try:
+        warmup = config.warmup_requests
+        if warmup is None:
+            warmup = default_warmup_requests(config.prefill_workers, config.decode_workers, config.replicas)
+        await warm_up(backend, WarmupPlan(warmup))  # before the autoscaler, which would see its load
+        if scaling is not None and config.autoscale is not None:
+            scaling.start_autoscaler(config.autoscale)
         await _serve_until_signalled(backend, config, scaling)
     finally:
         await backend.shutdown()

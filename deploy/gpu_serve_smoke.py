@@ -28,7 +28,7 @@ BANNER = re.compile(r"gRPC 127\.0\.0\.1:(\d+), HTTP http://127\.0\.0\.1:(\d+)/v1
 IPC_WARNING = "Producer process has been terminated before all shared CUDA tensors released"
 START_TIMEOUT_S = 120
 FIRST_REQUESTS, FIRST_PROMPT_TOKENS = 10, 512
-PHASES = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_exposed_ms")
+PHASES = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_exposed_ms", "ttft_ms")  # ttft_ms: as the server saw it
 
 
 def main() -> int:
@@ -60,7 +60,8 @@ def main() -> int:
 def first_requests(http_port: int, count: int, prompt_tokens: int = 0) -> list[dict]:
     """`count` streamed completions sent one after another to a fresh server, each a prompt of its own random token
     ids (no prefix-cache hit) and 2 output tokens: per request its time to first token (ms, `ttft_ms`) and where
-    the server says that time went (`phases`: tandem_timing's queue, prefill, transfer and its exposed part, ms)."""
+    the server says that time went (`phases`: tandem_timing's queue, prefill, transfer, its exposed part and the
+    server's own TTFT, ms)."""
     results = []
     for index in range(count):
         rng = random.Random(index)

@@ -110,15 +110,15 @@ def check_triton(ctx, dtype: torch.dtype) -> Outcome:
 
 
 def split_decode_error(step: MixedStep, dtype: torch.dtype, reference) -> float:
-    """Max |err| of the Triton decode kernel cut into 64-token partitions, on the reference's pools (which
-    hold this step's K/V), against the reference's decode rows."""
+    """Max |err| of the Triton decode kernel with each context cut into up to 8 partitions, on the reference's
+    pools (which hold this step's K/V), against the reference's decode rows."""
     from engine.attention import triton_decode
 
     rows = step.meta.num_decode_rows
     k_pool, v_pool = reference[1].to(dtype), reference[2].to(dtype)
     split = triton_decode.paged_decode(step.q[:rows], k_pool, v_pool, step.meta.block_tables[:rows],
                                        step.meta.seq_lens[:rows], BLOCK_SIZE, step.meta.decode_len_bound,
-                                       partition_tokens=64)
+                                       num_partitions=8)
     return (split.float() - reference[0][:rows]).abs().max().item()
 
 

@@ -99,44 +99,49 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_(x_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF: tl.constexpr):
-    """Rotates one head [D] in place (neox: halves [lo | hi] -> [lo cos - hi sin | hi cos + lo sin]) and
-    returns the rotated halves, in x's dtype."""
-    lo = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    hi = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0)
+def _rotate_(x_ptr, idx, mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr):
+    """Rotates a token's heads in place (neox: halves [lo | hi] -> [lo cos - hi sin | hi cos + lo sin]), all of
+    them at once: idx [HEADS, HALF_BLOCK] are the low halves' offsets, cos/sin [1, HALF_BLOCK]. Returns the rotated
+    halves, in x's dtype."""
+    lo = tl.load(x_ptr + idx, mask=mask, other=0.0)
+    hi = tl.load(x_ptr + HALF + idx, mask=mask, other=0.0)
     lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
     new_lo = (lo32 * cos_lo - hi32 * sin_lo).to(lo.dtype)
     new_hi = (hi32 * cos_hi + lo32 * sin_hi).to(lo.dtype)
-    tl.store(x_ptr + offs, new_lo, mask=mask)
-    tl.store(x_ptr + HALF + offs, new_hi, mask=mask)
+    tl.store(x_ptr + idx, new_lo, mask=mask)
+    tl.store(x_ptr + HALF + idx, new_hi, mask=mask)
     return new_lo, new_hi
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_ptr"])  # any view of a step's slots: one compiled kernel
 def _rotary_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, k_pool_ptr, v_pool_ptr, slot_ptr,
                          stride_qt, stride_kt, stride_vt, stride_ct, stride_ks, stride_vs,
-                         H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr):
+                         H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                         H_PAD: tl.constexpr, H_KV_PAD: tl.constexpr):
+    """One token: every query head and KV head as one [heads, HALF_BLOCK] tile each (one wide load and store
+    instead of a chain of one head after another: a decode step's few tokens are latency, not bandwidth)."""
     token = tl.program_id(0)
     HALF: tl.constexpr = D // 2
-    offs = tl.arange(0, HALF_BLOCK)
-    mask = offs < HALF
-    cos_lo = tl.load(cos_ptr + token * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
-    cos_hi = tl.load(cos_ptr + token * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    sin_lo = tl.load(sin_ptr + token * stride_ct + offs, mask=mask, other=0.0).to(tl.float32)
-    sin_hi = tl.load(sin_ptr + token * stride_ct + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    for h in range(H):
-        _rotate_(q_ptr + token * stride_qt + h * D, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF)
+    offs = tl.arange(0, HALF_BLOCK)[None, :]  # [1, HALF_BLOCK]
+    half_mask = offs < HALF
+    cos_lo = tl.load(cos_ptr + token * stride_ct + offs, mask=half_mask, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + token * stride_ct + HALF + offs, mask=half_mask, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + token * stride_ct + offs, mask=half_mask, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + token * stride_ct + HALF + offs, mask=half_mask, other=0.0).to(tl.float32)
+    heads = tl.arange(0, H_PAD)[:, None]  # [H_PAD, 1]
+    _rotate_(q_ptr + token * stride_qt, heads * D + offs, (heads < H) & half_mask, cos_lo, cos_hi, sin_lo, sin_hi,
+             HALF)
+    kv_heads = tl.arange(0, H_KV_PAD)[:, None]  # [H_KV_PAD, 1]
+    kv_idx, kv_mask = kv_heads * D + offs, (kv_heads < H_KV) & half_mask  # [H_KV_PAD, HALF_BLOCK]
+    k_lo, k_hi = _rotate_(k_ptr + token * stride_kt, kv_idx, kv_mask, cos_lo, cos_hi, sin_lo, sin_hi, HALF)
     slot = tl.load(slot_ptr + token)
-    for h in range(H_KV):
-        k_lo, k_hi = _rotate_(k_ptr + token * stride_kt + h * D, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF)
-        if slot >= 0:  # padding rows of a captured graph point at -1: nothing is written
-            k_dst = k_pool_ptr + slot * stride_ks + h * D
-            tl.store(k_dst + offs, k_lo, mask=mask)
-            tl.store(k_dst + HALF + offs, k_hi, mask=mask)
-            v_src = v_ptr + token * stride_vt + h * D
-            v_dst = v_pool_ptr + slot * stride_vs + h * D
-            tl.store(v_dst + offs, tl.load(v_src + offs, mask=mask), mask=mask)
-            tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs, mask=mask), mask=mask)
+    if slot >= 0:  # padding rows of a captured graph point at -1: nothing is written
+        k_dst = k_pool_ptr + slot * stride_ks
+        tl.store(k_dst + kv_idx, k_lo, mask=kv_mask)
+        tl.store(k_dst + HALF + kv_idx, k_hi, mask=kv_mask)
+        v_src, v_dst = v_ptr + token * stride_vt, v_pool_ptr + slot * stride_vs
+        tl.store(v_dst + kv_idx, tl.load(v_src + kv_idx, mask=kv_mask), mask=kv_mask)
+        tl.store(v_dst + HALF + kv_idx, tl.load(v_src + HALF + kv_idx, mask=kv_mask), mask=kv_mask)
 
 
 def rotary_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -163,4 +168,5 @@ def rotary_store_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     _rotary_store_kernel[(num_tokens,)](
         q, k, v, cos, sin, k_pool, v_pool, slot_mapping, q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
         k_pool.stride(0), v_pool.stride(0), H=heads, H_KV=k.shape[1], D=head_dim,
-        HALF_BLOCK=triton.next_power_of_2(head_dim // 2))
+        HALF_BLOCK=triton.next_power_of_2(head_dim // 2), H_PAD=max(2, triton.next_power_of_2(heads)),
+        H_KV_PAD=max(2, triton.next_power_of_2(k.shape[1])))

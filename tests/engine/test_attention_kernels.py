@@ -61,46 +61,62 @@ def test_decode_matches_reference(heads, kv_heads, head_dim, block_size):
     torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("partition_tokens", [32, 64])
-def test_decode_split_into_partitions_matches_reference(partition_tokens):
+@pytest.mark.parametrize("num_partitions", [2, 5, 9])
+def test_decode_split_into_partitions_matches_reference(num_partitions):
     """Flash-decoding: a long context cut into partitions merges to the same result; a short sequence in the
-    same batch leaves its later partitions empty."""
+    same batch uses fewer (3 tokens: one), and its grid's other programs store nothing."""
     block_size, heads, kv_heads, head_dim = 16, 8, 2, 64
     k_pool, v_pool = make_pool(kv_heads, head_dim, block_size, num_blocks=64)
     seq_lens = [3, 200, 17 * 16 + 5]
     tables = random_tables(len(seq_lens), 64, 18)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     got = paged_decode(q, k_pool, v_pool, tables, as_int32(seq_lens), block_size, max(seq_lens),
-                       partition_tokens=partition_tokens)
+                       num_partitions=num_partitions)
     want = torch.cat([reference(q[i:i + 1], k_pool, v_pool, tables[i], n, block_size) for i, n in enumerate(seq_lens)])
     torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_decode_with_more_partitions_than_one_merge_read_matches_reference():
-    """1,200 tokens in partitions of 32: 38 partitions, more than the merge kernel reads at once (it loops)."""
+    """1,200 tokens cut into 38 partitions of one 32-key tile, more than the merge kernel reads at once (it
+    loops)."""
     block_size, heads, kv_heads, head_dim = 16, 8, 2, 64
     k_pool, v_pool = make_pool(kv_heads, head_dim, block_size, num_blocks=80)
     seq_lens = [1200, 31, 600]
     tables = random_tables(len(seq_lens), 80, 75)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    got = paged_decode(q, k_pool, v_pool, tables, as_int32(seq_lens), block_size, max(seq_lens), partition_tokens=32)
-    assert -(-max(seq_lens) // 32) > triton_decode.MERGE_BLOCK_P
+    got = paged_decode(q, k_pool, v_pool, tables, as_int32(seq_lens), block_size, max(seq_lens), num_partitions=38)
+    assert -(-1200 // triton_decode.tokens_per_partition(1200, 38, 32)) == 38 > triton_decode.MERGE_BLOCK_P
     want = torch.cat([reference(q[i:i + 1], k_pool, v_pool, tables[i], n, block_size) for i, n in enumerate(seq_lens)])
     torch.testing.assert_close(got.float(), want, rtol=1e-4, atol=1e-4)
 
 
+def test_partitions_fill_the_device_only_where_the_batch_does_not(monkeypatch):
+    """Two programs per streaming multiprocessor (an H200's 132 here): batch x KV heads below that splits each
+    context, never into more partitions than it has key tiles; at or above it, no split. Each sequence then cuts
+    its own context into whole tiles: a 128-token one in a grid of 132 partitions uses 4, a 32k one 128."""
+    monkeypatch.setattr(triton_decode, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert triton_decode.choose_num_partitions(2, 32768, 32, cuda) == 132  # batch 1, 2 KV heads
+    assert triton_decode.choose_num_partitions(2, 128, 32, cuda) == 4
+    assert triton_decode.choose_num_partitions(64, 32768, 32, cuda) == 5  # batch 32
+    assert triton_decode.choose_num_partitions(264, 32768, 32, cuda) == 1
+    assert triton_decode.choose_num_partitions(2, 32768, 32, torch.device("cpu")) == 1
+    assert [triton_decode.tokens_per_partition(n, 132, 32) for n in (1, 128, 4224, 32768)] == [32, 32, 32, 256]
+
+
 @pytest.mark.parametrize("num_partitions", [1, 5, 32, 45])
 def test_merge_kernel_matches_its_reference(num_partitions):
-    """Partials of 3 sequences x 4 heads over 16-token partitions: the first sequence's context ends inside its
-    (P // 2 + 1)-th partition, the second fills all P, the third reaches 2 and what lies past them is NaN: the
-    merge reads only the partitions a context reaches."""
-    partition = 16
+    """Partials of 3 sequences x 4 heads, each context cut into tokens_per_partition(seq_len, P, 16)-token
+    partitions: the first uses about half the grid's P, the second all P, the third two; what lies past them
+    is -inf / NaN: the merge reads only the partitions a context was cut into."""
+    tile = 16
     gen = torch.Generator().manual_seed(num_partitions)
     acc = torch.randn(3, 4, num_partitions, 64, generator=gen)  # [B, H, P, D]
     maxes = torch.randn(3, 4, num_partitions, generator=gen) * 4
     sums = torch.rand(3, 4, num_partitions, generator=gen) + 0.5
-    used = [num_partitions // 2 + 1, num_partitions, min(2, num_partitions)]
-    seq_lens = [(used[0] - 1) * partition + 3, num_partitions * partition, 2 * partition - 1]
+    seq_lens = [(num_partitions // 2) * tile + 3, num_partitions * tile, tile + 1]
+    used = [-(-n // triton_decode.tokens_per_partition(n, num_partitions, tile)) for n in seq_lens]
+    assert used == [num_partitions // 2 + 1, num_partitions, min(2, num_partitions)], used
     maxes[0, :, used[0]:], sums[0, :, used[0]:], acc[0, :, used[0]:] = float("-inf"), 0.0, 0.0
     maxes[2, :, used[2]:], sums[2, :, used[2]:], acc[2, :, used[2]:] = float("nan"), float("nan"), float("nan")
     want = torch.cat([merge_partitions_reference(acc[i:i + 1, :, :n], maxes[i:i + 1, :, :n], sums[i:i + 1, :, :n])
@@ -108,7 +124,7 @@ def test_merge_kernel_matches_its_reference(num_partitions):
     acc, maxes, sums = acc.to(DEVICE), maxes.to(DEVICE), sums.to(DEVICE)
     out = torch.empty(3, 4, 64, device=DEVICE)
     triton_decode._merge_kernel[(3, 4)](out, acc, maxes, sums, as_int32(seq_lens), out.stride(0), out.stride(1),
-                                        num_partitions, partition, HEAD_DIM=64, BLOCK_D=64,
+                                        num_partitions, HEAD_DIM=64, BLOCK_D=64, BLOCK_N=tile,
                                         BLOCK_P=triton_decode.MERGE_BLOCK_P)
     torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
 

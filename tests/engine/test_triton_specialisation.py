@@ -41,12 +41,12 @@ def tables(rows, width):
     return (torch.arange(rows * width) % BLOCKS).to(torch.int32).reshape(rows, width).to(DEVICE)  # [N, width]
 
 
-def decode(seq_lens, offset, partition_tokens=None, head_dim=HEAD_DIM):
+def decode(seq_lens, offset, num_partitions=None, head_dim=HEAD_DIM):
     k_pool, v_pool = pools(head_dim)
     q = torch.randn(len(seq_lens), HEADS, head_dim, device=DEVICE)
     width = -(-max(seq_lens) // BLOCK)
     triton_decode.paged_decode(q, k_pool, v_pool, tables(len(seq_lens), width), int32_at(seq_lens, offset), BLOCK,
-                               max(seq_lens), partition_tokens=partition_tokens)
+                               max(seq_lens), num_partitions=num_partitions)
 
 
 def prefill(specs, decode_rows, offset):
@@ -65,8 +65,8 @@ def prefill(specs, decode_rows, offset):
 def test_decode_compiles_once_for_any_batch_context_and_partitioning():
     with SpecialisationRecorder(triton_decode) as rec:
         decode([1], offset=0)                                  # one row, one partition, a one-block table
-        decode([17, 3, 300], offset=1, partition_tokens=32)    # 10 partitions, tables 19 wide
-        decode([1200, 40], offset=2, partition_tokens=32)      # 38 partitions: the merge loops over them
+        decode([17, 3, 300], offset=1, num_partitions=10)      # 10 partitions, tables 19 wide
+        decode([1200, 40], offset=2, num_partitions=38)        # 38 partitions: the merge loops over them
         decode([5, 6, 7, 8, 9], offset=3)
     assert {name: len(keys) for name, keys in rec.keys.items()} == {"_decode_partition_kernel": 1, "_merge_kernel": 1}
 

@@ -14,7 +14,7 @@ Rules (docs/architecture.md, "The map"):
   api and coordinator also the stream merger (cluster/merged_streams.py); coordinator drives workers;
   drivers may use every room; bench, workers and clients stand alone; selftest uses bench (its checkpoints
   and limits) and plan uses bench (its workloads and metrics), nothing else, and only the entry points
-  import them; the entry points (cli.py, serve.py with serve_flags.py and serve_config.py) may import
+  import them; the entry points (cli.py, serve.py with serve_flags.py, serve_config.py, serve_warmup.py) import
   anything in cluster/, and no room imports them;
 - no Ray in engine, kv_transfer or the plain workers, and no gRPC in engine (Ray only places the workers).
 
@@ -66,7 +66,7 @@ ALLOWED_ENGINE_ROOMS: dict[str, frozenset[str]] = {
 ALLOWED_ENGINE_ROOMS["engine.api"] = frozenset(ALLOWED_ENGINE_ROOMS)
 
 CLUSTER_ENTRY_POINTS = frozenset({"cluster", "cluster.cli", "cluster.serve", "cluster.serve_flags",
-                                  "cluster.serve_config"})
+                                  "cluster.serve_config", "cluster.serve_warmup"})
 ALLOWED_CLUSTER_ROOMS: dict[str, frozenset[str]] = {
     "cluster.backend": frozenset(),
     "cluster.merged_streams": frozenset(),

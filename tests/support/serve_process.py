@@ -110,6 +110,7 @@ def start_serve(*args: str):
             match = re.search(r"gRPC 127\.0\.0\.1:(\d+), HTTP http://127\.0\.0\.1:(\d+)/v1", line)
             if match:
                 sessions |= started_sessions(proc)
+                proc.startup_log = banner  # what it printed up to and with the banner
                 yield proc, int(match.group(1)), int(match.group(2))
                 break
         else:

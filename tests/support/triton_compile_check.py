@@ -23,7 +23,7 @@ def launch_all(dtype: torch.dtype) -> None:
     tables = torch.zeros(3, 16, dtype=torch.int32)
     seq_lens, starts = torch.tensor([5, 40, 200], dtype=torch.int32), torch.tensor([0, 1, 30, 70], dtype=torch.int32)
     q = torch.zeros(70, HEADS, HEAD_DIM, dtype=dtype)
-    triton_decode.paged_decode(q[:3], k_pool, v_pool, tables, seq_lens, BLOCK, 200, partition_tokens=64)
+    triton_decode.paged_decode(q[:3], k_pool, v_pool, tables, seq_lens, BLOCK, 200, num_partitions=4)
     triton_prefill.paged_prefill(torch.empty_like(q), q, k_pool, v_pool, tables, starts, seq_lens, 1, 2, 40, BLOCK)
     k, v, slots = torch.zeros(70, KV_HEADS, HEAD_DIM, dtype=dtype), torch.zeros(70, KV_HEADS, HEAD_DIM, dtype=dtype), \
         torch.zeros(70, dtype=torch.int64)
