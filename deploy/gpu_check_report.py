@@ -133,6 +133,8 @@ def _serving(out: Path) -> str:
         ttfts = first["ttft_ms"]
         pairs.append((f"TTFT of the first {len(ttfts)} requests, one at a time ({first['prompt_tokens']} tokens), ms",
                       " / ".join(f"{ttft:.1f}" for ttft in ttfts) + f" (first / last {first['first_over_tenth']:.2f})"))
+        if "client_first_use_ms" in first:  # paid before them, on a throwaway server of the client's own
+            pairs.append(("the client's own first request (not to Tandem), ms", _number(first["client_first_use_ms"])))
         for which in ("first", "last"):  # where the server says each went (tandem_timing)
             phases = first.get(f"phases_{which}") or {}
             if phases:

@@ -76,7 +76,7 @@ def test_the_report_carries_every_number(tmp_path):
                                                            "median_ttft_ms": 20.5, "p99_ttft_ms": 850.0,
                                                            "disagg": {"transfer_ms_p50": 4.19}}))
     (tmp_path / "first_requests.json").write_text(json.dumps({"ttft_ms": [827.0, 16.5], "first_over_tenth": 50.12,
-                                                              "prompt_tokens": 512,
+                                                              "prompt_tokens": 512, "client_first_use_ms": 4.5,
                                                               "phases_first": {"queue_ms": 1.5, "prefill_ms": 812.0},
                                                               "phases_last": {"queue_ms": 1.2, "prefill_ms": 6.1}}))
     (tmp_path / "pytest.log").write_text("....\nFAILED tests/engine/test_x.py::test_y\n"
@@ -95,6 +95,7 @@ def test_the_report_carries_every_number(tmp_path):
                      "one at a time (512 tokens), ms | 827.0 / 16.5 (first / last 50.12) |",
                      "| the first one's tandem_timing, ms | queue 1.5, prefill 812.0 |",
                      "| the last one's tandem_timing, ms | queue 1.2, prefill 6.1 |",
+                     "| the client's own first request (not to Tandem), ms | 4.50 |",
                      "`1 failed, 345 passed in 226.72s`",
                      "FAILED tests/engine/test_x.py::test_y"):
         assert expected in report, expected
@@ -115,6 +116,7 @@ def test_the_smoke_test_times_a_fresh_servers_first_requests():
     first token per request, each a streamed completion that did produce a token, and where the server says it
     went."""
     smoke = load_script("gpu_serve_smoke")
+    assert smoke.warm_client() > 0  # its own throwaway server, started and stopped
     with start_serve("--device", "cpu") as (_, _, http_port):
         firsts = smoke.first_requests(http_port, 3, prompt_tokens=24)
     assert len(firsts) == 3 and all(first["ttft_ms"] > 0 for first in firsts)
