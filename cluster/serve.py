@@ -205,7 +205,7 @@ async def serve(config: ServeConfig) -> None:
         warmup = config.warmup_requests
         if warmup is None:
             warmup = default_warmup_requests(config.prefill_workers, config.decode_workers, config.replicas)
-        await warm_up(backend, WarmupPlan(warmup))  # before the autoscaler, which would see its load
+        await warm_up(backend, WarmupPlan(warmup), config.api_key)  # before the autoscaler, which would see its load
         if scaling is not None and config.autoscale is not None:
             scaling.start_autoscaler(config.autoscale)
         await _serve_until_signalled(backend, config, scaling)

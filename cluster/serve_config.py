@@ -51,7 +51,7 @@ class ServeConfig:
     max_connections: int = 1024  # HTTP: connections served at once; past it 503
     prefill_tp: int = 1  # ranks of each prefill worker (disaggregated)
     decode_tp: int = 1   # ranks of each decode worker, replica, or of the engine in this process
-    warmup_requests: int | None = None  # sent through the backend before listening; None: one per worker pair
+    warmup_requests: int | None = None  # before listening (serve_warmup.py); None: one per P -> D pair / replica
 
     @property
     def model_name(self) -> str:

@@ -64,19 +64,20 @@ def warmup_bodies(plan: WarmupPlan, vocab_size: int) -> list[dict]:
     return bodies
 
 
-async def warm_up(backend: Backend, plan: WarmupPlan) -> bool:
-    """Sends the plan's requests at once through a private front end over `backend` and waits for all of them (at
-    most plan.timeout_s). Returns whether every one completed; a failure or the timeout is logged as a warning,
-    never raised (the server still starts: its health check and first requests tell the rest). At the timeout the
-    connections close, which cancels what still runs and frees what it held; the private front end is closed
-    before this returns."""
+async def warm_up(backend: Backend, plan: WarmupPlan, api_key: str | None = None) -> bool:
+    """Sends the plan's requests at once through a private front end over `backend` (on 127.0.0.1, asking for
+    `api_key` as the server's do) and waits for all of them (at most plan.timeout_s). Returns whether every one
+    completed; a failure or the timeout is logged as a warning, never raised (the server still starts: its health
+    check and first requests tell the rest). At the timeout the connections close, which cancels what still runs
+    and frees what it held; the private front end is closed before this returns."""
     if plan.requests == 0:
         return True
     started = time.perf_counter()
     bodies = warmup_bodies(plan, backend.tokenizer.vocab_size)
-    runner, port = await start_http_server(backend, HttpServerConfig(host="127.0.0.1", port=0))
+    runner, port = await start_http_server(backend, HttpServerConfig(host="127.0.0.1", port=0, api_key=api_key))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", headers=headers) as session:
             outcomes = await asyncio.wait_for(
                 asyncio.gather(*(_complete(session, body) for body in bodies), return_exceptions=True), plan.timeout_s)
     except asyncio.TimeoutError:

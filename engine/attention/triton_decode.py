@@ -92,7 +92,8 @@ def _tokens_per_partition(seq_len, num_partitions, BLOCK_N: tl.constexpr):
 
 def tokens_per_partition(seq_len: int, num_partitions: int, block_n: int) -> int:
     """_tokens_per_partition on the host (tests, references): ceil(seq_len / P) rounded up to whole key tiles."""
-    return max(-(-(-(-seq_len // num_partitions)) // block_n), 1) * block_n
+    per_partition = -(-seq_len // num_partitions)  # ceil
+    return max(-(-per_partition // block_n), 1) * block_n
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ def test_warm_up_runs_every_request_to_the_end_through_a_real_engine(served, cap
             caplog.set_level(logging.INFO, "tandem.serve")
             assert await warm_up(backend, WarmupPlan(3, prompt_tokens=20, max_tokens=3))
             assert await warm_up(backend, WarmupPlan(0))  # none asked: nothing runs
+            assert await warm_up(backend, WarmupPlan(1), api_key="sk-warm")  # asked for there, and sent
     asyncio.run(scenario())
     assert "3 of 3 request(s) of 20 prompt tokens done" in caplog.text
 
