@@ -7,9 +7,11 @@ import warnings
 import pytest
 import torch
 
+from engine.sampling.draw import argmax
 from engine.sampling.sampler import Sampler, sampling_probs
 from engine.sampling_params import SamplingParams as SP
 from tests.support.engine_checks import real_syncs
+from tests.support.launch_count import LaunchCounter
 
 VOCAB = 3000  # two full blocks of the two-level draw and a short third one
 CHI2_CRITICAL_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
@@ -149,6 +151,18 @@ def test_greedy_batch_is_argmax(vocab):
     tokens = _sample(logits, [SP(temperature=0)] * 33)
     assert tokens == logits.argmax(dim=-1).tolist()
     assert tokens[:3] == [0, 3, vocab - 1]
+
+
+def test_the_greedy_pick_off_the_cpu_is_one_argmax():
+    """The two-level argmax is a CPU speed-up; on a GPU its ~11 ops would be launches after every decode graph's
+    replay. Counted on the meta device (as a GPU would be): torch's one argmax; on CPU: the two levels, same ids."""
+    counter = LaunchCounter()
+    counter.counting = True
+    with counter:
+        argmax(torch.empty(4, VOCAB, device="meta"))
+    assert dict(counter.torch_ops) == {"argmax": 1}, counter.torch_ops
+    logits = _logits(4, seed=3)
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))
 
 
 def test_empty_batch():
