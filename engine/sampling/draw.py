@@ -30,7 +30,7 @@ def draw(probs: torch.Tensor, ids: torch.Tensor | None, uniforms: torch.Tensor) 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [S, n] -> [S], the first maximum of each row as torch.argmax gives it. On CPU in two levels (block
     maxima, then inside the first best block): a fraction of argmax's time there. Elsewhere torch's own, one
-    kernel: on a GPU the two levels would be ~11 launches after every decode graph's replay."""
+    kernel: on a GPU the two levels would be 12 launches after every decode graph's replay."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
     block = _per_block(logits, lambda blocks: blocks.amax(dim=-1)).argmax(dim=-1, keepdim=True)  # [S, 1]

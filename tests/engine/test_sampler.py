@@ -154,7 +154,7 @@ def test_greedy_batch_is_argmax(vocab):
 
 
 def test_the_greedy_pick_off_the_cpu_is_one_argmax():
-    """The two-level argmax is a CPU speed-up; on a GPU its ~11 ops would be launches after every decode graph's
+    """The two-level argmax is a CPU speed-up; on a GPU its 12 ops would be launches after every decode graph's
     replay. Counted on the meta device (as a GPU would be): torch's one argmax; on CPU: the two levels, same ids."""
     counter = LaunchCounter()
     counter.counting = True
