@@ -56,9 +56,11 @@ def test_serve_disaggregated_streams_with_timing_and_sigterm_stops_ray_and_worke
 
 
 def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_port: int) -> set[int]:
-    """Serves over HTTP and gRPC, then stops on SIGTERM; returns the processes it had started."""
+    """Warmed up before it listened (one request through a private front end: not in /metrics), serves over HTTP
+    and gRPC, then stops on SIGTERM; returns the processes it had started."""
     started = descendants(proc.pid)
     assert started, "no Ray processes under tandem serve"
+    assert "serving warm-up: 1 of 1 request(s) of 48 prompt tokens done" in proc.startup_log, proc.startup_log
     reply = complete_over_http(http_port, 6)
     choice = reply["choices"][0]
     assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
@@ -71,6 +73,9 @@ def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_por
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=30).read().decode()
     for worker, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
         assert f'tandem_worker_kv_total_blocks{{role="{role}",worker="{worker}"}}' in metrics, metrics[-2000:]
+    http_requests = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith('tandem_requests_total{') and 'frontend="http"' in line]
+    assert sum(http_requests) == 1, "the warm-up's request is counted in /metrics"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
     assert "shutting down" in proc.stdout.read()

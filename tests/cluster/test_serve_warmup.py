@@ -1,12 +1,11 @@
 """The serving warm-up (cluster/serve_warmup.py): its requests run through a private front end over a real
 engine's backend to the end and leave no block held; refusals and a timeout are reported, not raised, and free
-what they held; bad plans are ValueErrors; `tandem serve` runs it before it listens."""
+what they held; bad plans are ValueErrors. That `tandem serve` runs it before it listens, and keeps it out of
+/metrics: tests/cluster/test_serve_cli.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import urllib.request
 
 import pytest
 
@@ -14,7 +13,6 @@ from cluster.serve_warmup import WarmupPlan, default_warmup_requests, warm_up, w
 from engine import LLM
 from tests.support.frontend_rig import local_backend
 from tests.support.http_rig import KV_BYTES
-from tests.support.serve_process import start_serve
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +68,3 @@ def test_refused_requests_are_logged_and_the_server_still_starts(served, caplog)
             assert not await warm_up(backend, WarmupPlan(2, prompt_tokens=served.max_model_len + 1))
     asyncio.run(scenario())
     assert "a request failed: HTTP 400" in caplog.text and "0 of 2 request(s)" in caplog.text
-
-
-def test_serve_warms_up_before_it_listens_and_then_serves():
-    """1P1D on Ray with the default warm-up (one request): its log line comes before the banner, and a request
-    after it is answered in full."""
-    with start_serve("--prefill-workers", "1", "--decode-workers", "1") as (proc, _, http_port):
-        assert "serving warm-up: 1 of 1 request(s) of 48 prompt tokens done" in proc.startup_log, proc.startup_log
-        body = json.dumps({"prompt": [5, 6, 7, 8], "max_tokens": 3, "temperature": 0, "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            assert json.loads(reply.read())["usage"]["completion_tokens"] == 3
