@@ -114,8 +114,8 @@ def decode_scratch(batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
     """The partitions per sequence (num_partitions, else choose_num_partitions') and the partials' buffers, for
     `batch` rows of contexts of at most max_seq_len tokens."""
     if num_partitions is None:
-        num_partitions = choose_num_partitions(batch * num_kv_heads, max_seq_len, _key_tile(head_dim), device)
-    num_partitions = max(1, min(num_partitions, -(-max_seq_len // _key_tile(head_dim))))
+        num_partitions = choose_num_partitions(batch * num_kv_heads, device)
+    num_partitions = max(1, min(num_partitions, -(-max_seq_len // _key_tile(head_dim))))  # no more than its tiles
     block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
     acc = torch.empty(batch, num_heads, num_partitions, block_d, dtype=torch.float32, device=device)
     maxes = torch.empty(batch, num_heads, num_partitions, dtype=torch.float32, device=device)
@@ -138,7 +138,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
+    block_d, block_n = max(MIN_TILE, triton.next_power_of_2(head_dim)), _key_tile(head_dim)
     if scratch is None:
         scratch = decode_scratch(batch, num_heads, num_kv_heads, head_dim, max_seq_len, q.device, num_partitions)
     num_partitions = scratch.num_partitions
@@ -147,12 +147,12 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bl
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_tables.stride(0), num_heads, num_partitions,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(MIN_TILE, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=_key_tile(head_dim), PRECISION=_dot_precision(q.dtype))
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype))
     if out is None:
         out = torch.empty_like(q)
     _merge_kernel[(batch, num_heads)](out, scratch.acc, scratch.maxes, scratch.sums, seq_lens, out.stride(0),
                                       out.stride(1), num_partitions, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                                      BLOCK_N=_key_tile(head_dim), BLOCK_P=MERGE_BLOCK_P)
+                                      BLOCK_N=block_n, BLOCK_P=MERGE_BLOCK_P)
     return out
 
 
@@ -205,13 +205,11 @@ def merge_partitions_reference(acc: torch.Tensor, maxes: torch.Tensor, sums: tor
     return (acc * weights.unsqueeze(-1)).sum(dim=2) / total
 
 
-def choose_num_partitions(num_programs: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
+def choose_num_partitions(num_programs: int, device: torch.device) -> int:
     """Partitions per sequence: one when batch x KV heads already fills the device (two programs per streaming
-    multiprocessor), else enough for that, and no more than max_seq_len has key tiles."""
+    multiprocessor), else enough for that (decode_scratch caps them at the context's key tiles)."""
     units = _multiprocessors(device) if device.type == "cuda" else 1
-    if num_programs >= 2 * units:
-        return 1
-    return max(1, min(-(-2 * units // num_programs), -(-max_seq_len // block_n)))
+    return max(1, -(-2 * units // max(num_programs, 1)))
 
 
 @functools.lru_cache(maxsize=None)

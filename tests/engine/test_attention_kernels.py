@@ -96,11 +96,12 @@ def test_partitions_fill_the_device_only_where_the_batch_does_not(monkeypatch):
     its own context into whole tiles: a 128-token one in a grid of 132 partitions uses 4, a 32k one 128."""
     monkeypatch.setattr(triton_decode, "_multiprocessors", lambda device: 132)
     cuda = torch.device("cuda")
-    assert triton_decode.choose_num_partitions(2, 32768, 32, cuda) == 132  # batch 1, 2 KV heads
-    assert triton_decode.choose_num_partitions(2, 128, 32, cuda) == 4
-    assert triton_decode.choose_num_partitions(64, 32768, 32, cuda) == 5  # batch 32
-    assert triton_decode.choose_num_partitions(264, 32768, 32, cuda) == 1
-    assert triton_decode.choose_num_partitions(2, 32768, 32, torch.device("cpu")) == 1
+    assert triton_decode.choose_num_partitions(2, cuda) == 132  # batch 1, 2 KV heads
+    assert triton_decode.choose_num_partitions(64, cuda) == 5  # batch 32
+    assert triton_decode.choose_num_partitions(264, cuda) == triton_decode.choose_num_partitions(2000, cuda) == 1
+    assert triton_decode.choose_num_partitions(2, torch.device("cpu")) == 1
+    scratch = triton_decode.decode_scratch(1, 14, 2, 64, 128, torch.device("cpu"), num_partitions=132)
+    assert scratch.num_partitions == 4 and scratch.acc.shape == (1, 14, 4, 64)  # capped at the context's 4 tiles
     assert [triton_decode.tokens_per_partition(n, 132, 32) for n in (1, 128, 4224, 32768)] == [32, 32, 32, 256]
 
 
