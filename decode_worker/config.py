@@ -22,7 +22,9 @@ class DecodeWorkerConfig:
     is no reason to give up).
 
     prefix_reuse: expect() matches the prompt's leading full blocks in the engine's prefix cache and pins
-    them for the request, so the KV transfer skips them (off: every transfer carries the whole prompt)."""
+    them for the request, so the KV transfer skips them (off: every transfer carries the whole prompt).
+    kv_lanes: open KV lanes (kv_transfer/lanes/) even with one rank: the cluster's prefill workers are
+    tensor-parallel groups (a group of its own size opens them anyway)."""
 
     name: str = "decode-0"
     transport: str = "grpc"
@@ -34,6 +36,7 @@ class DecodeWorkerConfig:
     headroom_blocks: int = 1
     expect_timeout_s: float = 60.0
     prefix_reuse: bool = True
+    kv_lanes: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -2,9 +2,10 @@
 
 Its transport's receiver always exists (NoReceiver for a colocated replica; for a tensor-parallel engine it lands in
 a full-head staging pool on rank 0, scattered to every rank on admission: kv_transfer/group_pool.py). A
-tensor-parallel engine started with lanes (kv_transfer/lanes/) also has a LaneReceiver: a prefill group of the same
-size sends each rank's heads straight to that rank, so its deliveries are already in the engine's blocks. The
-address names both: the staging receiver's target, and every rank's lane target.
+worker started with lanes (kv_transfer/lanes/: a tensor-parallel engine, or one rank in a cluster whose prefill groups
+have another size) also has a LaneReceiver: a prefill group sends each of its ranks' heads straight to the ranks
+that hold them, so its deliveries are already in the engine's blocks. The address names both: the staging
+receiver's target, and every rank's lane target and KV heads.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class KVReceivers:
         """Where prefill workers send this worker's KV (with its lanes' targets when it has lanes)."""
         if self.lanes is None:
             return self.receiver.address
-        return dataclasses.replace(self.receiver.address, lanes=self.lanes.address.lanes)
+        lanes = self.lanes.address
+        return dataclasses.replace(self.receiver.address, lanes=lanes.lanes, lane_heads=lanes.lane_heads)
 
     def deliver_to(self, deliver: Deliver) -> None:
         """Every outcome of either receiver goes to deliver(outcome, by_lanes) on a transport thread."""

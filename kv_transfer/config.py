@@ -102,10 +102,12 @@ class DistRendezvous:
 @dataclass(frozen=True)
 class ReceiverAddress:
     """How a sender reaches a receiver: a host:port target (the gRPC server, or a rank transport's control
-    listener) and, for gloo/nccl/ipc, the receiver's rank. lanes: a tensor-parallel receiver's per-rank targets
-    (rank order, rank 0's first), each taking only its rank's KV heads (kv_transfer/lanes/); () for one rank."""
+    listener) and, for gloo/nccl/ipc, the receiver's rank. lanes: a receiver's KV lanes' per-rank targets (rank
+    order, rank 0's first), each taking only its rank's KV heads (kv_transfer/lanes/), and lane_heads the model's KV
+    heads [start, stop) each rank holds; () for a receiver without lanes."""
 
     transport: str
     rank: int = -1
     target: str = ""
     lanes: tuple[str, ...] = ()
+    lane_heads: tuple[tuple[int, int], ...] = ()

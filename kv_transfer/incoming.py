@@ -59,7 +59,10 @@ class IncomingTransfer:
         return staging, [staging[off : off + size] if size else None for off, size in zip(offsets, sizes)]
 
     def _consecutive(self, index: int) -> bool:
-        """Whether run `index` lands in consecutive block ids of this side (so its planes are contiguous)."""
+        """Whether run `index` lands in consecutive block ids of this side (so its planes are contiguous, unless the
+        pool is a head window: its runs always land from staging)."""
+        if not self.pool.contiguous:
+            return False
         first = self._first_block[index]
         return consecutive_start(self.block_ids[first : first + self.manifest.runs[index].num_blocks]) is not None
 
@@ -76,12 +79,10 @@ class IncomingTransfer:
         if manifest.trailing_checksums and not (trailing_checksums or manifest.streamed):  # layers' always trail
             raise KVTransferError(TransferStatus.MALFORMED, "this transport needs every run's checksum in the manifest",
                                   rid)
+        pool = _landing_pool(manifest, pool)
         diff = pool.fingerprint.mismatch(manifest.fingerprint)
         if diff:
             raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV layout differs: {diff}", rid)
-        if manifest.kv_heads != pool.kv_heads:  # a lane's heads only into the rank that holds them
-            raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV heads differ: {manifest.kv_heads} "
-                                  f"sent, this pool holds {pool.kv_heads or 'all'}", rid)
         block_ids = pool.allocate_incoming(rid, manifest.num_blocks)
         if block_ids is None:
             raise KVTransferError(TransferStatus.REJECTED_NO_BLOCKS, f"no room for {manifest.num_blocks} blocks", rid)
@@ -285,3 +286,20 @@ class IncomingTransfer:
         if self._staging is not None:
             self._staging_pool.release(self._staging)
             self._staging = None
+
+
+def _landing_pool(manifest: Manifest, pool: KVPoolView) -> KVPoolView:
+    """The view a transfer lands in: the pool itself when the manifest names its heads (a lane's heads only into the
+    rank that holds them), else the pool's window of the manifest's heads (a lane's part, when the pool takes
+    them). Raises KVTransferError REJECTED_FINGERPRINT otherwise."""
+    if manifest.kv_heads == pool.kv_heads:
+        return pool
+    window = None
+    if pool.windows is not None and manifest.kv_heads is not None:
+        start, stop = pool.heads
+        if start <= manifest.kv_heads[0] < manifest.kv_heads[1] <= stop:
+            window = pool.windows(manifest.kv_heads)
+    if window is None:
+        raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV heads differ: {manifest.kv_heads} sent, this "
+                              f"pool holds {pool.kv_heads or 'all'}", manifest.request_id)
+    return window

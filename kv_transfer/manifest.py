@@ -9,7 +9,7 @@ prefix cache and pinned them): block_ids and runs cover only the prompt's blocks
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -86,13 +86,23 @@ class ModelFingerprint:
 @dataclass(frozen=True)
 class ManifestLimits:
     """What a receiver could ever accept: its pool's KV layout and its size in blocks (the whole pool, free
-    or not). decode_manifest(data, limits) refuses anything beyond them before building it."""
+    or not). decode_manifest(data, limits) refuses anything beyond them before building it. window_heads: the
+    pool's KV heads when it also takes a transfer of fewer of them (a lane's part): the layout may then differ
+    in num_kv_heads, by holding fewer."""
 
     fingerprint: ModelFingerprint
     max_blocks: int
+    window_heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         check_int(self.max_blocks, "max_blocks", minimum=1)
+
+    def layout_mismatch(self, fingerprint: ModelFingerprint) -> str | None:
+        """How fingerprint differs from what this receiver takes (None: it takes it)."""
+        diff = self.fingerprint.mismatch(fingerprint)
+        if diff and self.window_heads is not None and 0 < fingerprint.num_kv_heads < self.fingerprint.num_kv_heads:
+            return self.fingerprint.mismatch(replace(fingerprint, num_kv_heads=self.fingerprint.num_kv_heads))
+        return diff
 
     @property
     def max_manifest_bytes(self) -> int:

@@ -85,7 +85,7 @@ def _max_list(limits: ManifestLimits) -> int:
 
 def _check_limits(top: dict, fingerprint: ModelFingerprint, limits: ManifestLimits) -> None:
     """O(1) checks of the sizes the sender chose against what this receiver's pool could ever hold."""
-    diff = limits.fingerprint.mismatch(fingerprint)
+    diff = limits.layout_mismatch(fingerprint)
     if diff:
         raise FingerprintMismatch(f"KV layout differs: {diff}")
     check_int(top["num_tokens"], "num_tokens", minimum=1)

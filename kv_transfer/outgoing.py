@@ -146,7 +146,7 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     run i's bytes), so nothing is read from the pool here.
     A run is direct (sent as its pool planes) when direct_min_plane_bytes is set, the pool lives on the
     staging device (the wire's device) and each plane has at least that many bytes; the other runs get
-    staging. all_direct: every run is direct and no staging view is laid out (ipc: the receiver reads the runs
+    staging; a head window's runs are all gathered. all_direct: every run is direct and no staging view is laid out (ipc: the receiver reads the runs
     straight out of this pool; inline gloo from a host pool: the planes go on the socket in scatter-gather
     writes, no gather). Reads the pool, changes nothing in it. A streamed request
     (request.stream) is laid out by prepare_streamed instead (its layers must be in within stream_timeout_s)."""
@@ -164,7 +164,9 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
                         block_ids=tuple(request.block_ids), first_token=request.first_token, runs=infos,
                         first_logprobs=request.first_logprobs, prefix_blocks=request.prefix_blocks,
                         kv_heads=pool.kv_heads)
-    if all_direct:
+    if not pool.contiguous:  # a head window's planes are not contiguous: every run is gathered
+        direct = [False] * len(infos)
+    elif all_direct:
         direct = [True] * len(infos)
     elif direct_min_plane_bytes is not None and staging_pool.device == pool.device:
         direct = [info.nbytes // (2 * fp.num_layers) >= direct_min_plane_bytes for info in infos]

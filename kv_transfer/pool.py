@@ -32,6 +32,10 @@ class KVPoolView:
     kv_heads: the model's KV heads [start, stop) the pool holds when it holds only some (one rank of a
     tensor-parallel group, as a KV lane: kv_transfer/lanes/); its manifests say so, and it accepts only transfers
     of exactly those heads. None: every head (the manifests say nothing).
+    windows: when given, the pool also takes a transfer of some of its heads (a lane's part, kv_transfer/lanes/
+    parts.py): windows(heads) is the view that transfer lands in (its kv the pool's blocks narrowed to those heads,
+    head_window), or None to refuse it.
+    kv may be such a narrowed view (not contiguous): its runs then travel gathered and land from staging.
     """
 
     kv: torch.Tensor
@@ -39,6 +43,7 @@ class KVPoolView:
     free: Callable[[Sequence[int]], None]
     allocate_for: Callable[[str, int], list[int] | None] | None = None
     kv_heads: tuple[int, int] | None = None
+    windows: Callable[[tuple[int, int]], "KVPoolView | None"] | None = None
 
     def allocate_incoming(self, request_id: str, num_blocks: int) -> list[int] | None:
         """Blocks for `request_id`'s incoming KV: allocate_for when given, else allocate."""
@@ -51,8 +56,8 @@ class KVPoolView:
             raise ValueError(f"kv must be [L, 2, num_blocks, block_size, H, D], got {tuple(self.kv.shape)}")
         if self.kv.dtype not in DTYPE_NAMES:
             raise ValueError(f"kv dtype {self.kv.dtype} not supported; use one of {list(DTYPE_NAMES)}")
-        if not self.kv.is_contiguous():
-            raise ValueError("kv must be contiguous")
+        if self.kv.stride(-1) != 1 or (not self.kv.is_contiguous() and self.kv_heads is None):
+            raise ValueError("kv must be contiguous (or a head window of a contiguous pool: head_window)")
         if self.kv_heads is not None and self.kv_heads[1] - self.kv_heads[0] != self.kv.shape[4]:
             raise ValueError(f"kv_heads {self.kv_heads} do not span the pool's {self.kv.shape[4]} KV heads")
 
@@ -67,6 +72,25 @@ class KVPoolView:
         return self.kv.device.type == "cpu"
 
     @cached_property
+    def contiguous(self) -> bool:
+        """Whether kv is the pool's own memory in order (a run's planes are then contiguous: they may travel and land
+        in place); False for a head window (head_window)."""
+        return self.kv.is_contiguous()
+
+    @cached_property
+    def heads(self) -> tuple[int, int]:
+        """The model's KV heads [start, stop) the pool holds (kv_heads, else all of its own)."""
+        return self.kv_heads or (0, self.kv.shape[4])
+
+    def head_window(self, heads: tuple[int, int]) -> torch.Tensor:
+        """kv narrowed to the model's KV heads `heads` (within self.heads; ValueError otherwise): a view of the same
+        blocks, [L, 2, num_blocks, block_size, heads, D], not contiguous unless it is every head."""
+        start, stop = self.heads
+        if not start <= heads[0] < heads[1] <= stop:
+            raise ValueError(f"KV heads {heads} are not within the pool's {self.heads}")
+        return self.kv.narrow(4, heads[0] - start, heads[1] - heads[0])
+
+    @cached_property
     def num_blocks(self) -> int:
         return self.kv.shape[2]
 
@@ -77,8 +101,8 @@ class KVPoolView:
     @cached_property
     def _host_plane_bytes(self) -> np.ndarray:
         """A host pool's memory as [2 * num_layers, num_blocks * plane row bytes] uint8 (a view, no copy)."""
-        if self.kv.device.type != "cpu":
-            raise ValueError("a CUDA pool has no host planes")
+        if self.kv.device.type != "cpu" or not self.contiguous:
+            raise ValueError("only a contiguous host pool has host planes")
         return self.kv.view(torch.uint8).numpy().reshape(2 * self.kv.shape[0], -1)
 
     @cached_property
@@ -98,8 +122,9 @@ class KVPoolView:
 
     @cached_property
     def manifest_limits(self) -> ManifestLimits:
-        """What a manifest for this pool may ask for: its layout, and at most every block it has."""
-        return ManifestLimits(self.fingerprint, self.num_blocks)
+        """What a manifest for this pool may ask for: its layout (or a window of its heads, with windows), and at
+        most every block it has."""
+        return ManifestLimits(self.fingerprint, self.num_blocks, self.heads if self.windows is not None else None)
 
 
 def fingerprint_of(kv: torch.Tensor) -> ModelFingerprint:

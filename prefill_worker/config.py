@@ -15,7 +15,9 @@ class PrefillWorkerConfig:
     holding their blocks in the engine, for a slot (None: the gRPC receiver's concurrent-transfer
     limit for grpc, which refuses calls past it; unlimited for gloo/nccl, which queue per peer).
     kv_streaming: "layer" sends each prompt's KV layer by layer while the step that completes it runs
-    (not over ipc, which always sends whole requests); "request" sends it once the step is done."""
+    (not over ipc, which always sends whole requests); "request" sends it once the step is done.
+    kv_lanes: open KV lanes (kv_transfer/lanes/) even with one rank: the cluster's decode workers are
+    tensor-parallel groups (a group of its own size opens them anyway)."""
 
     name: str = "prefill-0"
     transport: str = "grpc"
@@ -23,6 +25,7 @@ class PrefillWorkerConfig:
     rendezvous: DistRendezvous | None = None
     max_transfers_per_peer: int | None = None
     kv_streaming: str = "layer"
+    kv_lanes: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -1,10 +1,10 @@
 """KVSenders: a prefill worker's ways to ship a request's KV, chosen per transfer.
 
 Its transport's sender always exists (for a tensor-parallel engine it reads a full-head staging pool on rank 0:
-kv_transfer/group_pool.py). A tensor-parallel engine started with lanes (kv_transfer/lanes/) also has a
-LaneSender: a whole-request transfer to a decode group of the same size goes by lanes, each rank's heads straight
-to its rank; any other peer (a single rank, a group of another size) and every layer-streamed transfer take the
-staging path.
+kv_transfer/group_pool.py). A worker started with lanes (kv_transfer/lanes/: a tensor-parallel engine, or one rank in
+a cluster whose decode groups have another size) also has a LaneSender: a transfer to a decode worker with lanes goes
+by lanes, each rank's heads straight to the ranks that hold them (split or merged between layouts), unless both
+sides have one rank; any other peer takes the transport's sender (through the staging pool).
 """
 from __future__ import annotations
 

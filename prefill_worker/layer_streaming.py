@@ -6,9 +6,9 @@ soon as the forward has written it, so most of the KV is on the wire while the r
 After the step the worker completes each stream (`complete`): the sampled first token follows the last
 layer and the blocks pass from the engine to the transfer, or the stream is aborted when the first token
 ended the request. A request without a free slot is sent whole after the step, as with "request".
-A tensor-parallel worker with KV lanes streams a request to a decode group of its own size from every rank
-(kv_transfer/lanes/group_sender.py): the engine's blocks travel, no staging; other peers stream through rank 0's
-staging pool (prefill_worker/group_streams.py).
+A worker with KV lanes streams a request to a decode worker with lanes from every rank (kv_transfer/lanes/
+group_sender.py): the engine's blocks travel, no staging; other peers stream through rank 0's staging pool
+(prefill_worker/group_streams.py).
 
 Step thread only, like the worker that owns it.
 """
@@ -41,7 +41,7 @@ class LayerStreaming:
                  on_sent: Callable[[str, TransferHandle], None], staging: GroupStaging | None = None,
                  lanes: LaneSender | None = None) -> None:
         """staging: a tensor-parallel engine's (kv_transfer/group_pool.py): the streams send its blocks. lanes: its
-        lane sender, when it has lanes: a stream to a decode group of its size goes by lanes instead."""
+        lane sender, when it has lanes: a stream to a decode worker with lanes goes by lanes instead."""
         self._engine, self._sender, self._slots, self._lives, self._on_sent = engine, sender, slots, lives, on_sent
         self._clock: LayerClock | None = None
         self._group = GroupStreams(staging) if staging is not None else None
@@ -95,8 +95,11 @@ class LayerStreaming:
 
     def _send_by_lanes(self, peer: Any, request: SendRequest) -> TransferHandle:
         """A stream from every rank, on the coming step (its number: the step messages sent so far); once it is under
-        way, the followers are asked to report that step's layers to their lanes."""
+        way, the followers are asked to report that step's layers to their lanes. One rank: its lane streams on the
+        step's clock."""
         leader = self._engine.tp_leader
+        if leader is None:
+            return self._lanes.send(peer, request, 0)
         handle = self._lanes.send(peer, request, leader.steps_sent)
         leader.stream_lanes_next_step()
         return handle

@@ -1,10 +1,11 @@
 """Benchmark: a KV hand-off between two tensor-parallel groups by lanes against the same hand-off through rank 0.
 
 `tandem bench tp-lanes --shape llama-25m --tp 2 --transport gloo --prefill-tokens 1024 --rounds 8`: a prefill group
-and a decode group of --tp ranks each live at once (rank 0 of each in this process, the followers in their own),
-joined both ways a worker joins them: the transport's sender and receiver through each group's full-head staging
-pool on rank 0 (kv_transfer/group_pool.py: gathered there, sent once, scattered from there), and KV lanes
-(kv_transfer/lanes/: each rank's heads from its prefill rank straight to its decode rank). Each round prefills two
+and a decode group of --tp ranks each (or --prefill-tp / --decode-tp: groups of two sizes, one of them may be a single
+rank) live at once (rank 0 of each in this process, the followers in their own), joined both ways a worker joins them:
+the transport's sender and receiver through each group's full-head staging pool on rank 0 (kv_transfer/group_pool.py:
+gathered there, sent once, scattered from there), and KV lanes (kv_transfer/lanes/: each rank's heads from its
+prefill rank straight to the decode ranks that hold them, split or merged between sizes). Each round prefills two
 fresh prompts of --prefill-tokens and hands one over each way, alternating which goes first; a hand-off is timed
 from the ship to the KV in the decode engine's blocks on every rank (the staged one scattered). Medians; the ratio
 lanes / rank 0. On a CPU the ranks share the cores, so both ways move the same bytes through the same memory; what
@@ -28,13 +29,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="llama-25m", help="seeded random checkpoint (cluster/bench/checkpoint.py)")
     parser.add_argument("--model", default=None, help="a checkpoint directory or GGUF file instead of --shape")
     parser.add_argument("--tp", type=int, default=2, help="ranks of each group")
+    parser.add_argument("--prefill-tp", type=int, default=None, help="ranks of the prefill group (default --tp)")
+    parser.add_argument("--decode-tp", type=int, default=None, help="ranks of the decode group (default --tp)")
     parser.add_argument("--transport", default="gloo", choices=("gloo", "grpc"), help="the KV transport")
     parser.add_argument("--prefill-tokens", type=int, default=1024, help="tokens of each handed-over prompt")
     parser.add_argument("--rounds", type=int, default=8, help="alternating rounds (medians are reported)")
 
 
 class GroupPair:
-    """A prefill group and a decode group of args.tp ranks, joined through rank 0 and by lanes."""
+    """A prefill group of args.prefill_tp ranks and a decode group of args.decode_tp, joined through rank 0 and by
+    lanes."""
 
     def __init__(self, model: str, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
         from engine.builder import build_engine
@@ -47,12 +51,14 @@ class GroupPair:
         ranked = args.transport != "grpc"
         send_rdzv, receive_rdzv = (DistRendezvous(0, 2, "bench-lanes"), DistRendezvous(1, 2, "bench-lanes")) \
             if ranked else (None, None)
-        engine_config = EngineConfig(tensor_parallel_size=args.tp, kv_cache_memory=256 << 20,
-                                     max_num_batched_tokens=max(2048, args.prefill_tokens))
         engines = []
-        for role, rendezvous, peers in (("send", send_rdzv, ()), ("receive", receive_rdzv, (0,))):
+        for role, tp, rendezvous, peers in (("send", args.prefill_tp, send_rdzv, ()),
+                                            ("receive", args.decode_tp, receive_rdzv, (0,))):
+            engine_config = EngineConfig(tensor_parallel_size=tp, kv_cache_memory=256 << 20,
+                                         max_num_batched_tokens=max(2048, args.prefill_tokens))
             lanes = GroupLanes.open(role, args.transport, config, rendezvous, peers)
-            engine = build_engine(model, engine_config, "float32", "cpu", tp_rank_service=lanes.spec)
+            engine = build_engine(model, engine_config, "float32", "cpu",
+                                  tp_rank_service=lanes.spec if tp > 1 else None)
             stack.callback(engine.close)
             engines.append((engine, lanes))
         (self.prefill, send_lanes), (self.decode, receive_lanes) = engines
@@ -97,8 +103,11 @@ class GroupPair:
 def run(args: argparse.Namespace) -> int:
     from cluster.bench.checkpoint import build_bench_checkpoint
 
-    if args.tp < 2 or args.rounds < 1 or args.prefill_tokens < 1:
-        raise ValueError("--tp must be >= 2, --rounds >= 1, --prefill-tokens >= 1")
+    args.prefill_tp, args.decode_tp = args.prefill_tp or args.tp, args.decode_tp or args.tp
+    if min(args.prefill_tp, args.decode_tp) < 1 or max(args.prefill_tp, args.decode_tp) < 2 or args.rounds < 1 \
+            or args.prefill_tokens < 1:
+        raise ValueError("one group needs >= 2 ranks (--tp, --prefill-tp, --decode-tp), the other >= 1; --rounds >= 1, "
+                         "--prefill-tokens >= 1")
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     nbytes = 0
     with tempfile.TemporaryDirectory() as scratch, contextlib.ExitStack() as stack:
@@ -118,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
 def report(times: dict[str, list[float]], nbytes: int, args: argparse.Namespace) -> None:
     medians = {way: statistics.median(values) for way, values in times.items()}
-    print(f"{args.model or args.shape}, TP={args.tp} -> TP={args.tp} over {args.transport}, "
+    print(f"{args.model or args.shape}, TP={args.prefill_tp} -> TP={args.decode_tp} over {args.transport}, "
           f"{args.prefill_tokens}-token prompts ({nbytes / (1 << 20):.1f} MiB of KV), "
           f"median of {args.rounds} alternating rounds")
     for way in WAYS:

@@ -89,13 +89,14 @@ def _build_engine(spec: EngineSpec, worker_name: str, lanes=None):
     return build_engine(spec.model, spec.engine, dtype=spec.dtype, device=spec.device, tokenizer=spec.tokenizer)
 
 
-def _open_lanes(spec: EngineSpec, role: str, transport: str, config, rendezvous, peers=(), host="127.0.0.1"):
-    """A tensor-parallel worker's KV lanes (kv_transfer/lanes/), opened before its engine; None for one rank or a
-    transport without lanes."""
-    if spec.engine.tensor_parallel_size == 1:
+def _open_lanes(spec: EngineSpec, role: str, worker_config, peers=(), host="127.0.0.1"):
+    """A worker's KV lanes (kv_transfer/lanes/), opened before its engine: a tensor-parallel worker's, or one rank's
+    when worker_config.kv_lanes (the other role's workers are groups); None otherwise, or for a transport without
+    lanes."""
+    if spec.engine.tensor_parallel_size == 1 and not worker_config.kv_lanes:
         return None
     from kv_transfer.lanes import GroupLanes
-    return GroupLanes.open(role, transport, config, rendezvous, peers, host)
+    return GroupLanes.open(role, worker_config.transport, worker_config.transfer, worker_config.rendezvous, peers, host)
 
 
 def _build_with_lanes(spec: EngineSpec, worker_name: str, lanes):
@@ -211,7 +212,7 @@ class PrefillActor(_WorkerActor):
     """A PrefillWorker in a Ray actor process."""
 
     def __init__(self, spec: EngineSpec, config: PrefillWorkerConfig) -> None:
-        lanes = _open_lanes(spec, "send", config.transport, config.transfer, config.rendezvous)
+        lanes = _open_lanes(spec, "send", config)
         engine = _build_with_lanes(spec, config.name, lanes)
         self._worker = PrefillWorker(engine, config, lanes)
         self._calls = PrefillCalls(self._worker)
@@ -246,8 +247,7 @@ class DecodeActor(_WorkerActor):
 
     def __init__(self, spec: EngineSpec, config: DecodeWorkerConfig, role: str = "decode") -> None:
         config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
-        lanes = _open_lanes(spec, "receive", config.transport, config.transfer, config.rendezvous, config.peer_ranks,
-                            config.host)
+        lanes = _open_lanes(spec, "receive", config, config.peer_ranks, config.host)
         engine = _build_with_lanes(spec, config.name, lanes)
         self._worker = DecodeWorker(engine, config, on_step_failure=_group_step_failure(engine), lanes=lanes)
         self._info = _info(config.name, role, engine, self._worker.address)

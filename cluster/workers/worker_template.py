@@ -72,6 +72,12 @@ class WorkerTemplate:
         return {key: amount * self.tp_size(role) for key, amount in self.bundle(role).items()}
 
     @property
+    def kv_lanes(self) -> bool:
+        """Whether workers of one rank open KV lanes too: the two roles' groups differ in size, so the KV moves
+        between their layouts rank to rank (kv_transfer/lanes/parts.py)."""
+        return self.prefill_tp != self.decode_tp
+
+    @property
     def ranked(self) -> bool:
         """Whether KV senders and receivers find each other by rank (gloo, nccl, ipc)."""
         return self.namespace is not None
@@ -88,13 +94,14 @@ class WorkerTemplate:
             per_peer = self.transfer.grpc_max_concurrent_transfers if self.transport == "grpc" else None
             return PrefillActor, (PrefillWorkerConfig(name, self.transport, self.transfer, self._rendezvous(rank),
                                                       max_transfers_per_peer=per_peer,
-                                                      kv_streaming=self.kv_streaming),)
+                                                      kv_streaming=self.kv_streaming, kv_lanes=self.kv_lanes),)
         if role != self.decode_role:
             raise ValueError(f"this cluster has no {role!r} workers (its roles: prefill, {self.decode_role})")
         config = DecodeWorkerConfig(name, self.transport, self.receiver_transfer, rendezvous=self._rendezvous(rank),
                                     peer_ranks=tuple(peer_ranks) if self.ranked else (),
                                     max_live_requests=self.max_live_per_decode_worker,
-                                    expect_timeout_s=self.expect_timeout_s, prefix_reuse=self.decode_prefix_reuse)
+                                    expect_timeout_s=self.expect_timeout_s, prefix_reuse=self.decode_prefix_reuse,
+                                    kv_lanes=self.kv_lanes)
         return DecodeActor, (config, role)
 
     def _rendezvous(self, rank: int) -> DistRendezvous | None:

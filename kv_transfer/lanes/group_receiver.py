@@ -1,8 +1,10 @@
-"""LaneReceiver: a tensor-parallel decode group's KVReceiver over lanes. Each rank's lane takes that rank's heads of a
-request straight into its own pool, in the blocks rank 0 reserved: rank 0's lane takes them when its manifest
-arrives (allocate_for, the worker's reservation) and tells every follower the same ids (Expect). The request is
-delivered (rank 0's ReceivedKV: the engine's blocks, now the caller's) once every rank's lane landed; if any lane
-fails, the others are cancelled and the request fails, its blocks freed once no lane can write them any more.
+"""LaneReceiver: a decode worker's KVReceiver over lanes. Each rank's lane takes that rank's heads of a request straight
+into its own pool, in the blocks rank 0 reserved, in one part or several (a sending group of another layout:
+assembly.py): rank 0's lane takes the blocks when its first manifest arrives (allocate_for, the worker's reservation)
+and tells every follower the same ids (Expect). The request is delivered (rank 0's ReceivedKV: the engine's blocks,
+now the caller's) once every rank's lane landed; if any lane fails, the others are cancelled and the request fails,
+its blocks freed once no lane can write them any more. A worker of one rank has one too when prefill groups of
+another size send to it (its one lane merges their parts).
 
 A follower that never reports (its sender never came) is told to forget the request past twice the transfer timeout
 (its lane then ends CANCELLED); past four times, or when its link ends, it counts as failed without a report.
@@ -39,16 +41,18 @@ class _Landing(LaneTally):
 
 
 class LaneReceiver(KVReceiver):
-    """The KVReceiver of a tensor-parallel engine's rank 0 whose followers run `spec` (role "receive") as their rank
-    service; hub is the one spec names, owned from now on. allocate_for(request_id, n): the blocks reserved for the
-    request (a decode worker's reservation); default: fresh blocks from the engine."""
+    """The KVReceiver of a decode engine's rank 0 (of a tensor-parallel engine whose followers run `spec`, role
+    "receive", as their rank service, or of a one-rank engine); hub is the one spec names, owned from now on.
+    allocate_for(request_id, n): the blocks reserved for the request (a decode worker's reservation); default: fresh
+    blocks from the engine."""
 
     def __init__(self, engine: Any, hub: LaneHub, spec: LaneSpec,
                  allocate_for: Callable[[str, int], list[int] | None] | None = None,
                  join_timeout_s: float = JOIN_TIMEOUT_S) -> None:
-        if engine.tp_leader is None or spec.role != "receive":
-            raise ValueError("LaneReceiver is for a tensor-parallel decode engine's rank 0 and a 'receive' LaneSpec")
-        self.size, self.hub, self.timeout_s = engine.tp_leader.group.size, hub, spec.config.kv_transfer_timeout_s
+        if spec.role != "receive":
+            raise ValueError("LaneReceiver is for a decode engine's rank 0 and a 'receive' LaneSpec")
+        self.size = 1 if engine.tp_leader is None else engine.tp_leader.group.size
+        self.hub, self.timeout_s = hub, spec.config.kv_transfer_timeout_s
         hub.wait_followers(range(1, self.size), join_timeout_s)
         self.inbox = ReceiveInbox(spec.config.cancel_ttl_s)
         self._allocate = allocate_for or (lambda request_id, n: engine.reserve_blocks(n))
@@ -65,10 +69,11 @@ class LaneReceiver(KVReceiver):
 
     @property
     def address(self) -> ReceiverAddress:
-        """Rank 0's lane, with every rank's lane target in rank order."""
+        """Rank 0's lane, with every rank's lane target and KV heads in rank order."""
         own = self.lane.receiver.address
         targets = tuple(own.target if rank == 0 else self.hub.targets[rank] for rank in range(self.size))
-        return ReceiverAddress(own.transport, own.rank, own.target, targets)
+        heads = tuple(self.lane.parts.heads if rank == 0 else self.hub.heads[rank] for rank in range(self.size))
+        return ReceiverAddress(own.transport, own.rank, own.target, targets, heads)
 
     def _allocate_for(self, request_id: str, num_blocks: int) -> list[int] | None:
         """Rank 0's lane: the request's manifest arrived. Its blocks, from now on tracked, named to the followers. A
@@ -144,12 +149,12 @@ class LaneReceiver(KVReceiver):
         for rank in waiting - {0}:
             self.hub.send(rank, Forget(request_id))
         if 0 in waiting:
-            self.lane.receiver.cancel(request_id)
+            self.lane.cancel(request_id)
 
     def cancel(self, request_id: str) -> None:
         """As KVReceiver.cancel, on every rank's lane."""
         self.inbox.cancel(request_id)
-        self.lane.receiver.cancel(request_id)
+        self.lane.cancel(request_id)
         with self._lock:
             tracked = request_id in self._landing
         if tracked:

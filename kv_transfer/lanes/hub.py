@@ -2,11 +2,11 @@
 authenticated connection per follower (multiprocessing.connection: an HMAC challenge with a key rank 0 drew, then
 framed messages of kv_transfer/lanes/messages.py).
 
-LaneHub (rank 0) accepts the followers, learns their lane targets from their Hello, sends them commands and hands
-every LaneEnded to its owner's callback; a follower whose link ends is reported once as lost. Once every follower has
-joined, the socket and its directory are removed (nothing else may join; nothing is left behind if rank 0's process
-is killed later). FollowerLink (a
-follower) connects, says Hello and serves rank 0's commands on a thread of its own.
+LaneHub (rank 0) accepts the followers, learns their lane targets and KV heads from their Hello, sends them
+commands and hands every LaneEnded to its owner's callback; a follower whose link ends is reported once as lost.
+Once every follower has joined, the socket and its directory are removed (nothing else may join; nothing is left
+behind if rank 0's process is killed later). FollowerLink (a follower) connects, says Hello and serves rank 0's
+commands on a thread of its own.
 """
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ class LaneHub:
         self._listener = Listener(self.address.path, family="AF_UNIX", authkey=self.address.authkey)
         self._links: dict[int, Connection] = {}
         self.targets: dict[int, str] = {}
+        self.heads: dict[int, tuple[int, int]] = {}  # each follower's KV heads, from its Hello
         self._send_locks: dict[int, threading.Lock] = {}
         self._joined = threading.Condition()
         self._closed = self._accepting_done = False
@@ -117,6 +118,7 @@ class LaneHub:
                 continue
             with self._joined:
                 self._links[hello.rank], self.targets[hello.rank] = link, hello.target
+                self.heads[hello.rank] = hello.heads
                 self._send_locks[hello.rank] = threading.Lock()
                 self._joined.notify_all()
             threading.Thread(target=self._read, args=(hello.rank, link), name=f"kv-lane-hub-{hello.rank}",

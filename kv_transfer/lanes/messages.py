@@ -11,27 +11,32 @@ from kv_transfer.status import TransferStatus
 
 @dataclass(frozen=True)
 class Hello:
-    """Follower -> rank 0, first on its link: who it is and where its lane receiver listens ("" for a sender)."""
+    """Follower -> rank 0, first on its link: who it is, where its lane receiver listens ("" for a sender) and which
+    of the model's KV heads its pool holds."""
 
     rank: int
     target: str
+    heads: tuple[int, int]
 
 
 @dataclass(frozen=True)
 class Ship:
-    """Rank 0 -> a prefill follower: send this rank's heads of request.block_ids to peer (that rank's lane).
-    stream_step: layer-streamed, each layer as the forward of step number stream_step writes it (the tail comes in
-    an EndStream); None: whole (request.stream is always None here)."""
+    """Rank 0 -> a prefill follower: send heads `heads` (of this rank's) of request.block_ids to peer (a receiving
+    rank's lane), as part number `part` of the request (kv_transfer/lanes/parts.py). stream_step: layer-streamed, each
+    layer as the forward of step number stream_step writes it (the tail comes in an EndStream); None: whole
+    (request.stream is always None here)."""
 
     request: SendRequest
     peer: ReceiverAddress
+    heads: tuple[int, int]
+    part: int = 0
     stream_step: int | None = None
 
 
 @dataclass(frozen=True)
 class EndStream:
-    """Rank 0 -> a prefill follower, for a streamed Ship: the first token came (tail: the stream finishes) or the
-    stream aborts (tail None: reason)."""
+    """Rank 0 -> a prefill follower, for its streamed Ships of request_id: the first token came (tail: the streams
+    finish) or they abort (tail None: reason)."""
 
     request_id: str
     tail: StreamTail | None
@@ -71,9 +76,11 @@ class ForgetPeer:
 
 @dataclass(frozen=True)
 class LaneEnded:
-    """Follower -> rank 0, exactly once per Ship and per Expect: how that rank's lane of request_id ended."""
+    """Follower -> rank 0, exactly once per Ship and per Expect: how that rank's lane of request_id ended (part: the
+    Ship's part; 0 for an Expect, which ends once every part of the request landed on that rank)."""
 
     rank: int
     request_id: str
     status: TransferStatus
     message: str = ""
+    part: int = 0

@@ -5,19 +5,21 @@ from kv_transfer.status import TransferStatus
 
 
 class LaneTally:
-    """Mixed into a request's record: `waiting` (the ranks whose lane has not ended) and `failure` (the first failed
-    lane's status and message, or None). Not thread-safe: its owner holds its lock."""
+    """Mixed into a request's record: `waiting` (the lanes not ended yet: receiving ranks, or the parts a sending
+    group ships) and `failure` (the first failed lane's status and message, or None). Not thread-safe: its owner holds
+    its lock."""
 
     waiting: set[int]
     failure: tuple[TransferStatus, str] | None
 
-    def count_end(self, rank: int, status: TransferStatus, message: str) -> bool | None:
-        """Counts the end of rank's lane: None when it was not waited for (counted before: nothing changes), else
-        whether it is the first failure."""
-        if rank not in self.waiting:
+    def count_end(self, key: int, status: TransferStatus, message: str, label: str = "") -> bool | None:
+        """Counts the end of lane `key` (described as label, default "rank {key}'s lane"): None when it was not
+        waited for (counted before: nothing changes), else whether it is the first failure."""
+        if key not in self.waiting:
             return None
-        self.waiting.discard(rank)
+        self.waiting.discard(key)
         first = status != TransferStatus.OK and self.failure is None
         if first:
-            self.failure = (status, f"rank {rank}'s lane: {message}")
+            label = label or f"rank {key}'s lane"
+            self.failure = (status, f"{label}: {message}")
         return first

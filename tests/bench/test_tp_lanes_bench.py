@@ -1,5 +1,6 @@
-"""`tandem bench tp-lanes` runs end to end on the embedded model: a prefill and a decode group of 2 ranks, the hand-off
-through rank 0 and by lanes side by side, their ratio, and no follower left once it returns."""
+"""`tandem bench tp-lanes` runs end to end on the embedded model: a prefill group of 2 ranks and a one-rank decode
+engine, the hand-off through rank 0 and by lanes (merged) side by side, their ratio, and no follower left once it
+returns."""
 from __future__ import annotations
 
 import multiprocessing
@@ -9,9 +10,10 @@ from cluster.cli import main
 
 
 def test_bench_tp_lanes_reports_both_ways_and_their_ratio(capsys):
-    assert main(["bench", "tp-lanes", "--model", "tiny", "--prefill-tokens", "40", "--rounds", "1"]) == 0
+    assert main(["bench", "tp-lanes", "--model", "tiny", "--decode-tp", "1", "--prefill-tokens", "40",
+                 "--rounds", "1"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"TP=2 -> TP=2 over gloo, 40-token prompts \([\d.]+ MiB of KV\)", out)
+    assert re.search(r"TP=2 -> TP=1 over gloo, 40-token prompts \([\d.]+ MiB of KV\)", out)
     rank0 = float(re.search(r"through rank 0 +([\d.]+) ms", out).group(1))
     lanes = float(re.search(r"by lanes +([\d.]+) ms", out).group(1))
     ratio = float(re.search(r"lanes / rank 0: ([\d.]+)x", out).group(1))
@@ -21,4 +23,4 @@ def test_bench_tp_lanes_reports_both_ways_and_their_ratio(capsys):
 
 def test_bench_tp_lanes_refuses_a_group_of_one(capsys):
     assert main(["bench", "tp-lanes", "--model", "tiny", "--tp", "1"]) == 2
-    assert "--tp must be >= 2" in capsys.readouterr().err
+    assert "one group needs >= 2 ranks" in capsys.readouterr().err

@@ -1,11 +1,11 @@
 """Disaggregated serving with tensor-parallel workers on a real local Ray: a prefill group of 2 ranks hands its KV to a
-single-rank decode worker over gRPC, and a single-rank prefill worker to decode groups of 2 ranks over gloo with
-layer streaming; the KV moves between the layouts through each group's rank 0 (kv_transfer/group_pool.py). Between
-groups of the same size (2 -> 2, gloo) it moves by KV lanes instead, rank to rank (kv_transfer/lanes/). Greedy
-output equals transformers, a second wave sharing prefixes reuses the decode side's cached blocks, every worker
-ends idle with its pool whole; a SIGKILLed decode rank under load takes its worker out and its requests migrate to
-the other decode group, token for token, no rank of it left running. (CPU: the tiny Llama checkpoint, 4 query / 2 KV
-heads, one KV head per rank.)"""
+single-rank decode worker over gRPC, and a single-rank prefill worker (or a prefill group of 2) to decode groups of 2
+ranks over gloo with layer streaming. The KV moves by KV lanes (kv_transfer/lanes/), rank to rank: each rank's heads
+from the prefill rank that holds them straight to the decode rank that holds them, merged into the single rank or
+split over the group's ranks (kv_transfer/lanes/parts.py). Greedy output equals transformers, a second wave sharing
+prefixes reuses the decode side's cached blocks, every worker ends idle with its pool whole; a SIGKILLed decode rank
+under load takes its worker out and its requests migrate to the other decode group, token for token, no rank of it
+left running. (CPU: the tiny Llama checkpoint, 4 query / 2 KV heads, one KV head per rank.)"""
 from __future__ import annotations
 
 import asyncio
@@ -64,16 +64,18 @@ def test_a_prefill_group_of_2_ranks_hands_kv_to_a_single_rank_decode_worker(chec
     with running_cluster(disagg_config(checkpoint, prefill_tp=2, decode_tp=1, decode_workers=1,
                                        transport="grpc")) as coordinator:
         assert len(coordinator.workers["prefill-0"].rank_pids) == 2
+        assert coordinator.workers["decode-0"].kv_address.lane_heads == ((0, 2),)  # one rank: lanes for the group
         first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6, groups=["prefill-0"])
+        assert asyncio.run(wait_until_idle(coordinator))["prefill-0"].lane_transfers == 6
     assert [tokens for tokens, _ in first] == hf_greedy(checkpoint, wave1, 6)
     assert [tokens for tokens, _ in second] == hf_greedy(checkpoint, wave2, 6)
     assert [last.timing.decode_cached_tokens for _, last in second] == [32, 32]
 
 
-@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["staged", "lanes"])
+@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["split", "lanes"])
 def test_decode_groups_of_2_ranks_take_kv_and_a_killed_rank_migrates(prefill_tp, checkpoint, hf_greedy):
-    """From one rank through the decode groups' staging pools, or from a group of 2 by lanes (the transfers all
-    went by lanes: counted by the prefill worker)."""
+    """From one rank, its heads split over each group's ranks, or from a group of 2 rank to rank: by lanes either way
+    (counted by the prefill worker)."""
     wave1, wave2 = two_waves(seed=41)
     prompts = random_prompts([20, 21, 22, 23], VOCAB, seed=42)
     with running_cluster(disagg_config(checkpoint, prefill_tp=prefill_tp, decode_tp=2, decode_workers=2,
@@ -81,7 +83,7 @@ def test_decode_groups_of_2_ranks_take_kv_and_a_killed_rank_migrates(prefill_tp,
         assert all(len(coordinator.workers[name].kv_address.lanes) == 2 for name in ("decode-0", "decode-1"))
         first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6, groups=["decode-0", "decode-1"])
         lane_transfers = asyncio.run(wait_until_idle(coordinator))["prefill-0"].lane_transfers
-        assert lane_transfers == (6 if prefill_tp == 2 else 0)
+        assert lane_transfers == 6
         victim = coordinator.workers["decode-1"]
         assert len(victim.rank_pids) == 2
         generations = [request(f"k{i}", p, greedy(KILLED_TOKENS)) for i, p in enumerate(prompts)]

@@ -1,0 +1,317 @@
+"""A request's KV heads between groups of different layouts (kv_transfer/lanes/parts.py, assembly.py): the plan gives
+every receiving rank each of its heads once; over real gloo (group and inline) and gRPC a wider sending side's parts
+merge into one receiving pool, and a narrower sending side splits its pool's heads over two (head windows of a pool,
+whole or layer-streamed), bit-exact; the assembler delivers a request once, refuses overlapping and late parts
+without ending it, and a failed or forgotten request frees its blocks once no part can write them. Every block is
+free at the end."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from kv_transfer import (DistRendezvous, ReceivedKV, ReceiveFailed, SendRequest, TransferConfig, create_receiver,
+                         create_sender)
+from kv_transfer.lanes.assembly import PartAssembler
+from kv_transfer.lanes.parts import LanePart, plan_parts
+from kv_transfer.layer_stream import LayerClock, LayerStream, StreamTail
+from kv_transfer.manifest import ModelFingerprint
+from kv_transfer.outgoing import prepare_outgoing
+from kv_transfer.pool import KVPoolView
+from kv_transfer.staging import StagingPool
+from kv_transfer.status import TransferStatus
+from kv_transfer.testing import FreeListPool, fill_blocks
+
+FP = ModelFingerprint(num_layers=3, num_kv_heads=4, head_dim=8, dtype="float32", block_size=4)
+NUM_BLOCKS = 24
+BLOCKS = (2, 3, 7, 11)  # two runs
+HEADS = (0, 4)
+
+
+@pytest.mark.parametrize("senders, receivers, expected", [
+    ([(0, 2), (2, 4)], [(0, 2), (2, 4)], [(0, 0, (0, 2)), (1, 1, (2, 4))]),  # one layout: rank i to rank i
+    ([(0, 2), (2, 4)], [(0, 4)], [(0, 0, (0, 2)), (1, 0, (2, 4))]),  # merge
+    ([(0, 4)], [(0, 2), (2, 4)], [(0, 0, (0, 2)), (0, 1, (2, 4))]),  # split
+    ([(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 2), (2, 4)],
+     [(0, 0, (0, 1)), (1, 0, (1, 2)), (2, 1, (2, 3)), (3, 1, (3, 4))]),
+    ([(0, 1), (0, 1), (1, 2), (1, 2)], [(0, 2)], [(0, 0, (0, 1)), (2, 0, (1, 2))]),  # replicated senders
+    ([(0, 1), (0, 1), (1, 2), (1, 2)], [(0, 1), (0, 1), (1, 2), (1, 2)],
+     [(0, 0, (0, 1)), (1, 1, (0, 1)), (2, 2, (1, 2)), (3, 3, (1, 2))]),
+    ([(0, 1), (1, 2)], [(0, 1), (0, 1), (1, 2), (1, 2)],  # replicated receivers
+     [(0, 0, (0, 1)), (0, 1, (0, 1)), (1, 2, (1, 2)), (1, 3, (1, 2))]),
+    ([(0, 1), (0, 1)], [(0, 1), (0, 1), (0, 1)], [(0, 0, (0, 1)), (1, 1, (0, 1)), (0, 2, (0, 1))]),  # spread
+])
+def test_the_plan_gives_every_receiving_rank_each_of_its_heads_once(senders, receivers, expected):
+    parts = plan_parts(senders, receivers)
+    assert parts == tuple(LanePart(*part) for part in expected)
+    for receiver, (start, stop) in enumerate(receivers):
+        mine = sorted(part.heads for part in parts if part.receiver == receiver)
+        assert sum(b - a for a, b in mine) == stop - start and mine[0][0] == start and mine[-1][1] == stop
+    for part in parts:
+        assert senders[part.sender][0] <= part.heads[0] < part.heads[1] <= senders[part.sender][1]
+
+
+def test_a_head_no_sending_rank_holds_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="KV head 4 of receiving rank 1 is held by no sending rank"):
+        plan_parts([(0, 4)], [(0, 4), (4, 8)])
+
+
+def test_a_head_window_is_a_view_of_the_same_blocks_and_only_within_the_pool():
+    pool = FreeListPool(FP, 4)
+    view = KVPoolView(pool.kv, pool.allocate, pool.free, kv_heads=(4, 8))
+    window = view.head_window((5, 7))  # [L, 2, N, bs, 2, D]
+    assert window.shape[4] == 2 and window.data_ptr() == pool.kv[:, :, :, :, 1].data_ptr()
+    with pytest.raises(ValueError, match="not within the pool's"):
+        view.head_window((3, 5))
+    strided = KVPoolView(window, pool.allocate, pool.free, kv_heads=(5, 7))
+    assert not strided.contiguous and view.contiguous
+    with pytest.raises(ValueError, match="only a contiguous host pool"):
+        strided.host_planes(0, 1)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        KVPoolView(window, pool.allocate, pool.free)  # a window says which heads it holds
+
+
+def layout(heads: tuple[int, int]) -> ModelFingerprint:
+    return dataclasses.replace(FP, num_kv_heads=heads[1] - heads[0])
+
+
+def transfer_config(path: str) -> TransferConfig:
+    transport, _, way = path.partition("-")
+    return TransferConfig(transport=transport, kv_transfer_timeout_s=20, connect_timeout_s=30, dist_lanes=1,
+                          inline_max_bytes=0 if way == "group" else TransferConfig.inline_max_bytes)
+
+
+class Receiving:
+    """A receiving rank holding KV heads `heads`: its pool behind a PartAssembler and a real receiver (rank `rank` of
+    the rendezvous, listening to `senders`); its outcomes and released blocks collected."""
+
+    def __init__(self, config: TransferConfig, heads: tuple[int, int], rendezvous: DistRendezvous | None,
+                 senders: list[int]) -> None:
+        self.pool = FreeListPool(layout(heads), NUM_BLOCKS, free_order=list(reversed(range(NUM_BLOCKS))))
+        self.outcomes: list = []
+        self.released: list[list[int]] = []
+        self.parts = PartAssembler(self.pool.kv, heads, lambda rid, n: self.pool.allocate(n), self.outcomes.append,
+                                   self._release)
+        self.receiver = create_receiver(config, self.parts.pool, config.transport, rendezvous, peers=senders)
+        self.receiver.deliver_to(self.parts.outcome)
+
+    def _release(self, block_ids) -> None:
+        self.released.append(list(block_ids))
+        self.pool.free(block_ids)
+
+    def wait(self, count: int = 1, timeout_s: float = 20.0) -> list:
+        deadline = time.monotonic() + timeout_s
+        while len(self.outcomes) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return list(self.outcomes)
+
+
+def rendezvous_of(config: TransferConfig, world: int):
+    namespace = f"parts-{uuid.uuid4().hex[:8]}"
+    return lambda rank: None if config.transport == "grpc" else DistRendezvous(rank, world, namespace)
+
+
+def streamed(request: SendRequest, clock: LayerClock) -> SendRequest:
+    return dataclasses.replace(request, first_token=None, stream=LayerStream(clock))
+
+
+def run_layers(clock: LayerClock, streams: list[LayerStream], request: SendRequest) -> None:
+    """The forward's side of streamed parts: each layer written, then the first token (the blocks handed over)."""
+    for layer in range(FP.num_layers):
+        time.sleep(0.005)
+        clock.layer_done(layer)
+    for stream in streams:
+        stream.finish(StreamTail(request.first_token), request.block_ids)
+
+
+@pytest.mark.parametrize("path", ["gloo-inline", "gloo-group", "grpc"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_wider_sending_side_merges_its_parts_into_one_pool_bit_exact(path, stream):
+    config = transfer_config(path)
+    rendezvous = rendezvous_of(config, 3)
+    receiving = Receiving(config, HEADS, rendezvous(0), [1, 2])
+    senders, pools = [], []
+    for rank, heads in ((1, (0, 2)), (2, (2, 4))):
+        pool = FreeListPool(layout(heads), NUM_BLOCKS)
+        pool.take(BLOCKS)
+        fill_blocks(pool.kv, BLOCKS, seed=rank)
+        pools.append(pool)
+        senders.append(create_sender(config, _keep_view(pool, heads), config.transport, rendezvous(rank)))
+    try:
+        request = SendRequest("merged", BLOCKS, 15, 7)
+        clock = LayerClock(FP.num_layers, torch.device("cpu"))
+        requests = [streamed(request, clock) if stream else request for _ in senders]
+        handles = [sender.send(receiving.receiver.address, part) for sender, part in zip(senders, requests)]
+        if stream:
+            run_layers(clock, [part.stream for part in requests], request)
+        for handle in handles:
+            handle.result(20)
+        (outcome,) = receiving.wait()
+        assert isinstance(outcome, ReceivedKV) and outcome.manifest.first_token == 7
+        assert outcome.kv_bytes == 2 * len(BLOCKS) * pools[0].kv[:, :, 0].nbytes
+        landed = receiving.pool.kv[:, :, list(outcome.block_ids)]  # [L, 2, n, bs, 4, D]
+        expected = torch.cat([pool.kv[:, :, list(BLOCKS)] for pool in pools], dim=4)
+        assert torch.equal(landed, expected)
+        receiving.pool.free(outcome.block_ids)
+        assert receiving.wait(2, timeout_s=0.3) == [outcome] and not receiving.released
+    finally:
+        for sender in senders:
+            sender.close()
+        receiving.receiver.close()
+    assert receiving.pool.num_free == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("path", ["gloo-inline", "gloo-group", "grpc"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_narrower_sending_side_splits_its_heads_over_two_pools_bit_exact(path, stream):
+    config = transfer_config(path)
+    rendezvous = rendezvous_of(config, 3)
+    receiving = [Receiving(config, heads, rendezvous(rank), [2]) for rank, heads in ((0, (0, 2)), (1, (2, 4)))]
+    pool = FreeListPool(FP, NUM_BLOCKS)
+    pool.take(BLOCKS)
+    fill_blocks(pool.kv, BLOCKS, seed=5)
+    whole = _keep_view(pool, HEADS)
+    senders = [create_sender(config, KVPoolView(whole.head_window(heads), _refuse, _keep, kv_heads=heads),
+                             config.transport, rendezvous(2)) for heads in ((0, 2), (2, 4))]
+    try:
+        request = SendRequest("split", BLOCKS, 15, 9)
+        clock = LayerClock(FP.num_layers, torch.device("cpu"))
+        requests = [streamed(request, clock) if stream else request for _ in senders]
+        handles = [sender.send(rank.receiver.address, part) for sender, rank, part in zip(senders, receiving, requests)]
+        if stream:
+            run_layers(clock, [part.stream for part in requests], request)
+        for handle in handles:
+            handle.result(20)
+        for rank, (start, stop) in zip(receiving, ((0, 2), (2, 4))):
+            (outcome,) = rank.wait()
+            assert isinstance(outcome, ReceivedKV) and outcome.manifest.kv_heads == (start, stop)
+            landed = rank.pool.kv[:, :, list(outcome.block_ids)]
+            assert torch.equal(landed, pool.kv[:, :, list(BLOCKS), :, start:stop])
+            rank.pool.free(outcome.block_ids)
+    finally:
+        for sender in senders:
+            sender.close()
+        for rank in receiving:
+            rank.receiver.close()
+    assert all(rank.pool.num_free == NUM_BLOCKS for rank in receiving)
+
+
+def _refuse(num_blocks: int) -> None:
+    return None
+
+
+def _keep(block_ids) -> None:
+    """The test owns the sending blocks."""
+
+
+def _keep_view(pool: FreeListPool, heads: tuple[int, int]) -> KVPoolView:
+    return KVPoolView(pool.kv, _refuse, _keep, kv_heads=heads)
+
+
+class Parts:
+    """A PartAssembler of heads (0, 4) over a plain pool, driven as a receiver drives it: parts take blocks through
+    the pool (or its windows), then their outcomes come."""
+
+    def __init__(self) -> None:
+        self.pool = FreeListPool(FP, NUM_BLOCKS)
+        self.outcomes: list = []
+        self.released: list[list[int]] = []
+        self.assembler = PartAssembler(self.pool.kv, HEADS, lambda rid, n: self.pool.allocate(n),
+                                       self.outcomes.append, self._release, failed_ttl_s=60)
+
+    def _release(self, block_ids) -> None:
+        self.released.append(list(block_ids))
+        self.pool.free(block_ids)
+
+    def view(self, heads: tuple[int, int]) -> KVPoolView:
+        return self.assembler.pool if heads == HEADS else self.assembler.pool.windows(heads)
+
+    def take(self, request_id: str, heads: tuple[int, int], num_blocks: int = 2) -> list[int] | None:
+        return self.view(heads).allocate_incoming(request_id, num_blocks)
+
+    def landed(self, request_id: str, heads: tuple[int, int], blocks: list[int]) -> None:
+        manifest = prepare_outgoing(_keep_view(FreeListPool(layout(heads), NUM_BLOCKS), heads),
+                                    SendRequest(request_id, tuple(blocks), 2 * FP.block_size, 3),
+                                    StagingPool("cpu")).manifest
+        self.assembler.outcome(ReceivedKV(manifest, tuple(blocks), 100, 0.0))
+
+    def failed(self, request_id: str, heads: tuple[int, int], blocks: list[int] | None,
+               status: TransferStatus = TransferStatus.CHECKSUM_MISMATCH) -> None:
+        """A part's failure: the transport frees what it took, then reports."""
+        if blocks is not None:
+            self.view(heads).free(blocks)
+        self.assembler.outcome(ReceiveFailed(request_id, status, "a part failed"))
+
+
+def test_parts_deliver_once_when_their_heads_are_covered_and_overlaps_are_refused_without_ending_it():
+    parts = Parts()
+    first = parts.take("r", (0, 1))
+    assert parts.take("r", (0, 2)) is None  # overlaps head 0: refused, blocks untouched
+    parts.failed("r", (0, 2), None, TransferStatus.REJECTED_NO_BLOCKS)  # its refusal is not the request's end
+    assert parts.take("r", (1, 4)) == first and parts.take("r", (1, 4), num_blocks=3) is None
+    parts.failed("r", (1, 4), None, TransferStatus.REJECTED_NO_BLOCKS)
+    parts.landed("r", (1, 4), first)
+    assert parts.outcomes == []
+    parts.landed("r", (0, 1), first)
+    (outcome,) = parts.outcomes
+    assert isinstance(outcome, ReceivedKV) and list(outcome.block_ids) == first and outcome.kv_bytes == 200
+    parts.pool.free(first)
+    assert parts.pool.num_free == NUM_BLOCKS and not parts.released
+
+
+def test_a_failed_part_ends_the_request_once_the_others_under_way_end_and_late_parts_are_refused():
+    parts = Parts()
+    blocks = parts.take("r", (0, 2))
+    assert parts.take("r", (2, 3)) == blocks
+    parts.failed("r", (0, 2), blocks)
+    assert parts.outcomes == [] and parts.pool.num_free == NUM_BLOCKS - 2  # (2, 3) may still write them
+    parts.landed("r", (2, 3), blocks)
+    (outcome,) = parts.outcomes
+    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CHECKSUM_MISMATCH
+    assert parts.released == [blocks] and parts.pool.num_free == NUM_BLOCKS
+    assert parts.take("r", (3, 4)) is None  # a part of the failed request, late: refused, nothing more reported
+    parts.failed("r", (3, 4), None, TransferStatus.REJECTED_NO_BLOCKS)
+    assert len(parts.outcomes) == 1
+
+
+def test_a_forgotten_request_fails_at_once_with_nothing_under_way_and_a_first_refusal_is_its_end():
+    parts = Parts()
+    blocks = parts.take("f", (0, 2))
+    parts.landed("f", (0, 2), blocks)
+    parts.assembler.forget("f")
+    (outcome,) = parts.outcomes
+    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED
+    assert parts.pool.num_free == NUM_BLOCKS
+    parts.assembler.forget("nothing")  # no part came: nothing to end here
+    parts.pool.take(range(NUM_BLOCKS - 1))  # one block left: the request's first part finds no room
+    assert parts.take("full", (0, 2)) is None
+    parts.failed("full", (0, 2), None, TransferStatus.REJECTED_NO_BLOCKS)
+    assert [o.status for o in parts.outcomes] == [TransferStatus.CANCELLED, TransferStatus.REJECTED_NO_BLOCKS]
+
+
+def test_a_second_part_waits_for_the_first_to_take_the_blocks():
+    taking, go = threading.Event(), threading.Event()
+    pool = FreeListPool(FP, NUM_BLOCKS)
+
+    def slow_allocate(request_id, n):  # a follower's wait for rank 0's Expect
+        taking.set()
+        go.wait(5)
+        return pool.allocate(n)
+
+    outcomes: list = []
+    assembler = PartAssembler(pool.kv, HEADS, slow_allocate, outcomes.append, pool.free)
+    first: list = []
+    thread = threading.Thread(target=lambda: first.append(assembler.pool.windows((0, 2)).allocate_incoming("w", 2)))
+    thread.start()
+    taking.wait(5)
+    later = threading.Thread(target=lambda: first.append(assembler.pool.windows((2, 4)).allocate_incoming("w", 2)))
+    later.start()
+    time.sleep(0.05)
+    go.set()
+    thread.join(5)
+    later.join(5)
+    assert first[0] == first[1] == [0, 1]

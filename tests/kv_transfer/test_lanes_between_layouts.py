@@ -1,0 +1,83 @@
+"""KV lanes between groups of different sizes (kv_transfer/lanes/parts.py, assembly.py): a prefill group of 2 ranks
+merging its heads into a one-rank decode engine over gloo, and a one-rank prefill engine splitting its heads over a
+decode group of 2 ranks over gRPC, real engines in this process (followers in child processes). The decode side's
+greedy tokens equal transformers, with decoder-side prefix reuse; a refused and a cancelled request fail every part
+and end once on the decode side; every block on both sides is free at the end. (The tiny Llama checkpoint: 2 KV
+heads, one per rank at TP=2.)"""
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer import KVTransferError, ReceivedKV, ReceiveFailed, TransferStatus
+from kv_transfer.lanes.parts import LanePart
+from tests.support.engine_checks import random_prompts
+from tests.support.lane_pair import MAX_TOKENS, VOCAB, LanePair
+
+LAYOUTS = {  # (transport, prefill TP, decode TP) -> the parts of every transfer
+    ("gloo", 2, 1): (LanePart(0, 0, (0, 1)), LanePart(1, 0, (1, 2))),
+    ("grpc", 1, 2): (LanePart(0, 0, (0, 1)), LanePart(0, 1, (1, 2))),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS), ids=["gloo-2to1", "grpc-1to2"])
+def pair(request, ckpt):
+    transport, prefill_tp, decode_tp = request.param
+    lanes = LanePair(ckpt, transport, prefill_tp, decode_tp)
+    lanes.layout = request.param
+    yield lanes
+    lanes.close()
+
+
+def test_the_heads_merge_or_split_and_greedy_equals_transformers_with_prefix_reuse(pair, ckpt, hf_greedy):
+    address = pair.receiver.address
+    assert address.lane_heads == ((0, 2),) if pair.layout[2] == 1 else ((0, 1), (1, 2))
+    assert pair.sender.reaches(address) and pair.sender.plan(address) == LAYOUTS[pair.layout]
+    prompts = random_prompts([1, 9, 30, 70], VOCAB, seed=51)
+    again = prompts[3][:48] + random_prompts([11], VOCAB, seed=52)[0]  # 6 blocks the decode side holds
+    expected = hf_greedy(ckpt, prompts + [again], MAX_TOKENS)
+    admitted = {}
+    for i, prompt in enumerate(prompts):
+        pair.prefill_one(f"r{i}", prompt)
+        handle = pair.ship(f"r{i}")
+        outcome = pair.receiver.wait(30)
+        assert isinstance(outcome, ReceivedKV), outcome
+        admitted[f"r{i}"] = (outcome, prompt, ())
+        every_head = len(outcome.block_ids) * pair.decode.kv_cache.kv[:, :, 0].nbytes * pair.layout[2]
+        assert handle.result(30).kv_bytes == every_head
+    assert pair.receiver.wait(0.2) is None  # one delivery per request, whatever its parts
+    tokens = pair.decode_all(admitted)
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:4]
+    cached = pair.decode.pin_cached_prefix(again)
+    assert len(cached) == 6
+    pair.prefill_one("again", again)
+    handle = pair.ship("again", prefix_blocks=len(cached))
+    outcome = pair.receiver.wait(30)
+    assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
+    handle.result(30)
+    assert pair.decode_all({"again": (outcome, again, cached)})["again"] == expected[4]
+    assert pair.sender.delivered == 5
+    pair.assert_all_free()
+
+
+def test_a_refused_and_a_cancelled_request_fail_every_part_and_end_once(pair):
+    prompt = random_prompts([40], VOCAB, seed=53)[0]
+    pair.prefill_one("refused-1", prompt)  # the decode side has no reservation for it
+    handle = pair.ship("refused-1")
+    outcome = pair.receiver.wait(30)
+    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.REJECTED_NO_BLOCKS
+    with pytest.raises(KVTransferError):
+        handle.result(30)
+    pair.receiver.cancel("cancelled-1")
+    pair.prefill_one("cancelled-1", prompt)
+    handle = pair.ship("cancelled-1")
+    outcome = pair.receiver.wait(30)
+    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED
+    with pytest.raises(KVTransferError):
+        handle.result(30)
+    assert pair.receiver.wait(0.5) is None
+    pair.assert_all_free()
