@@ -36,6 +36,8 @@ class KVPoolView:
     parts.py): windows(heads) is the view that transfer lands in (its kv the pool's blocks narrowed to those heads,
     head_window), or None to refuse it.
     kv may be such a narrowed view (not contiguous): its runs then travel gathered and land from staging.
+    allocation_waits: allocate_for may block a while (a lane follower waiting for rank 0's Expect): a transport
+    whose thread serves other transfers too (gRPC's event loop) takes the blocks on another thread.
     """
 
     kv: torch.Tensor
@@ -44,6 +46,7 @@ class KVPoolView:
     allocate_for: Callable[[str, int], list[int] | None] | None = None
     kv_heads: tuple[int, int] | None = None
     windows: Callable[[tuple[int, int]], "KVPoolView | None"] | None = None
+    allocation_waits: bool = False
 
     def allocate_incoming(self, request_id: str, num_blocks: int) -> list[int] | None:
         """Blocks for `request_id`'s incoming KV: allocate_for when given, else allocate."""

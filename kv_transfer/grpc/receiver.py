@@ -216,7 +216,7 @@ class GrpcReceiver(KVReceiver):
     async def _receive(self, context, manifest: Manifest, held: list[IncomingTransfer], session: bool) -> None:
         """Allocates the manifest's blocks (recorded in held), accepts it (a lone Push only: a session's sender
         does not wait for that), and lands every data chunk."""
-        held.append(self._accept(manifest))
+        held.append(await self._accept_off_loop(manifest) if self.pool.allocation_waits else self._accept(manifest))
         if not session:
             await context.write(_ack(TransferStatus.OK, manifest.request_id, final=False))
             self.counts["verdict"] += 1
@@ -261,6 +261,17 @@ class GrpcReceiver(KVReceiver):
         return IncomingTransfer.accept(manifest, self.pool, self.staging, lander, trailing_checksums=True,
                                        host_reads=True)
 
+    async def _accept_off_loop(self, manifest: Manifest) -> IncomingTransfer:
+        """_accept on an executor thread, for a pool whose allocation may wait (a lane follower's, for rank 0's
+        Expect): the loop serves the other transfers meanwhile. If the call dies meanwhile (its end is reported
+        then), a late accept's blocks are freed."""
+        future = asyncio.get_running_loop().run_in_executor(None, self._accept, manifest)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_undo_late_accept)
+            raise
+
     async def _stream(self, context, incoming: IncomingTransfer, session: bool) -> None:
         """Lands data chunks and trailing run checksums (and a layer-streamed transfer's tail): in a session
         until the transfer's last message is in, else until the client half-closes."""
@@ -296,3 +307,9 @@ class GrpcReceiver(KVReceiver):
         for task in list(self._idle_sessions):
             task.cancel()
         await self._server.stop(grace=grace_s)
+
+
+def _undo_late_accept(future: asyncio.Future) -> None:
+    """Frees the blocks of an accept that finished after its call died (the call's end was reported already)."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().fail(TransferStatus.PEER_FAILED, "the call ended while its blocks were taken")

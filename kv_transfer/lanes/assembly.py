@@ -49,11 +49,11 @@ class PartAssembler:
     """pool: the view this rank's lane receiver lands in (its kv [L, 2, N, bs, H_rank, D], heads `heads`; it takes
     windows of them). allocate_for(request_id, n): the request's blocks, once per request; deliver(outcome): once per
     request (on a transport thread; must not block); released(blocks): a failed request's blocks, right before its
-    ReceiveFailed."""
+    ReceiveFailed. allocation_waits: allocate_for may block (the pool says so: KVPoolView.allocation_waits)."""
 
     def __init__(self, kv: torch.Tensor, heads: Span, allocate_for: Callable[[str, int], list[int] | None],
                  deliver: Callable[[ReceiveOutcome], None], released: Callable[[Sequence[int]], None],
-                 failed_ttl_s: float = 600.0) -> None:
+                 failed_ttl_s: float = 600.0, allocation_waits: bool = False) -> None:
         self.heads, self.failed_ttl_s = heads, failed_ttl_s
         self._allocate_for, self._deliver, self._released = allocate_for, deliver, released
         self._assemblies: dict[str, _Assembly] = {}
@@ -61,7 +61,8 @@ class PartAssembler:
         self._refused: dict[str, int] = {}  # refusals of ours whose outcome is still to come, per request
         self._windows: dict[Span, KVPoolView] = {}
         self._changed = threading.Condition()
-        self.pool = KVPoolView(kv, _refuse, self._freed, self._allocator(heads), kv_heads=heads, windows=self._window)
+        self.pool = KVPoolView(kv, _refuse, self._freed, self._allocator(heads), kv_heads=heads, windows=self._window,
+                               allocation_waits=allocation_waits)
 
     def _allocator(self, heads: Span) -> Callable[[str, int], list[int] | None]:
         return lambda request_id, num_blocks: self._allocate(request_id, num_blocks, heads)

@@ -16,8 +16,8 @@ EXPECT_WAIT_S = 5.0  # at most this long a follower's lane waits for rank 0's Ex
 class ExpectedBlocks:
     """A decode follower's blocks per request as rank 0's Expect named them: a lane's transfer takes them (waiting up
     to wait_s for the Expect, which comes once rank 0's own lane of the request has arrived: about as soon as this
-    one); Forget drops one not yet taken. The wait holds the transport's thread that accepts the transfer (a gRPC
-    receiver's event loop: EXPECT_WAIT_S bounds it)."""
+    one); Forget drops one not yet taken. The wait holds the thread that accepts the transfer (a gloo connection's;
+    over gRPC an executor thread, not the event loop: the lane's pool says its allocation waits)."""
 
     def __init__(self, wait_s: float) -> None:
         self.wait_s = wait_s

@@ -115,10 +115,12 @@ class ReceiveLane:
     def __init__(self, spec: "LaneSpec", kv: torch.Tensor, kv_heads: Span,
                  allocate_for: Callable[[str, int], list[int] | None],
                  deliver: Callable[[ReceiveOutcome], None],
-                 released: Callable[[Sequence[int]], None] = _keep) -> None:
-        """released(block_ids): a failed request gives back the blocks allocate_for gave it (rank 0 frees them)."""
+                 released: Callable[[Sequence[int]], None] = _keep, allocation_waits: bool = False) -> None:
+        """released(block_ids): a failed request gives back the blocks allocate_for gave it (rank 0 frees them).
+        allocation_waits: allocate_for may block (a follower's waits for rank 0's Expect)."""
         self.parts = PartAssembler(kv, kv_heads, allocate_for, deliver, released,
-                                   failed_ttl_s=2 * spec.config.kv_transfer_timeout_s)
+                                   failed_ttl_s=2 * spec.config.kv_transfer_timeout_s,
+                                   allocation_waits=allocation_waits)
         self.receiver = create_receiver(spec.config, self.parts.pool, spec.transport, spec.rendezvous, spec.peers,
                                         spec.host)
         self.receiver.deliver_to(self.parts.outcome)
@@ -181,7 +183,7 @@ class FollowerLane:
             self.lane, target = SendLane(spec, context.kv, context.kv_heads), ""
         else:
             self.lane = ReceiveLane(spec, context.kv, context.kv_heads, self.expected.take,
-                                    lambda outcome: self._ended(*ending(outcome)))
+                                    lambda outcome: self._ended(*ending(outcome)), allocation_waits=True)
             target = self.lane.target
         try:
             self.link = FollowerLink(spec.hub, Hello(self.rank, target, tuple(context.kv_heads)), self._handle,

@@ -315,3 +315,40 @@ def test_a_second_part_waits_for_the_first_to_take_the_blocks():
     thread.join(5)
     later.join(5)
     assert first[0] == first[1] == [0, 1]
+
+
+def test_a_grpc_receiver_whose_allocation_waits_serves_other_transfers_meanwhile():
+    """A follower lane's allocation waits for rank 0's Expect: over gRPC it waits on another thread, so a second
+    transfer to the same receiver lands while the first still waits."""
+    config = transfer_config("grpc")
+    expect = threading.Event()
+    dst = FreeListPool(FP, NUM_BLOCKS)
+
+    def allocate_for(request_id: str, num_blocks: int) -> list[int] | None:
+        if request_id == "waits":
+            expect.wait(10)
+        return dst.allocate(num_blocks)
+
+    receiver = create_receiver(config, KVPoolView(dst.kv, dst.allocate, dst.free, allocate_for,
+                                                  allocation_waits=True), "grpc")
+    src = FreeListPool(FP, NUM_BLOCKS)
+    src.take(BLOCKS)
+    fill_blocks(src.kv, BLOCKS, seed=8)
+    sender = create_sender(config, KVPoolView(src.kv, _refuse, _keep), "grpc")
+    try:
+        waiting = sender.send(receiver.address, SendRequest("waits", BLOCKS, 15, 1))
+        time.sleep(0.2)
+        landed = sender.send(receiver.address, SendRequest("lands", BLOCKS, 15, 2))
+        landed.result(10)
+        assert not waiting.done()
+        expect.set()
+        waiting.result(10)
+        outcomes = {outcome.request_id: outcome for outcome in (receiver.wait(10), receiver.wait(10))}
+        assert [outcomes[rid].manifest.first_token for rid in ("lands", "waits")] == [2, 1]
+        for outcome in outcomes.values():
+            assert torch.equal(dst.kv[:, :, list(outcome.block_ids)], src.kv[:, :, list(BLOCKS)])
+            dst.free(outcome.block_ids)
+    finally:
+        sender.close()
+        receiver.close()
+    assert dst.num_free == NUM_BLOCKS

@@ -81,3 +81,24 @@ def test_a_refused_and_a_cancelled_request_fail_every_part_and_end_once(pair):
         handle.result(30)
     assert pair.receiver.wait(0.5) is None
     pair.assert_all_free()
+
+
+def test_a_prefill_rank_killed_leaves_half_a_request_that_the_decode_side_drops_once_its_wait_is_over(pair):
+    """Last in the module (the prefill group loses a rank). Rank 1's part never leaves: the ship fails at once, rank
+    0's part lands in half of the decode rank's heads, and past twice the transfer timeout the decode side drops the
+    request, its blocks free."""
+    if pair.layout[1] != 2:
+        pytest.skip("a prefill group of 2 ranks merging into one")
+    pair.prefill_one("orphan", random_prompts([25], VOCAB, seed=54)[0])
+    follower = pair.prefill.tp_leader.processes[0]
+    follower.kill()
+    follower.join()
+    pair.receiver.timeout_s = 0.5  # the sweeper's clock
+    handle = pair.ship("orphan")
+    with pytest.raises(KVTransferError) as failed:
+        handle.result(30)
+    assert failed.value.status == TransferStatus.PEER_FAILED and "rank 1" in failed.value.message
+    outcome = pair.receiver.wait(30)
+    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED, outcome
+    assert pair.receiver.wait(0.5) is None
+    pair.assert_all_free()
