@@ -79,7 +79,11 @@ class IncomingTransfer:
         if manifest.trailing_checksums and not (trailing_checksums or manifest.streamed):  # layers' always trail
             raise KVTransferError(TransferStatus.MALFORMED, "this transport needs every run's checksum in the manifest",
                                   rid)
-        pool = _landing_pool(manifest, pool)
+        landing = pool.landing_view(manifest.kv_heads)  # a lane's heads only into the rank that holds them
+        if landing is None:
+            raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV heads differ: {manifest.kv_heads} sent, "
+                                  f"this pool holds {pool.kv_heads or 'all'}", rid)
+        pool = landing
         diff = pool.fingerprint.mismatch(manifest.fingerprint)
         if diff:
             raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV layout differs: {diff}", rid)
@@ -286,20 +290,3 @@ class IncomingTransfer:
         if self._staging is not None:
             self._staging_pool.release(self._staging)
             self._staging = None
-
-
-def _landing_pool(manifest: Manifest, pool: KVPoolView) -> KVPoolView:
-    """The view a transfer lands in: the pool itself when the manifest names its heads (a lane's heads only into the
-    rank that holds them), else the pool's window of the manifest's heads (a lane's part, when the pool takes
-    them). Raises KVTransferError REJECTED_FINGERPRINT otherwise."""
-    if manifest.kv_heads == pool.kv_heads:
-        return pool
-    window = None
-    if pool.windows is not None and manifest.kv_heads is not None:
-        start, stop = pool.heads
-        if start <= manifest.kv_heads[0] < manifest.kv_heads[1] <= stop:
-            window = pool.windows(manifest.kv_heads)
-    if window is None:
-        raise KVTransferError(TransferStatus.REJECTED_FINGERPRINT, f"KV heads differ: {manifest.kv_heads} sent, this "
-                              f"pool holds {pool.kv_heads or 'all'}", manifest.request_id)
-    return window

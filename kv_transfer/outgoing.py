@@ -146,9 +146,9 @@ def prepare_outgoing(pool: KVPoolView, request: SendRequest, staging_pool: Stagi
     run i's bytes), so nothing is read from the pool here.
     A run is direct (sent as its pool planes) when direct_min_plane_bytes is set, the pool lives on the
     staging device (the wire's device) and each plane has at least that many bytes; the other runs get
-    staging; a head window's runs are all gathered. all_direct: every run is direct and no staging view is laid out (ipc: the receiver reads the runs
-    straight out of this pool; inline gloo from a host pool: the planes go on the socket in scatter-gather
-    writes, no gather). Reads the pool, changes nothing in it. A streamed request
+    staging; a head window's runs are all gathered. all_direct: every run is direct and no staging view is laid
+    out (ipc: the receiver reads the runs straight out of this pool; inline gloo from a host pool: the planes go on
+    the socket in scatter-gather writes, no gather). Reads the pool, changes nothing in it. A streamed request
     (request.stream) is laid out by prepare_streamed instead (its layers must be in within stream_timeout_s)."""
     if request.stream is not None:
         return prepare_streamed(pool, request, staging_pool, stream_timeout_s)

@@ -93,6 +93,16 @@ class KVPoolView:
             raise ValueError(f"KV heads {heads} are not within the pool's {self.heads}")
         return self.kv.narrow(4, heads[0] - start, heads[1] - heads[0])
 
+    def landing_view(self, heads: tuple[int, int] | None) -> "KVPoolView | None":
+        """Where a transfer of the model's KV heads `heads` (a manifest's kv_heads) lands: this pool when they are its
+        own, its window of them (windows) when it takes some of its heads, else None."""
+        if heads == self.kv_heads:
+            return self
+        start, stop = self.heads
+        if self.windows is None or heads is None or not start <= heads[0] < heads[1] <= stop:
+            return None
+        return self.windows(heads)
+
     @cached_property
     def num_blocks(self) -> int:
         return self.kv.shape[2]
