@@ -1,6 +1,6 @@
 """Disaggregated serving with tensor-parallel workers on a real local Ray: a prefill group of 2 ranks hands its KV to a
-single-rank decode worker over gRPC, and a single-rank prefill worker (or a prefill group of 2) to decode groups of 2
-ranks over gloo with layer streaming. The KV moves by KV lanes (kv_transfer/lanes/), rank to rank: each rank's heads
+single-rank decode worker over gRPC, and a single-rank prefill worker to decode groups of 2 ranks over gloo with layer
+streaming. The KV moves by KV lanes (kv_transfer/lanes/), rank to rank: each rank's heads
 from the prefill rank that holds them straight to the decode rank that holds them, merged into the single rank or
 split over the group's ranks (kv_transfer/lanes/parts.py). Greedy output equals transformers, a second wave sharing
 prefixes reuses the decode side's cached blocks, every worker ends idle with its pool whole; a SIGKILLed decode rank
@@ -72,13 +72,12 @@ def test_a_prefill_group_of_2_ranks_hands_kv_to_a_single_rank_decode_worker(chec
     assert [last.timing.decode_cached_tokens for _, last in second] == [32, 32]
 
 
-@pytest.mark.parametrize("prefill_tp", [1, 2], ids=["split", "lanes"])
-def test_decode_groups_of_2_ranks_take_kv_and_a_killed_rank_migrates(prefill_tp, checkpoint, hf_greedy):
-    """From one rank, its heads split over each group's ranks, or from a group of 2 rank to rank: by lanes either way
-    (counted by the prefill worker)."""
+def test_decode_groups_of_2_ranks_take_kv_and_a_killed_rank_migrates(checkpoint, hf_greedy):
+    """From one rank, its heads split over each group's ranks by lanes (counted by the prefill worker). (Groups of
+    one size, rank to rank: tests/cluster/multinode/test_tp_multinode.py, and tests/kv_transfer/test_lanes.py.)"""
     wave1, wave2 = two_waves(seed=41)
     prompts = random_prompts([20, 21, 22, 23], VOCAB, seed=42)
-    with running_cluster(disagg_config(checkpoint, prefill_tp=prefill_tp, decode_tp=2, decode_workers=2,
+    with running_cluster(disagg_config(checkpoint, prefill_tp=1, decode_tp=2, decode_workers=2,
                                        transport="gloo")) as coordinator:
         assert all(len(coordinator.workers[name].kv_address.lanes) == 2 for name in ("decode-0", "decode-1"))
         first, second = serve_waves(coordinator, [wave1, wave2], max_tokens=6, groups=["decode-0", "decode-1"])
@@ -90,7 +89,7 @@ def test_decode_groups_of_2_ranks_take_kv_and_a_killed_rank_migrates(prefill_tp,
         results, health = asyncio.run(kill_under_load(coordinator, generations,
                                                       lambda: os.kill(victim.rank_pids[1], signal.SIGKILL)))
         assert not wait_gone(victim.rank_pids), "a rank of the lost decode group is still running"
-        assert_actors(["DecodeActor", "PrefillActor"] + ["TPRankActor"] * prefill_tp)  # decode-0's, prefill-0's
+        assert_actors(["DecodeActor", "PrefillActor", "TPRankActor"])  # decode-0 (and its follower), prefill-0
     assert [tokens for tokens, _ in first] == hf_greedy(checkpoint, wave1, 6)
     assert [tokens for tokens, _ in second] == hf_greedy(checkpoint, wave2, 6)
     assert all(last.timing.decode_cached_tokens == 32 for _, last in second)
