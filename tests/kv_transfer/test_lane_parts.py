@@ -83,8 +83,8 @@ class Receiving:
     the rendezvous, listening to `senders`); its outcomes and released blocks collected."""
 
     def __init__(self, config: TransferConfig, heads: tuple[int, int], rendezvous: DistRendezvous | None,
-                 senders: list[int]) -> None:
-        self.pool = FreeListPool(layout(heads), NUM_BLOCKS, free_order=list(reversed(range(NUM_BLOCKS))))
+                 senders: list[int], device: str = "cpu") -> None:
+        self.pool = FreeListPool(layout(heads), NUM_BLOCKS, device, free_order=list(reversed(range(NUM_BLOCKS))))
         self.outcomes: list = []
         self.released: list[list[int]] = []
         self.parts = PartAssembler(self.pool.kv, heads, lambda rid, n: self.pool.allocate(n), self.outcomes.append,
@@ -121,22 +121,27 @@ def run_layers(clock: LayerClock, streams: list[LayerStream], request: SendReque
         stream.finish(StreamTail(request.first_token), request.block_ids)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["gloo-inline", "gloo-group", "grpc"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_wider_sending_side_merges_its_parts_into_one_pool_bit_exact(path, stream):
+def test_a_wider_sending_side_merges_its_parts_into_one_pool_bit_exact(path, stream, device):
+    """On a GPU: CUDA pools, the parts staged through pinned host memory, landing in a strided CUDA view."""
     config = transfer_config(path)
     rendezvous = rendezvous_of(config, 3)
-    receiving = Receiving(config, HEADS, rendezvous(0), [1, 2])
+    receiving = Receiving(config, HEADS, rendezvous(0), [1, 2], device)
     senders, pools = [], []
     for rank, heads in ((1, (0, 2)), (2, (2, 4))):
-        pool = FreeListPool(layout(heads), NUM_BLOCKS)
+        pool = FreeListPool(layout(heads), NUM_BLOCKS, device)
         pool.take(BLOCKS)
         fill_blocks(pool.kv, BLOCKS, seed=rank)
         pools.append(pool)
         senders.append(create_sender(config, keep_view(pool, heads), config.transport, rendezvous(rank)))
     try:
         request = SendRequest("merged", BLOCKS, 15, 7)
-        clock = LayerClock(FP.num_layers, torch.device("cpu"))
+        clock = LayerClock(FP.num_layers, torch.device(device))
         requests = [streamed(request, clock) if stream else request for _ in senders]
         handles = [sender.send(receiving.receiver.address, part) for sender, part in zip(senders, requests)]
         if stream:
@@ -158,13 +163,16 @@ def test_a_wider_sending_side_merges_its_parts_into_one_pool_bit_exact(path, str
     assert receiving.pool.num_free == NUM_BLOCKS
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["gloo-inline", "gloo-group", "grpc"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_narrower_sending_side_splits_its_heads_over_two_pools_bit_exact(path, stream):
+def test_a_narrower_sending_side_splits_its_heads_over_two_pools_bit_exact(path, stream, device):
+    """On a GPU: a strided CUDA view gathered into pinned host staging, layer by layer when streamed."""
     config = transfer_config(path)
     rendezvous = rendezvous_of(config, 3)
-    receiving = [Receiving(config, heads, rendezvous(rank), [2]) for rank, heads in ((0, (0, 2)), (1, (2, 4)))]
-    pool = FreeListPool(FP, NUM_BLOCKS)
+    receiving = [Receiving(config, heads, rendezvous(rank), [2], device)
+                 for rank, heads in ((0, (0, 2)), (1, (2, 4)))]
+    pool = FreeListPool(FP, NUM_BLOCKS, device)
     pool.take(BLOCKS)
     fill_blocks(pool.kv, BLOCKS, seed=5)
     whole = keep_view(pool, HEADS)
@@ -172,7 +180,7 @@ def test_a_narrower_sending_side_splits_its_heads_over_two_pools_bit_exact(path,
                              config.transport, rendezvous(2)) for heads in ((0, 2), (2, 4))]
     try:
         request = SendRequest("split", BLOCKS, 15, 9)
-        clock = LayerClock(FP.num_layers, torch.device("cpu"))
+        clock = LayerClock(FP.num_layers, torch.device(device))
         requests = [streamed(request, clock) if stream else request for _ in senders]
         handles = [sender.send(rank.receiver.address, part) for sender, rank, part in zip(senders, receiving, requests)]
         if stream:
