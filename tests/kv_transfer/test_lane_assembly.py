@@ -17,8 +17,8 @@ from kv_transfer.pool import KVPoolView
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import TransferStatus
 from kv_transfer.testing import FreeListPool, fill_blocks
-from tests.kv_transfer.test_lane_parts import (BLOCKS, FP, HEADS, NUM_BLOCKS, keep_blocks, keep_view, refuse_allocation, layout,
-                                               transfer_config)
+from tests.kv_transfer.test_lane_parts import (BLOCKS, FP, HEADS, NUM_BLOCKS, keep_blocks, keep_view, layout,
+                                               refuse_allocation, transfer_config)
 
 
 class Parts:

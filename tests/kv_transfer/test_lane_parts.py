@@ -108,17 +108,21 @@ def rendezvous_of(config: TransferConfig, world: int):
     return lambda rank: None if config.transport == "grpc" else DistRendezvous(rank, world, namespace)
 
 
-def streamed(request: SendRequest, clock: LayerClock) -> SendRequest:
-    return dataclasses.replace(request, first_token=None, stream=LayerStream(clock))
-
-
-def run_layers(clock: LayerClock, streams: list[LayerStream], request: SendRequest) -> None:
-    """The forward's side of streamed parts: each layer written, then the first token (the blocks handed over)."""
-    for layer in range(FP.num_layers):
-        time.sleep(0.005)
-        clock.layer_done(layer)
-    for stream in streams:
-        stream.finish(StreamTail(request.first_token), request.block_ids)
+def send_parts(request: SendRequest, senders: list, receiving: list[Receiving], stream: bool, device: str) -> None:
+    """Each sender ships its part of request to its receiving rank (whole, or layer-streamed: the forward's side
+    writes each layer, then hands the first token and the blocks over); returns once every part was acknowledged."""
+    clock = LayerClock(FP.num_layers, torch.device(device))
+    parts = [dataclasses.replace(request, first_token=None, stream=LayerStream(clock)) if stream else request
+             for _ in senders]
+    handles = [sender.send(rank.receiver.address, part) for sender, rank, part in zip(senders, receiving, parts)]
+    if stream:
+        for layer in range(FP.num_layers):
+            time.sleep(0.005)
+            clock.layer_done(layer)
+        for part in parts:
+            part.stream.finish(StreamTail(request.first_token), request.block_ids)
+    for handle in handles:
+        handle.result(20)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -140,14 +144,7 @@ def test_a_wider_sending_side_merges_its_parts_into_one_pool_bit_exact(path, str
         pools.append(pool)
         senders.append(create_sender(config, keep_view(pool, heads), config.transport, rendezvous(rank)))
     try:
-        request = SendRequest("merged", BLOCKS, 15, 7)
-        clock = LayerClock(FP.num_layers, torch.device(device))
-        requests = [streamed(request, clock) if stream else request for _ in senders]
-        handles = [sender.send(receiving.receiver.address, part) for sender, part in zip(senders, requests)]
-        if stream:
-            run_layers(clock, [part.stream for part in requests], request)
-        for handle in handles:
-            handle.result(20)
+        send_parts(SendRequest("merged", BLOCKS, 15, 7), senders, [receiving] * 2, stream, device)
         (outcome,) = receiving.wait()
         assert isinstance(outcome, ReceivedKV) and outcome.manifest.first_token == 7
         assert outcome.kv_bytes == 2 * len(BLOCKS) * pools[0].kv[:, :, 0].nbytes
@@ -176,17 +173,11 @@ def test_a_narrower_sending_side_splits_its_heads_over_two_pools_bit_exact(path,
     pool.take(BLOCKS)
     fill_blocks(pool.kv, BLOCKS, seed=5)
     whole = keep_view(pool, HEADS)
-    senders = [create_sender(config, KVPoolView(whole.head_window(heads), refuse_allocation, keep_blocks, kv_heads=heads),
-                             config.transport, rendezvous(2)) for heads in ((0, 2), (2, 4))]
+    senders = [create_sender(config, KVPoolView(whole.head_window(heads), refuse_allocation, keep_blocks,
+                                                kv_heads=heads), config.transport, rendezvous(2))
+               for heads in ((0, 2), (2, 4))]
     try:
-        request = SendRequest("split", BLOCKS, 15, 9)
-        clock = LayerClock(FP.num_layers, torch.device(device))
-        requests = [streamed(request, clock) if stream else request for _ in senders]
-        handles = [sender.send(rank.receiver.address, part) for sender, rank, part in zip(senders, receiving, requests)]
-        if stream:
-            run_layers(clock, [part.stream for part in requests], request)
-        for handle in handles:
-            handle.result(20)
+        send_parts(SendRequest("split", BLOCKS, 15, 9), senders, receiving, stream, device)
         for rank, (start, stop) in zip(receiving, ((0, 2), (2, 4))):
             (outcome,) = rank.wait()
             assert isinstance(outcome, ReceivedKV) and outcome.manifest.kv_heads == (start, stop)

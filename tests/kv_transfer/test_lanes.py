@@ -13,7 +13,7 @@ import pytest
 
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from kv_transfer import DistRendezvous, KVTransferError, ReceivedKV, ReceiveFailed, ReceiverAddress, TransferConfig
+from kv_transfer import DistRendezvous, KVTransferError, ReceiveFailed, ReceiverAddress, TransferConfig
 from kv_transfer import TransferStatus
 from kv_transfer.engine_pool import ship_prefilled
 from kv_transfer.lanes import LaneHub, LaneSender, LaneSpec
@@ -35,46 +35,16 @@ def pair(request, ckpt):
 def test_each_rank_ships_its_heads_and_greedy_equals_transformers_with_prefix_reuse(pair, ckpt, hf_greedy):
     prompts = random_prompts([1, 9, 30, 70], VOCAB, seed=31)
     again = prompts[3][:48] + random_prompts([11], VOCAB, seed=32)[0]  # 6 blocks the decode side holds
-    expected = hf_greedy(ckpt, prompts + [again], MAX_TOKENS)
-    admitted = {}
-    for i, prompt in enumerate(prompts):
-        pair.prefill_one(f"r{i}", prompt)
-        handle = pair.ship(f"r{i}")
-        outcome = pair.receiver.wait(30)
-        assert isinstance(outcome, ReceivedKV), outcome
+
+    def check(outcome, result):
         assert outcome.manifest.kv_heads == (0, 1)  # rank 0's lane: only its head travelled to it
-        admitted[f"r{i}"] = (outcome, prompt, ())
-        assert handle.result(30).kv_bytes == 2 * len(outcome.block_ids) * pair.prefill.kv_cache.kv[:, :, 0].nbytes
-    tokens = pair.decode_all(admitted)
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:4]
-    cached = pair.decode.pin_cached_prefix(again)
-    assert len(cached) == 6
-    pair.prefill_one("again", again)
-    handle = pair.ship("again", prefix_blocks=len(cached))
-    outcome = pair.receiver.wait(30)
-    assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
-    handle.result(30)
-    assert pair.decode_all({"again": (outcome, again, cached)})["again"] == expected[4]
-    pair.assert_all_free()
+        assert result.kv_bytes == 2 * len(outcome.block_ids) * pair.prefill.kv_cache.kv[:, :, 0].nbytes
+
+    pair.greedy_with_prefix_reuse(prompts, again, hf_greedy(ckpt, prompts + [again], MAX_TOKENS), check)
 
 
 def test_a_refused_and_a_cancelled_request_fail_on_every_lane_and_free_both_sides(pair):
-    prompt = random_prompts([40], VOCAB, seed=33)[0]
-    pair.prefill_one("refused-1", prompt)  # the decode side has no reservation for it: rank 0's lane refuses
-    handle = pair.ship("refused-1")
-    outcome = pair.receiver.wait(30)
-    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.REJECTED_NO_BLOCKS
-    with pytest.raises(KVTransferError):
-        handle.result(30)
-    pair.receiver.cancel("cancelled-1")
-    pair.prefill_one("cancelled-1", prompt)
-    handle = pair.ship("cancelled-1")
-    outcome = pair.receiver.wait(30)
-    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED
-    with pytest.raises(KVTransferError):
-        handle.result(30)
-    assert pair.receiver.wait(0.5) is None  # one outcome per request, whatever its lanes did
-    pair.assert_all_free()
+    pair.refused_and_cancelled_end_once(random_prompts([40], VOCAB, seed=33)[0])
 
 
 def test_a_lane_that_never_comes_fails_the_request_and_frees_its_blocks_once_its_wait_is_over(pair):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_transfer import KVTransferError, ReceivedKV, ReceiveFailed, TransferStatus
+from kv_transfer import KVTransferError, ReceiveFailed, TransferStatus
 from kv_transfer.lanes.parts import LanePart
 from tests.support.engine_checks import random_prompts
 from tests.support.lane_pair import MAX_TOKENS, VOCAB, LanePair
@@ -39,48 +39,17 @@ def test_the_heads_merge_or_split_and_greedy_equals_transformers_with_prefix_reu
     assert pair.sender.reaches(address) and pair.sender.plan(address) == LAYOUTS[pair.layout]
     prompts = random_prompts([1, 9, 30, 70], VOCAB, seed=51)
     again = prompts[3][:48] + random_prompts([11], VOCAB, seed=52)[0]  # 6 blocks the decode side holds
-    expected = hf_greedy(ckpt, prompts + [again], MAX_TOKENS)
-    admitted = {}
-    for i, prompt in enumerate(prompts):
-        pair.prefill_one(f"r{i}", prompt)
-        handle = pair.ship(f"r{i}")
-        outcome = pair.receiver.wait(30)
-        assert isinstance(outcome, ReceivedKV), outcome
-        admitted[f"r{i}"] = (outcome, prompt, ())
+
+    def check(outcome, result):
         every_head = len(outcome.block_ids) * pair.decode.kv_cache.kv[:, :, 0].nbytes * pair.layout[2]
-        assert handle.result(30).kv_bytes == every_head
-    assert pair.receiver.wait(0.2) is None  # one delivery per request, whatever its parts
-    tokens = pair.decode_all(admitted)
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:4]
-    cached = pair.decode.pin_cached_prefix(again)
-    assert len(cached) == 6
-    pair.prefill_one("again", again)
-    handle = pair.ship("again", prefix_blocks=len(cached))
-    outcome = pair.receiver.wait(30)
-    assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
-    handle.result(30)
-    assert pair.decode_all({"again": (outcome, again, cached)})["again"] == expected[4]
+        assert result.kv_bytes == every_head
+
+    pair.greedy_with_prefix_reuse(prompts, again, hf_greedy(ckpt, prompts + [again], MAX_TOKENS), check)
     assert pair.sender.delivered == 5
-    pair.assert_all_free()
 
 
 def test_a_refused_and_a_cancelled_request_fail_every_part_and_end_once(pair):
-    prompt = random_prompts([40], VOCAB, seed=53)[0]
-    pair.prefill_one("refused-1", prompt)  # the decode side has no reservation for it
-    handle = pair.ship("refused-1")
-    outcome = pair.receiver.wait(30)
-    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.REJECTED_NO_BLOCKS
-    with pytest.raises(KVTransferError):
-        handle.result(30)
-    pair.receiver.cancel("cancelled-1")
-    pair.prefill_one("cancelled-1", prompt)
-    handle = pair.ship("cancelled-1")
-    outcome = pair.receiver.wait(30)
-    assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED
-    with pytest.raises(KVTransferError):
-        handle.result(30)
-    assert pair.receiver.wait(0.5) is None
-    pair.assert_all_free()
+    pair.refused_and_cancelled_end_once(random_prompts([40], VOCAB, seed=53)[0])
 
 
 def test_a_prefill_rank_killed_leaves_half_a_request_that_the_decode_side_drops_once_its_wait_is_over(pair):

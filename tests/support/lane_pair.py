@@ -4,11 +4,15 @@ prefilled request, wait for the decode side's outcome, decode, and check that ev
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+import pytest
 
 from engine import SamplingParams
 from engine.builder import build_engine
 from engine.config import EngineConfig
-from kv_transfer import DistRendezvous, TransferConfig
+from kv_transfer import (DistRendezvous, KVTransferError, ReceivedKV, ReceiveFailed, SendResult, TransferConfig,
+                         TransferStatus)
 from kv_transfer.engine_pool import admit_received, ship_prefilled
 from kv_transfer.lanes import LaneHub, LaneReceiver, LaneSender, LaneSpec
 
@@ -65,6 +69,52 @@ class LanePair:
             for delta in self.decode.step():
                 tokens[delta.request_id] += delta.new_token_ids
         return tokens
+
+    def greedy_with_prefix_reuse(self, prompts: list[list[int]], again: list[int], expected: list[list[int]],
+                                 check: Callable[[ReceivedKV, SendResult], None]) -> None:
+        """Ships and decodes each prompt (check(outcome, result) on each delivery), then `again`, whose first 6 blocks
+        the decode side holds by then (only the rest travel); every request's greedy tokens equal `expected`
+        (prompts', then again's), one delivery each, every block free at the end."""
+        admitted = {}
+        for i, prompt in enumerate(prompts):
+            self.prefill_one(f"r{i}", prompt)
+            handle = self.ship(f"r{i}")
+            outcome = self.receiver.wait(30)
+            assert isinstance(outcome, ReceivedKV), outcome
+            check(outcome, handle.result(30))
+            admitted[f"r{i}"] = (outcome, prompt, ())
+        assert self.receiver.wait(0.2) is None  # one delivery per request, whatever its lanes did
+        tokens = self.decode_all(admitted)
+        assert [tokens[f"r{i}"] for i in range(len(prompts))] == expected[:len(prompts)]
+        cached = self.decode.pin_cached_prefix(again)
+        assert len(cached) == 6
+        self.prefill_one("again", again)
+        handle = self.ship("again", prefix_blocks=len(cached))
+        outcome = self.receiver.wait(30)
+        assert outcome.manifest.prefix_blocks == 6 and len(outcome.block_ids) == 2
+        handle.result(30)
+        assert self.decode_all({"again": (outcome, again, cached)})["again"] == expected[-1]
+        self.assert_all_free()
+
+    def refused_and_cancelled_end_once(self, prompt: list[int]) -> None:
+        """A request the decode side holds no reservation for ("refused-1") and one it cancelled before its KV came
+        ("cancelled-1") each fail on every lane: the sender's handle raises, the decode side reports it once, and every
+        block on both sides is free."""
+        self.prefill_one("refused-1", prompt)
+        handle = self.ship("refused-1")
+        outcome = self.receiver.wait(30)
+        assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.REJECTED_NO_BLOCKS
+        with pytest.raises(KVTransferError):
+            handle.result(30)
+        self.receiver.cancel("cancelled-1")
+        self.prefill_one("cancelled-1", prompt)
+        handle = self.ship("cancelled-1")
+        outcome = self.receiver.wait(30)
+        assert isinstance(outcome, ReceiveFailed) and outcome.status == TransferStatus.CANCELLED
+        with pytest.raises(KVTransferError):
+            handle.result(30)
+        assert self.receiver.wait(0.5) is None  # one outcome per request, whatever its lanes did
+        self.assert_all_free()
 
     def assert_all_free(self) -> None:
         """Every block of both engines free (waiting up to 10 s for the last lanes to end)."""
