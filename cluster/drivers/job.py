@@ -69,13 +69,15 @@ def parse_args(argv: list[str] | None = None) -> JobPlan:
 
 
 def connect(plan: JobPlan) -> None:
-    """Join the job's (or --address) cluster, or start a local Ray on 127.0.0.1."""
+    """Join the job's (or --address) cluster, or start a local Ray of its own on 127.0.0.1 (address "local": never
+    another Ray this machine runs, which ray.init() would otherwise join and then refuse the num_cpus given)."""
     import ray
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
     if plan.address:
         ray.init(address=plan.address, **quiet)
     else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, 3), **quiet)
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 num_cpus=max(os.cpu_count() or 1, 3), **quiet)
 
 
 def worker_counts(plan: JobPlan) -> tuple[int, int, str, int | None, float]:

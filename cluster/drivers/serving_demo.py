@@ -119,7 +119,7 @@ async def _run_disaggregated(plan: DemoPlan, workload: list[WorkloadRequest]
     from cluster.coordinator.start import start_cluster
     from cluster.workers.cluster_config import ClusterConfig
     from engine import EngineConfig
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,  # its own
              logging_level=logging.ERROR, num_cpus=max(os.cpu_count() or 1, plan.num_prefill_workers
                                                          + plan.num_decode_workers + 1))
     try:
