@@ -39,6 +39,7 @@ from tests.support.serve_process import TANDEM, start_serve
 
 VOCAB = 256
 JOB = Path(__file__).resolve().parents[3] / "deploy" / "job.py"
+AGENT_WAIT_S = 60.0  # how long a submission refused for want of a job agent is tried again
 LOAD_TIMEOUT_S = 120.0   # a bound on every wait for requests: nothing may hang
 
 
@@ -267,10 +268,15 @@ def test_ray_job_submit_of_deploy_job_runs_on_the_cluster(fake):
     working dir into the same place under the running driver (deploy/README.md)."""
     if fake.dashboard_url is None:
         pytest.skip("ray job submit needs the Ray dashboard: pip install 'ray[default]' (the jobs extra)")
-    done = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address",
-                           fake.dashboard_url, "--", sys.executable, str(JOB), "--requests", "2", "--max-tokens",
-                           "4", "--device", "cpu", "--kv-cache-mib", "16", "--model", "tiny"],
-                          capture_output=True, text=True, timeout=240)
+    command = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", fake.dashboard_url, "--",
+               sys.executable, str(JOB), "--requests", "2", "--max-tokens", "4", "--device", "cpu", "--kv-cache-mib",
+               "16", "--model", "tiny"]
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:  # the head's job agent registers a while after its dashboard answers: Ray says to try again later
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+        if "No available agent to submit job" not in done.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "2/2 ok" in done.stdout and "KV pools empty" in done.stdout, done.stdout[-4000:]
     assert_released(set())
