@@ -1,10 +1,11 @@
-"""An asyncio event loop on its own daemon thread, for the gRPC transport's asyncio API."""
+"""An asyncio event loop on its own daemon thread, for the gRPC transport's asyncio API; off_loop, a call that runs
+beside it."""
 from __future__ import annotations
 
 import asyncio
 import threading
 from concurrent.futures import Future
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 T = TypeVar("T")
 
@@ -32,3 +33,15 @@ class EventLoopThread:
             self._thread.join(10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+async def off_loop(call: Callable[[], T], undo: Callable[[T], object]) -> T:
+    """call() on the default executor while the event loop serves other transfers. If the awaiting call is cancelled
+    first (the client went away: its end is reported then), a success that comes later is undone: undo(result)."""
+    future = asyncio.get_running_loop().run_in_executor(None, call)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(lambda done: None if done.cancelled() or done.exception() is not None
+                                 else undo(done.result()))
+        raise

@@ -17,7 +17,7 @@ from kv_transfer.grpc.codec import PUSH_METHOD, SERVICE_NAME, channel_options
 from kv_transfer.grpc.deadline import Deadline
 from kv_transfer.grpc.heap import keep_heap_for_messages
 from kv_transfer.grpc.inbound import arrived, decode_first, drain, land_chunk, manifest_of, next_chunk
-from kv_transfer.grpc.loop_thread import EventLoopThread
+from kv_transfer.grpc.loop_thread import EventLoopThread, off_loop
 from kv_transfer.grpc.push import is_small
 from kv_transfer.incoming import IncomingTransfer
 from kv_transfer.manifest import Manifest
@@ -224,19 +224,10 @@ class GrpcReceiver(KVReceiver):
 
     async def _commit(self, incoming: IncomingTransfer) -> ReceivedKV:
         """Verify + scatter: on this thread for a small transfer (its runs landed here already), else off the
-        event loop. If the call dies meanwhile, a late success is undone."""
+        event loop. If the call dies meanwhile, a late success's blocks are freed."""
         if self._lands_inline(incoming.manifest):
             return incoming.commit()
-        future = asyncio.get_running_loop().run_in_executor(None, incoming.commit)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(self._undo_late_commit)
-            raise
-
-    def _undo_late_commit(self, future: asyncio.Future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self.pool.free(future.result().block_ids)
+        return await off_loop(incoming.commit, lambda received: self.pool.free(received.block_ids))
 
     def _failed(self, held: list[IncomingTransfer], status: TransferStatus, message: str,
                 request_id: str = "") -> tandem_pb2.KVAck:
@@ -265,12 +256,8 @@ class GrpcReceiver(KVReceiver):
         """_accept on an executor thread, for a pool whose allocation may wait (a lane follower's, for rank 0's
         Expect): the loop serves the other transfers meanwhile. If the call dies meanwhile (its end is reported
         then), a late accept's blocks are freed."""
-        future = asyncio.get_running_loop().run_in_executor(None, self._accept, manifest)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(_undo_late_accept)
-            raise
+        return await off_loop(lambda: self._accept(manifest), lambda incoming: incoming.fail(
+            TransferStatus.PEER_FAILED, "the call ended while its blocks were taken"))
 
     async def _stream(self, context, incoming: IncomingTransfer, session: bool) -> None:
         """Lands data chunks and trailing run checksums (and a layer-streamed transfer's tail): in a session
@@ -307,9 +294,3 @@ class GrpcReceiver(KVReceiver):
         for task in list(self._idle_sessions):
             task.cancel()
         await self._server.stop(grace=grace_s)
-
-
-def _undo_late_accept(future: asyncio.Future) -> None:
-    """Frees the blocks of an accept that finished after its call died (the call's end was reported already)."""
-    if not future.cancelled() and future.exception() is None:
-        future.result().fail(TransferStatus.PEER_FAILED, "the call ended while its blocks were taken")
