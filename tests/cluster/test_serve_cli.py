@@ -15,6 +15,7 @@ import ray
 
 from cluster import cli
 from tests.support.serve_process import TANDEM, descendants, live_processes, start_serve
+from tests.support.timing_checks import assert_remote_prefill_timing
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def check_disaggregated_serving(proc: subprocess.Popen, grpc_port: int, http_por
     assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
     timing = reply["tandem_timing"]
     assert timing["prefill_worker"] == "prefill-0" and timing["decode_worker"] == "decode-0"
-    assert timing["kv_bytes"] > 0 and timing["ttft_ms"] >= timing["transfer_ms"] > 0
+    assert_remote_prefill_timing(timing)
     client = subprocess.run([*TANDEM, "client", "hello", "--target", f"127.0.0.1:{grpc_port}",
                              "--max-tokens", "4", "--ignore-eos"], capture_output=True, text=True, timeout=60)
     assert client.returncode == 0 and "[length] ttft" in client.stdout, client.stderr
