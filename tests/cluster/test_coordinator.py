@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from kv_transfer import ModelFingerprint, SendRequest, TransferConfig, TransferStatus, create_sender
 from kv_transfer.testing import FreeListPool
 from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, running_cluster,
-                                       wait_until_idle)
+                                       wait_until_idle, worker_running)
 from tests.support.engine_checks import random_prompts
 from tests.support.timing_checks import assert_remote_prefill_timing
 
@@ -269,8 +269,7 @@ def test_n_samples_migrate_each_on_its_own_when_their_decode_worker_dies(colocat
                 if chunk.timing is not None:
                     timings[chunk.index] = chunk.timing
                 if killed is None and all(tokens.values()):  # every sample decodes: kill their worker
-                    stats = await coordinator.worker_stats()
-                    killed = next(name for name, s in stats.items() if getattr(s, "running", 0) == 3)
+                    killed = await worker_running(coordinator, 3)
                     os.kill(coordinator.workers[killed].pid, signal.SIGKILL)
         await wait_until_idle(coordinator)
         return tokens, timings, killed

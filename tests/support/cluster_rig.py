@@ -131,6 +131,20 @@ async def wait_until_idle(coordinator, timeout_s: float = 15.0) -> dict:
         await asyncio.sleep(0.05)
 
 
+async def worker_running(coordinator, num_sequences: int, timeout_s: float = 30.0) -> str:
+    """The name of a worker whose stats show num_sequences running. Stats are a snapshot a worker publishes after
+    its step, so they can trail the tokens the client already has: read them again until one shows it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await coordinator.worker_stats()
+        name = next((name for name, s in stats.items() if getattr(s, "running", 0) == num_sequences), None)
+        if name is not None:
+            return name
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no worker runs {num_sequences} sequences: {stats}")
+        await asyncio.sleep(0.005)
+
+
 async def kill_under_load(coordinator, requests: list[GenerationRequest], kill) -> tuple[list, object]:
     """Streams `requests`, calls kill() once each has its first chunk, waits for them all and for the workers to
     be idle; returns (each request's (tokens, last chunk), the coordinator's health right after)."""
