@@ -102,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-queue-tokens", type=int, default=1 << 20,
                         help="disaggregated: answer 429 / RESOURCE_EXHAUSTED while every prefill worker's queue "
                              "would pass this many prompt tokens with the request (0: no bound)")
+    parser.add_argument("--decode-room-wait-s", type=float, default=30.0,
+                        help="on Ray: a request every decode worker (replica) refuses for lack of room (its KV pool "
+                             "full, or its limit of live requests) waits this long, first come first served, for one "
+                             "to end; then 429 / RESOURCE_EXHAUSTED (0: at once)")
     parser.add_argument("--cpu-threads", "--cpu-threads-per-worker", dest="cpu_threads", type=int, default=None,
                         help="torch threads of the colocated engine, or of each worker on Ray (default: this "
                              "host's cores, shared evenly among the workers, at least 1 each)")
@@ -127,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise ValueError("--worker-stall-timeout-s must be > 0")
     if args.max_prefill_queue_tokens < 0:
         raise ValueError("--max-prefill-queue-tokens must be >= 0 (0: no bound)")
+    if not args.decode_room_wait_s >= 0:
+        raise ValueError("--decode-room-wait-s must be >= 0 (0: refused at once)")
     if not 0 <= args.shutdown_grace_s <= 60:
         raise ValueError("--shutdown-grace-s must be in [0, 60]")
     if args.warmup_requests is not None and not 0 <= args.warmup_requests <= 1024:
@@ -147,7 +153,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                          kv_streaming=args.kv_streaming, kv_inline_max_bytes=kv_inline_bytes_from_args(args, mode),
                          disagg_policy=args.disagg_policy, decode_prefix_reuse=args.decode_prefix_reuse, bounds=bounds,
                          drain_timeout_s=args.drain_timeout_s, autoscale=autoscale, tokenizer=args.tokenizer,
-                         warmup_requests=args.warmup_requests, **http_limits_from_args(args),
+                         warmup_requests=args.warmup_requests, decode_room_wait_s=args.decode_room_wait_s,
+                         **http_limits_from_args(args),
                          **tp_sizes_from_args(args, mode))
     if mode == "disaggregated" or replicas:
         if replicas and (args.transport != "auto" or args.prefill_resources or args.kv_streaming != "layer"):

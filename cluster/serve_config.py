@@ -52,6 +52,7 @@ class ServeConfig:
     prefill_tp: int = 1  # ranks of each prefill worker (disaggregated)
     decode_tp: int = 1   # ranks of each decode worker, replica, or of the engine in this process
     warmup_requests: int | None = None  # before listening (serve_warmup.py); None: one per P -> D pair / replica
+    decode_room_wait_s: float = 30.0  # on Ray: how long a request waits for room on the decode side before a 429
 
     @property
     def model_name(self) -> str:
@@ -69,6 +70,7 @@ def cluster_config(config: ServeConfig) -> ClusterConfig:
                          engine=config.engine, cpu_threads_per_worker=config.cpu_threads,
                          worker_stall_timeout_s=config.worker_stall_timeout_s,
                          max_prefill_queue_tokens=config.max_prefill_queue_tokens,
+                         decode_room_wait_s=config.decode_room_wait_s,
                          gpus_per_worker=config.gpus_per_worker, prefill_resources=config.prefill_resources,
                          decode_resources=config.decode_resources, kv_streaming=config.kv_streaming,
                          disagg_policy=config.disagg_policy, decode_prefix_reuse=config.decode_prefix_reuse,

@@ -44,7 +44,7 @@ class AdmissionControl:
         with self._lock:
             refusal = self._refusal(request_id)
             if refusal is not None:
-                return Admission(False, refusal)
+                return refusal
             pinned = self._pin_prefix(prompt_token_ids) if self._pin_prefix is not None else []
             rest = needed - len(pinned)
             free = self._free_count()
@@ -53,17 +53,18 @@ class AdmissionControl:
                 if pinned:
                     self._give_blocks(pinned)
                 return Admission(False, f"KV pool full: {free} blocks free, the prompt needs {rest} "
-                                        f"(+{self._headroom} headroom)")
+                                        f"(+{self._headroom} headroom)", for_room=True)
             self._reserved[request_id], self._pinned[request_id] = blocks, pinned
             return Admission(True, cached_blocks=len(pinned))
 
-    def _refusal(self, request_id: str) -> str | None:
+    def _refusal(self, request_id: str) -> Admission | None:
         if self._closed:
-            return "the decode worker is stopping"
+            return Admission(False, "the decode worker is stopping")
         if request_id in self._reserved:
-            return f"request id {request_id!r} is already live here"
+            return Admission(False, f"request id {request_id!r} is already live here")
         if len(self._reserved) >= self._max_live:
-            return f"{len(self._reserved)} requests live, the limit is {self._max_live}"
+            return Admission(False, f"{len(self._reserved)} requests live, the limit is {self._max_live}",
+                             for_room=True)
         return None
 
     def take_pinned(self, request_id: str) -> list[int]:

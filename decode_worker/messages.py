@@ -33,12 +33,15 @@ class Admission:
     """The answer to expect(): accepted, or refused (backpressure: retry elsewhere or later).
     cached_blocks: leading full prompt blocks this worker holds in its prefix cache and pinned for the
     request (the KV transfer skips them; PrefillTask.decode_cached_blocks). prefill_locally: the request is
-    prefilled here (asked for, or chosen by local_below_uncached_tokens): no KV will be expected."""
+    prefilled here (asked for, or chosen by local_below_uncached_tokens): no KV will be expected. for_room: refused
+    for lack of room (the KV pool cannot spare the prompt's blocks, or the live-request limit is reached), which a
+    request ending here frees; a refusal without it (the worker is stopping, the id is live) does not pass."""
 
     accepted: bool
     reason: str = ""
     cached_blocks: int = 0
     prefill_locally: bool = False
+    for_room: bool = False
 
 
 @dataclass(frozen=True)

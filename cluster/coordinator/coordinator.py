@@ -67,7 +67,7 @@ class Coordinator:
                               self._block_size, kv_overlap_weight=kv_weight)
         self._placer = PrefillPlacer(DisaggPolicy(config.disagg_policy, config.local_prefill_tokens))
         self._decoders = DecodeAdmissions(self._router, self._set, bool(config.replicas), self._worker_lost,
-                                          self._stream_lost)
+                                          self._stream_lost, config.decode_room_wait_s)
         self._numbers = itertools.count()
         self._monitor: HealthMonitor | None = None
         self._health_stats = StatsSnapshot(self.worker_stats)  # the loads health() reports

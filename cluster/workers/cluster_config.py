@@ -45,7 +45,11 @@ class ClusterConfig:
     worker_stall_timeout_s: a worker whose step thread died, or has work but completed no step for this long, or
     that does not answer a health check within it, is declared lost (killed; its requests migrate).
     max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would pass
-    this many prompt tokens with it (0: no bound). worker_stop_timeout_s: how long shutdown waits for the workers'
+    this many prompt tokens with it (0: no bound). decode_room_wait_s: a request every decode worker (replica) refuses
+    for lack of room (its KV pool cannot spare the prompt's blocks, or max_live_per_decode_worker requests are live)
+    waits, holding nothing, up to this long for a request to end and free room, and is asked again each time one
+    does; after that it is refused as overloaded (429). A request migrating from a lost worker waits the same way
+    (0: refused at once). worker_stop_timeout_s: how long shutdown waits for the workers'
     orderly stop before killing them. gpus_per_worker: the share of a GPU each worker's bundle takes on GPU nodes.
     1: a GPU of its own. Below 1, every worker shares one GPU (num_workers x gpus_per_worker <= 1; the only way to
     serve disaggregated on a one-GPU machine): KV moves over CUDA IPC (auto), gloo or grpc, never NCCL, which
@@ -80,6 +84,7 @@ class ClusterConfig:
     worker_start_timeout_s: float = 300.0
     worker_stall_timeout_s: float = 30.0
     max_prefill_queue_tokens: int = 1 << 20
+    decode_room_wait_s: float = 30.0
     worker_stop_timeout_s: float = 5.0
     gpus_per_worker: float = 1.0
     prefill_resources: dict[str, float] = field(default_factory=dict)
@@ -117,6 +122,8 @@ class ClusterConfig:
             raise ValueError(f"kv_overlap_weight must be >= 0, got {self.kv_overlap_weight!r}")
         if self.max_prefill_queue_tokens < 0:
             raise ValueError("max_prefill_queue_tokens must be >= 0 (0: no bound)")
+        if not self.decode_room_wait_s >= 0:
+            raise ValueError(f"decode_room_wait_s must be >= 0 (0: refused at once), got {self.decode_room_wait_s!r}")
         if not self.worker_stall_timeout_s > 0:
             raise ValueError("worker_stall_timeout_s must be > 0")
         if self.worker_stop_timeout_s <= 0:
