@@ -6,11 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# TEST_WORKERS=2 runs the suite in 2 pytest-xdist processes, each test file whole on one (--dist loadfile: a file's
-# module fixtures, engines and clusters, are built once): on the 2-core CI machine ~16 min against ~24 in one
-# process (docs/benchmarks.md, "The suite's time"), but two load-sensitive tests still fail there now and then, so
-# the default stays one process (0).
-TEST_WORKERS ?= 0
+# The suite runs in TEST_WORKERS pytest-xdist processes, each test file whole on one (--dist loadfile: a file's module
+# fixtures, engines and clusters, are built once): on the 2-core CI machine ~16 min with 2 against ~24 in one process
+# (TEST_WORKERS=0; docs/benchmarks.md, "The suite's time").
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test bench-engine gpu-check
 
