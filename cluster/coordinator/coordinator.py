@@ -238,7 +238,8 @@ class Coordinator:
     async def health(self) -> BackendHealth:
         """Serving while at least one prefill and one decode worker (or one replica) are alive; details sum
         the decode workers' (replicas') load (the keys ServingMetrics reads), give each alive worker's load
-        under "workers", and list the dead workers. Who is alive is read now; the loads are the last round's
+        under "workers", and list the dead workers; "waiting_for_room": requests no decode worker has room for yet
+        (in waiting_requests too). Who is alive is read now; the loads are the last round's
         when the workers take over 25 ms to answer (StatsSnapshot: a probe does not wait for busy workers)."""
         self._watch_health()
         stats = {name: s for name, s in (await self._health_stats.get()).items() if self.is_alive(name)}
@@ -246,6 +247,8 @@ class Coordinator:
         infos = {name: worker.info for name, worker in self._workers.items()}
         details = health_details(infos, stats, [n for n in infos if not self.is_alive(n)], self._set.failures())
         details["scaling"] = self.scaling.describe()  # every worker's state, the bounds, autoscale decisions
+        details["waiting_for_room"] = self._decoders.waiting_for_room  # counted among the waiting requests too
+        details["waiting_requests"] += self._decoders.waiting_for_room
         serving = not self._closed and (num_prefill > 0 or self._replicas) and num_decode > 0
         return BackendHealth(serving, self.model_name, num_prefill, num_decode, details)
 

@@ -35,6 +35,11 @@ class DecodeAdmissions:
         self._room_wait_s, self._room = room_wait_s, RoomQueue()
         self._role = "replica" if replicas else "decode worker"
 
+    @property
+    def waiting_for_room(self) -> int:
+        """Requests waiting in the room queue now."""
+        return len(self._room)
+
     async def open(self, expected: ExpectedRequest, blocks: int, queued: int,
                    first_choice: str | None = None) -> tuple[Worker, asyncio.Queue, Admission]:
         """The first worker (in routing order; `first_choice` before the others) that accepts the request,

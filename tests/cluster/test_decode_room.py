@@ -124,9 +124,10 @@ def test_a_request_refused_for_room_waits_and_is_admitted_when_a_request_ends():
         await decoders.open(expected("earlier"), blocks=1, queued=0)
         waiting = asyncio.ensure_future(decoders.open(expected("late"), blocks=1, queued=0))
         await asyncio.sleep(0.01)
+        waited = decoders.waiting_for_room  # what health() reports
         decoders.release("decode-0", "earlier", 1, 0)  # it ended there: the head asks again
         worker, _, admission = await asyncio.wait_for(waiting, 10)
-        return admission.accepted, workers.asked
+        return admission.accepted and (waited, decoders.waiting_for_room) == (1, 0), workers.asked
 
     accepted, asked = asyncio.run(scenario())
     assert accepted and asked == [("decode-0", "earlier")] + [("decode-0", "late")] * 3
