@@ -5,8 +5,8 @@ tokens) are claimed on it in the router, and its mailbox on the worker's event s
 refuses (backpressure) is released and the next is asked; one that died is declared lost. Every claim is
 released with `release` once the request ends, whichever way.
 
-When every alive worker refused for lack of room (Admission.for_room: a full KV pool, the live-request limit), the
-request waits for room in a RoomQueue (cluster/coordinator/room_queue.py), first come first served, up to the room
+When no alive worker accepts and some refused for lack of room (Admission.for_room: a full KV pool, the live-request
+limit; not a worker that is stopping), the request waits for room in a RoomQueue (cluster/coordinator/room_queue.py), first come first served, up to the room
 wait; then it is refused as overloaded.
 """
 from __future__ import annotations
@@ -63,11 +63,12 @@ class DecodeAdmissions:
         raise self._overloaded(refusals)
 
     def _check_refusals(self, refusals: list[tuple[str, Admission]], deadline: float) -> None:
-        """Returns when the request may wait on for room (every worker that answered refused for lack of room,
-        before the deadline); else raises BackendUnavailable (no worker answered) or BackendOverloaded."""
+        """Returns when the request may wait on for room (some worker refused it for lack of room, which a request
+        ending there lifts, and the deadline has not passed); else raises BackendUnavailable (no worker answered) or
+        BackendOverloaded."""
         if not refusals:
             raise BackendUnavailable(f"no {self._role} is alive")
-        if time.monotonic() < deadline and all(admission.for_room for _, admission in refusals):
+        if time.monotonic() < deadline and any(admission.for_room for _, admission in refusals):
             return
         raise self._overloaded(refusals)
 
