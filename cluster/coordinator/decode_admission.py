@@ -6,8 +6,8 @@ refuses (backpressure) is released and the next is asked; one that died is decla
 released with `release` once the request ends, whichever way.
 
 When no alive worker accepts and some refused for lack of room (Admission.for_room: a full KV pool, the live-request
-limit; not a worker that is stopping), the request waits for room in a RoomQueue (cluster/coordinator/room_queue.py), first come first served, up to the room
-wait; then it is refused as overloaded.
+limit; not a worker that is stopping), the request waits for room in a RoomQueue (cluster/coordinator/room_queue.py),
+first come first served, up to the room wait; then it is refused as overloaded.
 """
 from __future__ import annotations
 
