@@ -1,6 +1,6 @@
 """RoomQueue: the requests waiting for room on the decode workers, first come first served.
 
-A request every decode worker (replica) refused for lack of room waits here, holding nothing, as it would in vLLM's
+A request no decode worker (replica) took, some for lack of room, waits here, holding nothing, as it would in vLLM's
 waiting queue. Only the request at the head asks the workers again: when a request ends anywhere (notify), and at
 least every ROOM_RECHECK_S (a worker added, blocks a worker freed on its own). Once the head is admitted, or gives
 up, the next one asks at once. A request that arrives while others wait joins behind them instead of asking first,

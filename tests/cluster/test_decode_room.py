@@ -19,6 +19,7 @@ from cluster.coordinator.routing import Router
 from cluster.serve import add_arguments, config_from_args
 from cluster.serve_config import cluster_config as serve_cluster_config
 from decode_worker import Admission, ExpectedRequest
+from decode_worker.admission import AdmissionControl
 from engine import LLM, SamplingParams
 from tests.support.cluster_rig import (SMALL_ENGINE, cluster_config, collect, greedy, request, running_cluster,
                                        wait_until_idle)
@@ -80,6 +81,27 @@ def test_a_waiter_past_its_deadline_or_cancelled_leaves_and_the_next_moves_up():
         return turns, len(queue)
 
     assert asyncio.run(scenario()) == ([False, True], 0)
+
+
+def test_a_decode_worker_marks_which_refusals_room_can_lift():
+    free = list(range(4))  # a pool of 4 blocks of 16 tokens
+
+    def take(count: int) -> list[int] | None:
+        return [free.pop() for _ in range(count)] if count <= len(free) else None
+
+    control = AdmissionControl(16, lambda: len(free), take, free.extend, max_live_requests=2, headroom_blocks=1)
+    assert control.reserve("a", [1] * 40).accepted                     # 3 blocks, 1 left
+    full = control.reserve("b", [1] * 17)                              # needs 2 + 1 headroom
+    assert not full.accepted and full.for_room and "KV pool full" in full.reason
+    duplicate = control.reserve("a", [1])
+    assert not duplicate.accepted and not duplicate.for_room
+    control.release("a")
+    assert control.reserve("b", [1]).accepted and control.reserve("c", [1]).accepted
+    at_limit = control.reserve("d", [1])
+    assert not at_limit.accepted and at_limit.for_room and "the limit is 2" in at_limit.reason
+    control.close()
+    stopping = control.reserve("e", [1])
+    assert not stopping.accepted and not stopping.for_room
 
 
 class ScriptedWorkers:
