@@ -70,6 +70,15 @@ def trained_default_hf(tmp_path_factory):
     return load_trained_oracle(trained, shared_run_root(tmp_path_factory.getbasetemp()))
 
 
+def pytest_sessionfinish(session) -> None:
+    """The xdist controller, once its workers are done, deletes the run's copies of the trained oracle (~540 MB)."""
+    if hasattr(session.config, "workerinput") or not session.config.pluginmanager.hasplugin("xdist"):
+        return
+    if getattr(session.config.option, "numprocesses", None):
+        from tests.support.trained_oracle import remove_oracle_copies
+        remove_oracle_copies(session.config._tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_the_sessions_ray():
     """Stops the local Ray the cluster tests share (tests/support/cluster_rig.py), if one runs, at the end."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +20,15 @@ def shared_run_root(basetemp: Path) -> Path | None:
     """A directory every pytest-xdist worker of this test run shares (and no other run): the workers' base temporary
     directories sit side by side in one per-run directory. None in one process: nobody to share the copy with."""
     return basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+
+def remove_oracle_copies(run_root: Path) -> None:
+    """Deletes the run's oracle copies (called once every worker is done: by the xdist controller at the end)."""
+    for copy in run_root.glob("trained-oracle-*"):
+        if copy.is_dir():
+            shutil.rmtree(copy, ignore_errors=True)
+        else:
+            copy.unlink(missing_ok=True)
 
 
 def load_trained_oracle(gguf: Path, root: Path | None):
