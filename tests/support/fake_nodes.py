@@ -6,7 +6,7 @@ has no CPU (nothing is placed there; the driver attaches to it); each worker nod
 GPU with a CUDA_VISIBLE_DEVICES of its own (GPUs there exercise placement only: engines run on CPU), and
 the custom resources of its pool: node "a" is the prefill pool, "b" and "c" the decode pool. Where the Ray
 dashboard can run (`pip install "ray[default]"`, the jobs extra) the head runs it, on 127.0.0.2 and a free
-port, for `ray job submit`.
+port, and its job agent on a free port too, for `ray job submit`.
 """
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ def _start_fake_cluster() -> FakeCluster:
     ray.shutdown()  # the session's local Ray (tests/support/cluster_rig.py), if it runs: one Ray per driver
     dashboard = ray._private.utils.get_dashboard_dependency_error() is None
     head = {"num_cpus": 0, "node_ip_address": NODE_IP, "include_dashboard": dashboard}
-    if dashboard:
-        head.update(dashboard_host=NODE_IP, dashboard_port=0)
+    if dashboard:  # free ports: another Ray on this machine (a test worker's, a user's) may hold Ray's defaults
+        head.update(dashboard_host=NODE_IP, dashboard_port=0, dashboard_agent_listen_port=0)
     cluster = Cluster(initialize_head=True, head_node_args=head)
     fake = FakeCluster(cluster, {}, f"http://{cluster.head_node.webui_url}" if dashboard else None)
     try:
