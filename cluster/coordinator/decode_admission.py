@@ -29,7 +29,7 @@ class DecodeAdmissions:
                  stream_lost: Callable[[str, BaseException], None], room_wait_s: float = 0.0) -> None:
         """replicas: the decode side are colocated replicas (routed by load with prefix affinity).
         worker_lost: a worker's expect() found it dead; stream_lost: its event stream broke. room_wait_s: how long
-        a request every worker refused for lack of room waits for some (ClusterConfig.decode_room_wait_s)."""
+        a request no worker took, some for lack of room, waits for room (ClusterConfig.decode_room_wait_s)."""
         self._router, self._set, self._replicas = router, worker_set, replicas
         self._worker_lost, self._stream_lost = worker_lost, stream_lost
         self._room_wait_s, self._room = room_wait_s, RoomQueue()

@@ -45,7 +45,7 @@ class ClusterConfig:
     worker_stall_timeout_s: a worker whose step thread died, or has work but completed no step for this long, or
     that does not answer a health check within it, is declared lost (killed; its requests migrate).
     max_prefill_queue_tokens: a request is refused (overloaded, 429) while every prefill worker's queue would pass
-    this many prompt tokens with it (0: no bound). decode_room_wait_s: a request every decode worker (replica) refuses
+    this many prompt tokens with it (0: no bound). decode_room_wait_s: a request no decode worker (replica) takes, some
     for lack of room (its KV pool cannot spare the prompt's blocks, or max_live_per_decode_worker requests are live)
     waits, holding nothing, up to this long for a request to end and free room, and is asked again each time one
     does; after that it is refused as overloaded (429). A request migrating from a lost worker waits the same way
