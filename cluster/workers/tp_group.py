@@ -102,6 +102,7 @@ class RayRankLauncher:
     the bundle's GPU the actor's cuda:0; on CPU the rank runs with its bundle's threads)."""
 
     own_resources = True
+    children = False
 
     def __init__(self, on_lost) -> None:
         self._on_lost = on_lost

@@ -1,5 +1,6 @@
 """The default way a tensor-parallel group's followers start (engine/runner/tp_leader.py FollowerLauncher): each one a
-spawned child process of rank 0's (daemon), stopped by a bounded join and then a kill."""
+child process of rank 0's (daemon; spawned, or forked from multiprocessing's fork server: EngineConfig.tp_start_method),
+stopped by a bounded join and then a kill."""
 from __future__ import annotations
 
 import logging
@@ -30,13 +31,25 @@ class ProcessRanks:
         _kill(self.processes)
 
 
+# What the fork server imports once, before it forks the followers: all a follower's step needs.
+FORKSERVER_PRELOAD = ("torch", "engine", "engine.runner.tp_follower")
+
+
 class ProcessLauncher:
-    """The default launcher: each follower a spawned child process of this one (daemon)."""
+    """The default launcher: each follower a child process of this one (daemon), started by `start_method`
+    ("spawn" or "forkserver"). Forked from the fork server, a follower's parent is that server, not rank 0
+    (children False: it watches rank 0 by pid)."""
 
     own_resources = False
 
+    def __init__(self, start_method: str = "spawn") -> None:
+        self.start_method = start_method
+        self.children = start_method == "spawn"
+
     def start(self, specs: list[FollowerSpec]) -> ProcessRanks:
-        context, processes = mp.get_context("spawn"), []
+        context, processes = mp.get_context(self.start_method), []
+        if self.start_method == "forkserver":
+            context.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         try:
             for spec in specs:
                 process = context.Process(target=_follower_process, args=(spec,), daemon=True,

@@ -58,7 +58,7 @@ class FollowerSpec:
     num_threads: int          # torch's intra-op threads (CPU: the cores divided among the ranks)
     parent_pid: int           # rank 0's process
     max_positions: int
-    leader_is_parent: bool = True  # False: rank 0 is not this process's parent (a Ray actor of the group)
+    leader_is_parent: bool = True  # False: rank 0 is not this process's parent (a Ray actor, a fork server's child)
     rank_service: RankServiceFactory | None = None  # started beside the steps (engine/parallel/rank_service.py)
 
 

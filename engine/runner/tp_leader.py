@@ -4,10 +4,10 @@ sends the step's inputs as one message (StepChannel) before rank 0 runs its own 
 follower: STOP, then a bounded wait, then a kill; a failed start kills them at once. Nothing of the group outlives
 the engine.
 
-Launchers: ProcessLauncher (engine/runner/process_ranks.py, the default: spawned child processes, the cores or GPUs
-of this host divided among the ranks) and, for a serving worker on Ray, cluster/workers/tp_group.py (one Ray actor per
-rank in the worker's placement group, each with its own GPU or CPU share). The engine imports no Ray: it sees
-FollowerRanks only.
+Launchers: ProcessLauncher (engine/runner/process_ranks.py, the default: child processes, spawned or forked from the
+fork server, the cores or GPUs of this host divided among the ranks) and, for a serving worker on Ray,
+cluster/workers/tp_group.py (one Ray actor per rank in the worker's placement group, each with its own GPU or CPU
+share). The engine imports no Ray: it sees FollowerRanks only.
 """
 from __future__ import annotations
 
@@ -53,9 +53,11 @@ class FollowerRanks(Protocol):
 class FollowerLauncher(Protocol):
     """Starts a group's followers. own_resources: each follower gets a device (GPU, or CPU share) of its own
     from the launcher (spec.device and spec.num_threads are then the launcher's to set): rank 0 neither divides
-    its cores nor checks this host's GPU count, and the followers, not its children, watch it by pid."""
+    its cores nor checks this host's GPU count. children: the followers are child processes of rank 0 (they
+    watch it as their parent; else by its pid)."""
 
     own_resources: bool
+    children: bool
 
     def start(self, specs: list[FollowerSpec]) -> FollowerRanks:
         """Start one follower per spec (ranks 1..N-1; returns at once). Raises with nothing left running."""
@@ -101,7 +103,7 @@ class TPLeader:
         given) and connect the group (rank 0 = this process). With the default launcher on CPU the cores are
         divided among the ranks (torch's threads here too, restored by close). Any failure: the followers are
         killed, raised."""
-        size, launcher = config.tensor_parallel_size, launcher or ProcessLauncher()
+        size, launcher = config.tensor_parallel_size, launcher or ProcessLauncher(config.tp_start_method)
         remove_stale_group_files()
         rendezvous = _rendezvous(private_store_path(), model_config, config, dtype, device)
         store = open_store(rendezvous)
@@ -110,7 +112,7 @@ class TPLeader:
         followers = None
         try:
             specs = [FollowerSpec(model, model_config, config, dtype, _rank_device(device, rank), rank, rendezvous,
-                                  threads, os.getpid(), max_positions, leader_is_parent=not launcher.own_resources,
+                                  threads, os.getpid(), max_positions, leader_is_parent=launcher.children,
                                   rank_service=rank_service)
                      for rank in range(1, size)]
             followers = launcher.start(specs)

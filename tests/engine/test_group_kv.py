@@ -43,7 +43,7 @@ def tp_group(tiny_checkpoint):
     def get(arch: str, size: int) -> LLM:
         if (arch, size) not in groups:
             groups[arch, size] = LLM(str(tiny_checkpoint(arch)), dtype="float32", device="cpu",
-                                     tensor_parallel_size=size)
+                                     tensor_parallel_size=size, tp_start_method="forkserver")
         return groups[arch, size]
 
     yield get

@@ -23,7 +23,7 @@ MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)  # the prefill keeps the KV
 VOCAB = 300
-OPTIONS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 << 20)
+OPTIONS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 << 20, tp_start_method="forkserver")
 
 
 class Side:

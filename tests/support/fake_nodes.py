@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
+from multiprocessing import forkserver, resource_tracker
 
 import ray
 from ray.cluster_utils import Cluster
@@ -86,7 +86,7 @@ RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 def stop_fake_cluster(fake: FakeCluster, timeout_s: float = 20.0) -> None:
     """Disconnects, removes every node, and fails naming any process of the cluster still alive after
     timeout_s (raylets, GCS, workers: every process this test process started below it)."""
-    started = descendants(os.getpid()) - {resource_tracker._resource_tracker._pid}  # ours lives on
+    started = descendants(os.getpid()) - lives_with_this_process()
     ray.shutdown()
     fake.cluster.shutdown()
     left = wait_gone(started, timeout_s)
@@ -94,6 +94,13 @@ def stop_fake_cluster(fake: FakeCluster, timeout_s: float = 20.0) -> None:
         os.kill(pid, signal.SIGKILL)  # Python's, started by Ray's dashboard: it ends once its pipe's holders all
         del left[pid]                 # have, which a dashboard child may outlive (seen once in CI); not ours
     assert not left, f"processes of the fake cluster outlived it: {left}"
+
+
+def lives_with_this_process() -> set[int]:
+    """Python's helper processes that serve this process until it exits, started by whatever used them first: the
+    resource tracker and the fork server (tests/support/child_processes.py, tensor-parallel followers)."""
+    pids = {resource_tracker._resource_tracker._pid, forkserver._forkserver._forkserver_pid}
+    return {pid for pid in pids if pid is not None}
 
 
 def wait_gone(pids: set[int], timeout_s: float) -> dict[int, str]:

@@ -8,7 +8,6 @@ that the decode side's blocks hold the same bits.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import torch
 
 from kv_transfer import DistRendezvous, KVTransferError, ReceiverAddress, TransferConfig, create_sender
 from kv_transfer.engine_pool import engine_pool_view, ship_prefilled
+from tests.support.child_processes import child_context
 
 
 @dataclass(frozen=True)
@@ -176,10 +176,10 @@ def _peer_main(spec: PrefillPeerSpec, conn) -> None:
 
 
 class PrefillPeerProcess:
-    """Spawns the prefill peer; call() sends a command and returns the value of its Reply."""
+    """Starts the prefill peer (a child_context process); call() sends a command and returns the value of its Reply."""
 
     def __init__(self, spec: PrefillPeerSpec):
-        ctx = mp.get_context("spawn")
+        ctx = child_context()
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_peer_main, args=(spec, child), daemon=True)
         self.process.start()

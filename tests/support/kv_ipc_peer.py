@@ -5,7 +5,6 @@ half-way through the TRANSFER frame), 'bad-handle' (a pool handle naming a calla
 refuse to unpickle)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import struct
@@ -22,6 +21,7 @@ from kv_transfer.ipc.pool_handle import export_pool
 from kv_transfer.status import TransferStatus
 from kv_transfer.outgoing import OutgoingTransfer
 from kv_transfer.testing import FreeListPool
+from tests.support.child_processes import child_context
 from tests.support.kv_hand_link import hand_link
 from tests.support.kv_peer import BF16, FP32, SENDER_BLOCKS, Fault, Outcome, PeerProcess, PeerSpec, _Peer
 
@@ -75,10 +75,10 @@ def _ipc_peer_main(spec: IpcPeerSpec, conn) -> None:
 
 
 class IpcPeerProcess(PeerProcess):
-    """Spawns an ipc peer (same commands and replies as PeerProcess)."""
+    """Starts an ipc peer (same commands and replies as PeerProcess)."""
 
     def __init__(self, spec: IpcPeerSpec):
-        ctx = mp.get_context("spawn")  # spawned peers share this process's authkey (CPU handles need it)
+        ctx = child_context()  # children share this process's authkey (CPU handles need it)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_ipc_peer_main, args=(spec, child), daemon=True)
         self.process.start()

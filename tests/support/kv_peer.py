@@ -6,7 +6,6 @@ sender never produces: a corrupted byte after checksumming, a stall mid-transfer
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from kv_transfer.outgoing import OutgoingTransfer, prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.status import TransferStatus
 from kv_transfer.testing import FreeListPool, fill_blocks
+from tests.support.child_processes import child_context
 from tests.support.kv_hand_link import hand_link, inline_fault
 from proto import tandem_pb2
 
@@ -272,10 +272,10 @@ def _peer_main(spec: PeerSpec, conn) -> None:
 
 
 class PeerProcess:
-    """Spawns a peer and sends it commands; call() returns the peer's Outcome."""
+    """Starts a peer (a child_context process) and sends it commands; call() returns the peer's Outcome."""
 
     def __init__(self, spec: PeerSpec):
-        ctx = mp.get_context("spawn")
+        ctx = child_context()
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_peer_main, args=(spec, child), daemon=True)
         self.process.start()

@@ -6,7 +6,6 @@ planes go out, which the real sender never does; the receiver must refuse the ru
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from kv_transfer.dist.protocol import send_transfer
 from kv_transfer.outgoing import prepare_outgoing
 from kv_transfer.staging import StagingPool
 from kv_transfer.testing import FreeListPool, fill_blocks
+from tests.support.child_processes import child_context
 from tests.support.kv_hand_link import hand_link
 
 PLANE_FP = ModelFingerprint(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16", block_size=4)
@@ -75,7 +75,7 @@ def _sender_main(to: ReceiverAddress, jobs: tuple[PlaneJob, ...], conn) -> None:
 def run_plane_sender(to: ReceiverAddress, jobs: tuple[PlaneJob, ...],
                      timeout_s: float = 60) -> tuple[dict[str, str], int]:
     """Runs the jobs in a spawned process; returns ({key: status}, the sender pool's free blocks after)."""
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     conn, child = ctx.Pipe()
     process = ctx.Process(target=_sender_main, args=(to, jobs, child), daemon=True)
     process.start()

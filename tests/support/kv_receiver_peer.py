@@ -2,13 +2,13 @@
 receiving process while a transfer to it is under way and watch the sender."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
 
 from kv_transfer import DistRendezvous, KVPoolView, TransferConfig, create_receiver
 from kv_transfer.testing import FreeListPool
+from tests.support.child_processes import child_context
 from tests.support.kv_peer import FP32
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
@@ -43,10 +43,10 @@ def _main(spec: ReceiverSpec, conn) -> None:
 
 
 class ReceiverProcess:
-    """Spawns the stalling receiver; `address` is what a sender needs to reach it."""
+    """Starts the stalling receiver; `address` is what a sender needs to reach it."""
 
     def __init__(self, spec: ReceiverSpec):
-        ctx = mp.get_context("spawn")
+        ctx = child_context()
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_main, args=(spec, child), daemon=True)
         self.process.start()

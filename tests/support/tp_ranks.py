@@ -8,10 +8,11 @@ import queue
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+import torch.multiprocessing  # noqa: F401  (registers torch's tensor reductions for the queues)
 
 from engine.parallel.group import Rendezvous, connect_group, open_store
 from engine.parallel.group_files import private_store_path, remove_store
+from tests.support.child_processes import child_context
 
 RANK_TIMEOUT_S = 120.0
 
@@ -29,7 +30,7 @@ def run_ranks(fn, size: int, *args) -> list:
     """fn(group, *args) on each of `size` ranks (fn importable at module level); its results in rank order.
     AssertionError with the traceback if any rank raised; every process is joined (killed past the timeout)."""
     rendezvous = Rendezvous(private_store_path(), "test")
-    context = mp.get_context("spawn")
+    context = child_context()
     results = context.Queue()
     processes = [context.Process(target=_rank_main, args=(fn, r, size, rendezvous, results, args), daemon=True)
                  for r in range(size)]
@@ -78,7 +79,7 @@ class RankGroup:
     def __init__(self, size: int) -> None:
         self.size, self.closed = size, False
         self.rendezvous = Rendezvous(private_store_path(), "test")
-        context = mp.get_context("spawn")
+        context = child_context()
         self.results = context.Queue()
         self.tasks = [context.Queue() for _ in range(size)]
         self.processes = [context.Process(target=_serve_rank, args=(r, size, self.rendezvous, self.tasks[r],

@@ -1,0 +1,20 @@
+"""The context the tests start their child processes from (transfer peers, tensor-parallel ranks): a fork server
+that imported torch and Tandem's packages once.
+
+A spawned child imports torch afresh, ~2.5 s of CPU on the 2-core CI machine, and the suite starts ~70 of them; a
+child forked from the server starts with those modules imported. Each child still gets its target and arguments
+pickled, as under spawn, and a fresh process whose only thread runs the target. The server is started by the first
+child of each test process and ends with it."""
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing.context import BaseContext
+
+PRELOADED = ("torch", "numpy", "grpc", "engine", "kv_transfer")
+
+
+def child_context() -> BaseContext:
+    """A multiprocessing context whose children fork from a server that has PRELOADED imported."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))
+    return context
