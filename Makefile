@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # The suite runs in TEST_WORKERS pytest-xdist processes, each test file whole on one (--dist loadfile: a file's module
-# fixtures, engines and clusters, are built once): on the 2-core CI machine ~16 min with 2 against ~24 in one process
+# fixtures, engines and clusters, are built once): on a 2-core machine ~14 min with 2 against ~24 in one process
 # (TEST_WORKERS=0; docs/benchmarks.md, "The suite's time").
 TEST_WORKERS ?= 2
 
