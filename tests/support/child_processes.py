@@ -10,7 +10,11 @@ from __future__ import annotations
 import multiprocessing as mp
 from multiprocessing.context import BaseContext
 
-PRELOADED = ("torch", "numpy", "grpc", "engine", "kv_transfer")
+from engine.runner.process_ranks import FORKSERVER_PRELOAD
+
+# A process has one fork server, shared with the TP engines the tests build (EngineConfig.tp_start_method
+# "forkserver"), and it imports its list once, when the first child of either kind starts it: the engine's, and more.
+PRELOADED = (*FORKSERVER_PRELOAD, "numpy", "grpc", "kv_transfer")
 
 
 def child_context() -> BaseContext:

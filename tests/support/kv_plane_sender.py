@@ -74,7 +74,7 @@ def _sender_main(to: ReceiverAddress, jobs: tuple[PlaneJob, ...], conn) -> None:
 
 def run_plane_sender(to: ReceiverAddress, jobs: tuple[PlaneJob, ...],
                      timeout_s: float = 60) -> tuple[dict[str, str], int]:
-    """Runs the jobs in a spawned process; returns ({key: status}, the sender pool's free blocks after)."""
+    """Runs the jobs in a child process (child_context); returns ({key: status}, the sender pool's free blocks after)."""
     ctx = child_context()
     conn, child = ctx.Pipe()
     process = ctx.Process(target=_sender_main, args=(to, jobs, child), daemon=True)

@@ -72,8 +72,7 @@ def test_ray_places_fractional_bundles_on_one_gpu():
     """A node with one logical GPU takes two workers of half a GPU each, and both get that GPU's id."""
     ray.shutdown()  # a Ray of earlier tests, if one runs (none in a full run: __init__.py): this one has a GPU
     start_ray(lambda: ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
-                               num_gpus=1,
-                               log_to_driver=False))
+                               num_gpus=1, log_to_driver=False))
     try:
         group = create_placement_group(2, 0.5, 1, "PACK", timeout_s=60)
         probes = [start_actor(_GpuProbe, group, index, 0.5, 1) for index in range(2)]
