@@ -159,6 +159,10 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                        help="while requests decode, no step takes more prompt tokens than this: the longest "
                             f"wait between two tokens (0: --max-num-batched-tokens; default {SERVING_PREFILL_BOUND})")
+    group.add_argument("--prefill-backlog-steps", type=int, default=defaults.prefill_backlog_steps,
+                       help="while more prompt tokens wait than this many bounded steps admit, a step may take "
+                            "--max-num-batched-tokens of prompts (a backlog: the first tokens' wait counts more "
+                            "than the gap between two tokens); 0: the bound always holds")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)
@@ -199,6 +203,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_chunked_prefill=args.enable_chunked_prefill,
                         long_prefill_token_threshold=args.long_prefill_token_threshold,
                         max_prefill_tokens_while_decoding=prefill_bound,
+                        prefill_backlog_steps=args.prefill_backlog_steps,
                         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=memory,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,

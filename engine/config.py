@@ -159,6 +159,10 @@ class EngineConfig:
     more prompt tokens than this, so no decode waits more than one such step's prompt work between two tokens
     (engine/core/scheduler.py); 0: max_num_batched_tokens is the only bound. None (auto): CUDA_PREFILL_BOUND on
     CUDA with chunked prefill, no bound on CPU (`prefill_bound_on`).
+    prefill_backlog_steps (>= 0): while more prompt tokens wait than this many steps of that bound admit (a backlog
+    the bounded steps fall behind), the bound gives way and a step may take max_num_batched_tokens of prompts: then
+    the first tokens' wait grows faster than the gap between two tokens shrinks, and each prompt step carries every
+    decode once more (engine/core/scheduler.py). 0: the bound always holds.
     attention_backend: "auto" (triton on CUDA, the numba kernel on CPU float32, torch otherwise),
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.
@@ -198,6 +202,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_prefill_tokens_while_decoding: int | None = None
+    prefill_backlog_steps: int = 4
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.85
@@ -227,6 +232,9 @@ class EngineConfig:
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
             raise ValueError("max_prefill_tokens_while_decoding must be None (auto) or an int >= 0 (0: no bound "
                              f"but max_num_batched_tokens), got {bound!r}")
+        backlog = self.prefill_backlog_steps
+        if isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 0:
+            raise ValueError(f"prefill_backlog_steps must be an int >= 0 (0: the bound always holds), got {backlog!r}")
         if self.max_prefill_tokens_while_decoding and not self.enable_chunked_prefill:
             raise ValueError("max_prefill_tokens_while_decoding needs enable_chunked_prefill")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:

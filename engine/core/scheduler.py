@@ -23,6 +23,13 @@ free and an extra step only delays the decodes. A prompt that needs several chun
 first chunk of its own (its first token comes after the last one), so such
 prompts are mixed as usual, and the prompts behind them wait their turn (FCFS). Hence on for CPU and off for
 CUDA by default (EngineConfig.prefill_first "auto").
+
+The bound on prompt tokens beside decodes (prefill_bound) gives way to a backlog: while more prompt tokens wait
+than EngineConfig.prefill_backlog_steps bounded steps admit, a step takes the whole budget of prompts. Bounded
+steps protect the gap between two tokens when prompts arrive about as fast as they are computed; behind a queue
+they only slow the prefill down, since every bounded step carries the whole decode batch once more (served on 2
+cores at 3 req/s of 512-token prompts: 780-890 ms a bounded step against 2.6-2.7 s for four prompts, 1.5-1.7
+against 1.3 ms a prompt token; TTFT p99 18 s against 23-33 s; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -82,7 +89,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decoding = self._num_decoding()
         bound = self.prefill_bound
-        prompt_budget = min(budget, bound) if bound and decoding else budget
+        prompt_budget = min(budget, bound) if bound and decoding and not self._backlogged() else budget
         if self.prefill_first and self.waiting and not self._last_was_prompts_only and decoding:
             # []: no prompt finishes within the bound now: the usual step
             prompts = self._admit_waiting(min(prompt_budget, PREFILL_FIRST_TOKENS_PER_DECODE * decoding),
@@ -97,6 +104,19 @@ class Scheduler:
         if not preempted:
             chunks += self._admit_waiting(min(budget, prompt_budget))
         return chunks
+
+    def _backlogged(self) -> bool:
+        """Whether more prompt tokens wait than prefill_backlog_steps steps of the bound admit (see the module's
+        docstring); never with prefill_backlog_steps 0."""
+        limit = self.config.prefill_backlog_steps * self.prefill_bound
+        if not limit:
+            return False
+        queued = 0
+        for seq in self.waiting:  # stops at the limit: a long queue costs no more than a short one
+            queued += seq.num_uncomputed_tokens
+            if queued > limit:
+                return True
+        return False
 
     def _num_decoding(self) -> int:
         """Running sequences waiting for their next token (a prefill worker's never do: it packs prompts)."""

@@ -55,6 +55,31 @@ def test_no_step_taken_while_sequences_decode_holds_more_prompt_tokens_than_the_
         llm.close()
 
 
+def test_a_backlog_of_waiting_prompts_lifts_the_bound_until_it_is_worked_down(ckpt):
+    """Two sequences decode when 87 prompt tokens arrive, more than prefill_backlog_steps=1 bounded step admits:
+    the next step takes prompts up to the whole budget (48 tokens, 2 of them decodes: the 40-token prompt and 6 of
+    the 30-token one). What still waits then (17 tokens) is no backlog: the bound holds again."""
+    options = dict(max_num_batched_tokens=48, prefill_first="off", max_prefill_tokens_while_decoding=BOUND)
+    lifted = make_llm(ckpt, prefill_backlog_steps=1, **options)
+    strict = make_llm(ckpt, prefill_backlog_steps=0, **options)
+    assert run_with_late_prompts(lifted) == run_with_late_prompts(strict)
+    steps = lifted.engine.step_log.records()
+    assert (steps[1].prompt_tokens, steps[1].decode_tokens) == (46, 2)
+    assert [step.prompt_tokens for step in steps[2:4]] == [BOUND, 17]  # the rest of the 30, then the 17 whole
+    assert all(step.prompt_tokens <= BOUND for step in steps[2:])
+    assert all(step.prompt_tokens <= BOUND for step in strict.engine.step_log.records()[1:])
+    for llm in (lifted, strict):
+        assert_all_blocks_free(llm)
+        llm.close()
+
+
+def test_the_backlog_rule_takes_a_whole_number_of_steps():
+    assert EngineConfig().prefill_backlog_steps == 4
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_backlog_steps"):
+            EngineConfig(prefill_backlog_steps=bad)
+
+
 def test_the_bound_needs_chunked_prefill_and_is_not_negative(ckpt):
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         make_llm(ckpt, max_prefill_tokens_while_decoding=-1)
@@ -109,3 +134,5 @@ def test_tandem_serve_bounds_the_prompt_tokens_of_steps_beside_decodes_by_defaul
     assert bound("--device", "cuda") == SERVING_PREFILL_BOUND  # decodes keep flowing beside a long prompt there too
     assert bound("--device", "cpu", "--max-prefill-tokens-while-decoding", "0") == 0
     assert bound("--device", "cpu", "--max-prefill-tokens-while-decoding", "128") == 128
+    backlog = engine_config_from_args(parser.parse_args(["--prefill-backlog-steps", "0"])).prefill_backlog_steps
+    assert backlog == 0 and engine_config_from_args(parser.parse_args([])).prefill_backlog_steps == 4
