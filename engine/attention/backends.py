@@ -86,9 +86,16 @@ class CpuKernelBackend(AttentionBackend):
         paged_decode_cpu.compile_kernel()
 
     def decode(self, q, k_pool, v_pool, meta):
+        return self._decode_to(None, q, k_pool, v_pool, meta)
+
+    def decode_into(self, out, q, k_pool, v_pool, meta):
+        self._decode_to(out, q, k_pool, v_pool, meta)  # the kernel writes out's rows: no copy
+
+    @staticmethod
+    def _decode_to(out, q, k_pool, v_pool, meta):
         batch = meta.num_decode_rows
         return paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, meta.block_tables[:batch],
-                                                       meta.seq_lens[:batch], meta.block_size)
+                                                       meta.seq_lens[:batch], meta.block_size, out=out)
 
 
 UNIFIED_DECODE_MAX_CONTEXT = 1024  # a mixed step's decode rows this short go through the prefill kernel

@@ -57,23 +57,26 @@ def compile_kernel() -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           block_size: int, head_splits: int | None = None) -> torch.Tensor:
+                           block_size: int, head_splits: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D]; k_pool, v_pool: [num_slots, H_kv, D]; block_tables: [B, max_blocks] int32;
-    context_lens: [B] int32 (tokens each query attends to, itself included). Returns [B, H, D].
+    context_lens: [B] int32 (tokens each query attends to, itself included). Returns [B, H, D]: `out` when given
+    (contiguous, written in place: a layer's static output rows), else a new tensor.
     head_splits: tasks per sequence, each a share of its KV heads (default: enough to give every thread
     one when there are fewer sequences than threads)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, H_kv, G, D]
-    out = torch.empty_like(grouped)
+    out = torch.empty_like(q) if out is None else out
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
     numba.set_num_threads(threads)
     if head_splits is None:
         head_splits = max(1, -(-threads // batch))  # fewer sequences than threads: split their heads
     head_splits = min(num_kv_heads, head_splits)
     _kernel(grouped.contiguous().numpy(), k_pool.numpy(), v_pool.numpy(), block_tables.numpy(),
-            context_lens.numpy(), block_size, np.float32(head_dim ** -0.5), head_splits, out.numpy())
-    return out.view(batch, num_heads, head_dim)
+            context_lens.numpy(), block_size, np.float32(head_dim ** -0.5), head_splits,
+            out.view(grouped.shape).numpy())
+    return out
 
 
 if AVAILABLE:

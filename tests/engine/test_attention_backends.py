@@ -40,6 +40,11 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim):
     for head_splits in (None, *range(1, kv_heads + 1)):  # each sequence whole, or its KV heads shared out
         got = paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, tables, lens, block_size, head_splits)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    rows = torch.full((batch + 2, heads, head_dim), float("nan"))  # a layer's output rows: the decodes' come first
+    written = paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, tables, lens, block_size, out=rows[:batch])
+    assert written.data_ptr() == rows.data_ptr()
+    torch.testing.assert_close(rows[:batch], expected, rtol=1e-5, atol=1e-5)
+    assert rows[batch:].isnan().all()  # nothing written past the rows given
 
 
 BACKENDS = ["torch", pytest.param("cpu_kernel", marks=needs_numba), pytest.param("triton", marks=needs_triton)]
