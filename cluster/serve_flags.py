@@ -162,7 +162,8 @@ def add_engine_arguments(group) -> None:
     group.add_argument("--prefill-backlog-steps", type=int, default=defaults.prefill_backlog_steps,
                        help="while more prompt tokens wait than this many bounded steps admit, a step may take "
                             "--max-num-batched-tokens of prompts (a backlog: the first tokens' wait counts more "
-                            "than the gap between two tokens); 0: the bound always holds")
+                            "than the gap between two tokens; 4 served more under overload); 0 (default): "
+                            "the bound always holds")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)

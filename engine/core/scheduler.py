@@ -24,12 +24,15 @@ first chunk of its own (its first token comes after the last one), so such
 prompts are mixed as usual, and the prompts behind them wait their turn (FCFS). Hence on for CPU and off for
 CUDA by default (EngineConfig.prefill_first "auto").
 
-The bound on prompt tokens beside decodes (prefill_bound) gives way to a backlog: while more prompt tokens wait
-than EngineConfig.prefill_backlog_steps bounded steps admit, a step takes the whole budget of prompts. Bounded
-steps protect the gap between two tokens when prompts arrive about as fast as they are computed; behind a queue
-they only slow the prefill down, since every bounded step carries the whole decode batch once more (served on 2
-cores at 3 req/s of 512-token prompts: 780-890 ms a bounded step against 2.6-2.7 s for four prompts, 1.5-1.7
-against 1.3 ms a prompt token; TTFT p99 18 s against 23-33 s; docs/benchmarks.md).
+The bound on prompt tokens beside decodes (prefill_bound) can give way to a backlog: with
+EngineConfig.prefill_backlog_steps N > 0, while more prompt tokens wait than N bounded steps admit, a step takes
+the whole budget of prompts. Bounded steps protect the gap between two tokens when prompts arrive about as fast
+as they are computed; behind a queue they only slow the prefill down, since every bounded step carries the whole
+decode batch once more (served on 2 cores at 3 req/s of 512-token prompts: 780-890 ms a bounded step against
+2.6-2.7 s for four prompts, 1.5-1.7 against 1.3 ms a prompt token; TTFT p99 18 s against 23-33 s;
+docs/benchmarks.md). Off by default: near saturation (1 req/s of them, three runs of five) a queue of five prompts
+built up under the bound and was then taken four at a time, every decode waiting ~3 s a step (ITL p99 3.3-4.1 s
+against 0.9-1.0 s with the strict bound; beside vLLM, TPOT 1.45x and 1.7x its).
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_a_backlog_of_waiting_prompts_lifts_the_bound_until_it_is_worked_down(ck
 
 
 def test_the_backlog_rule_takes_a_whole_number_of_steps():
-    assert EngineConfig().prefill_backlog_steps == 4
+    assert EngineConfig().prefill_backlog_steps == 0  # off: the bound always holds
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefill_backlog_steps"):
             EngineConfig(prefill_backlog_steps=bad)
@@ -134,5 +134,5 @@ def test_tandem_serve_bounds_the_prompt_tokens_of_steps_beside_decodes_by_defaul
     assert bound("--device", "cuda") == SERVING_PREFILL_BOUND  # decodes keep flowing beside a long prompt there too
     assert bound("--device", "cpu", "--max-prefill-tokens-while-decoding", "0") == 0
     assert bound("--device", "cpu", "--max-prefill-tokens-while-decoding", "128") == 128
-    backlog = engine_config_from_args(parser.parse_args(["--prefill-backlog-steps", "0"])).prefill_backlog_steps
-    assert backlog == 0 and engine_config_from_args(parser.parse_args([])).prefill_backlog_steps == 4
+    backlog = engine_config_from_args(parser.parse_args(["--prefill-backlog-steps", "4"])).prefill_backlog_steps
+    assert backlog == 4 and engine_config_from_args(parser.parse_args([])).prefill_backlog_steps == 0
