@@ -57,15 +57,20 @@ class AttentionBackend(ABC):
         k_pool.index_copy_(0, slot_mapping, k)
         v_pool.index_copy_(0, slot_mapping, v)
 
-    @abstractmethod
     def decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [B, H, D], the decode rows. Returns [B, H, D]."""
+        """q: [B, H, D], the decode rows. Returns [B, H, D], a new tensor."""
+        return self.decode_to(None, q, k_pool, v_pool, meta)
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     meta: AttentionMetadata) -> None:
-        """decode(), written into out [B, H, D] (a copy here; a backend that can write in place does)."""
-        out.copy_(self.decode(q, k_pool, v_pool, meta))
+        """decode(), written into out [B, H, D] (contiguous rows: a layer's output, or a graph's static buffer)."""
+        self.decode_to(out, q, k_pool, v_pool, meta)
+
+    @abstractmethod
+    def decode_to(self, out: torch.Tensor | None, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """The decode rows' attention, written into out when given (else into a new tensor), which it returns."""
 
     def prefill(self, out, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> None:
         """Writes out's rows of the prefill chunks (sequences [num_decode_rows, num_seqs))."""
@@ -75,8 +80,9 @@ class AttentionBackend(ABC):
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def decode(self, q, k_pool, v_pool, meta):
-        return torch_paths.decode_attention(q, k_pool, v_pool, meta)
+    def decode_to(self, out, q, k_pool, v_pool, meta):
+        result = torch_paths.decode_attention(q, k_pool, v_pool, meta)
+        return result if out is None else out.copy_(result)
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -85,14 +91,7 @@ class CpuKernelBackend(AttentionBackend):
     def __init__(self) -> None:
         paged_decode_cpu.compile_kernel()
 
-    def decode(self, q, k_pool, v_pool, meta):
-        return self._decode_to(None, q, k_pool, v_pool, meta)
-
-    def decode_into(self, out, q, k_pool, v_pool, meta):
-        self._decode_to(out, q, k_pool, v_pool, meta)  # the kernel writes out's rows: no copy
-
-    @staticmethod
-    def _decode_to(out, q, k_pool, v_pool, meta):
+    def decode_to(self, out, q, k_pool, v_pool, meta):  # the kernel writes out's rows: no copy
         batch = meta.num_decode_rows
         return paged_decode_cpu.paged_decode_attention(q, k_pool, v_pool, meta.block_tables[:batch],
                                                        meta.seq_lens[:batch], meta.block_size, out=out)
@@ -130,14 +129,8 @@ class TritonBackend(AttentionBackend):
                                     meta.num_seqs, meta.max_prefill_query_len, meta.block_size)
         return out
 
-    def decode(self, q, k_pool, v_pool, meta):
-        return self._decode_to(None, q, k_pool, v_pool, meta)
-
-    def decode_into(self, out, q, k_pool, v_pool, meta):
-        self._decode_to(out, q, k_pool, v_pool, meta)  # the merge kernel writes out's rows: no copy
-
-    def _decode_to(self, out, q, k_pool, v_pool, meta):
-        """The decode rows' attention; the step's plan (partition, partials, the rows' tables) is made by its first
+    def decode_to(self, out, q, k_pool, v_pool, meta):
+        """The decode rows' attention (the merge kernel writes out's rows: no copy); the step's plan (partition, partials, the rows' tables) is made by its first
         layer and reused by the others: a step's layers share one meta."""
         if self._step_plan is None or self._step_plan[0] is not meta:
             batch, (num_heads, head_dim), num_kv_heads = meta.num_decode_rows, q.shape[1:], k_pool.shape[1]
