@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.parallel.layout import tp_layout
 from engine.parallel.step_message import KV_GATHER
 from engine.runner.group_kv import gather_kv_heads, gather_layer_heads, scatter_kv_heads
+from tests.support.child_processes import FORKED_RANKS
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 
 PREFILL = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # 1: the first token ends it, no KV kept
@@ -43,7 +44,7 @@ def tp_group(tiny_checkpoint):
     def get(arch: str, size: int) -> LLM:
         if (arch, size) not in groups:
             groups[arch, size] = LLM(str(tiny_checkpoint(arch)), dtype="float32", device="cpu",
-                                     tensor_parallel_size=size, tp_start_method="forkserver")
+                                     tensor_parallel_size=size, **FORKED_RANKS)
         return groups[arch, size]
 
     yield get

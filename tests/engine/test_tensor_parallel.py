@@ -21,6 +21,7 @@ from engine.core.tp_engine import check_tp_start
 from engine.model.default_model import default_model_config
 from engine.parallel.group_files import group_files_of, process_alive
 from engine.model.tp_layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from tests.support.child_processes import FORKED_RANKS
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 from tests.support.gguf_files import write_gguf
 
@@ -29,7 +30,6 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 # The followers fork from the fork server (~0.1 s a start, against ~3 s of imports spawned); the spawned start, the
 # default, is covered by test_followers_exit_when_rank_0_is_killed and tests/engine/test_group_files.py.
-FORKED = dict(tp_start_method="forkserver")
 
 
 def _tokens(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
@@ -55,7 +55,7 @@ def _assert_nothing_left() -> None:
 def test_tp_greedy_matches_transformers(arch, size, reduce, tiny_checkpoint, hf_greedy):
     path = tiny_checkpoint(arch)
     with LLM(str(path), dtype="float32", device="cpu", tensor_parallel_size=size, tp_cpu_all_reduce=reduce,
-             **FORKED) as llm:
+             **FORKED_RANKS) as llm:
         layouts = [llm.engine.tp_leader.shard.layout]
         assert llm.engine.kv_cache.head_range == layouts[0].kv_heads
         assert llm.engine.kv_cache.spec.num_kv_heads == max(1, llm.engine.model_config.num_kv_heads // size)
@@ -72,7 +72,7 @@ def test_tp_with_forks_prefix_cache_preemption_and_logprobs_matches_tp1():
     """The embedded model (vocab 259: the last rank's vocabulary shard is padded) under what moves KV between
     blocks or skips work: n > 1 forks (block copies replayed on the followers), prefix-cache hits, preemption
     by recompute (a 40-block pool), chunked prefill, prompt logprobs (logits gathered in slices)."""
-    options = dict(device="cpu", num_kv_blocks=40, max_num_batched_tokens=64, block_size=8, **FORKED)
+    options = dict(device="cpu", num_kv_blocks=40, max_num_batched_tokens=64, block_size=8, **FORKED_RANKS)
     prompts = random_prompts([30, 30, 90, 5, 120], 256, seed=4)
     prompts[1][:24] = prompts[0][:24]  # a shared prefix of three full blocks
     params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=2 if i == 0 else 1,
@@ -107,7 +107,7 @@ def test_tp_with_forks_prefix_cache_preemption_and_logprobs_matches_tp1():
 def test_shapes_that_do_not_split_fail_before_any_process_starts(arch, overrides, size, words, tiny_checkpoint):
     path = tiny_checkpoint(arch, **overrides)
     with pytest.raises(ValueError, match=words):
-        LLM(str(path), device="cpu", tensor_parallel_size=size, **FORKED)
+        LLM(str(path), device="cpu", tensor_parallel_size=size, **FORKED_RANKS)
     _assert_nothing_left()
 
 
@@ -117,7 +117,7 @@ def test_shapes_that_do_not_split_fail_before_any_process_starts(arch, overrides
 ])
 def test_a_failure_after_the_followers_started_kills_them(options, words, tiny_checkpoint):
     with pytest.raises(ValueError, match=words):
-        LLM(str(tiny_checkpoint("llama")), device="cpu", tensor_parallel_size=2, **options, **FORKED)
+        LLM(str(tiny_checkpoint("llama")), device="cpu", tensor_parallel_size=2, **options, **FORKED_RANKS)
     _assert_nothing_left()
 
 
@@ -138,7 +138,7 @@ def test_tp_from_a_gguf_file_matches_transformers(tiny_checkpoint, hf_greedy, tm
     pytest.importorskip("gguf")  # the test writes its file with the gguf package (the engine reads it without)
     path = tiny_checkpoint("llama")
     gguf = write_gguf(path, tmp_path / "llama.gguf", "F32")
-    with LLM(str(gguf), dtype="float32", device="cpu", tensor_parallel_size=2, **FORKED) as llm:
+    with LLM(str(gguf), dtype="float32", device="cpu", tensor_parallel_size=2, **FORKED_RANKS) as llm:
         prompts = random_prompts([3, 33], 300, seed=2)
         assert _tokens(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
 
@@ -187,7 +187,7 @@ def test_more_ranks_than_gpus_is_a_value_error(monkeypatch):
 
 @pytest.mark.parametrize("reduce", ["shared_memory", "gloo"])
 def test_a_dead_follower_fails_the_step_instead_of_hanging(reduce):
-    with LLM("tiny", device="cpu", tensor_parallel_size=2, tp_cpu_all_reduce=reduce, **FORKED) as llm:
+    with LLM("tiny", device="cpu", tensor_parallel_size=2, tp_cpu_all_reduce=reduce, **FORKED_RANKS) as llm:
         follower = llm.engine.tp_leader.processes[0]
         follower.kill()
         follower.join()

@@ -17,13 +17,14 @@ from kv_transfer import ReceivedKV, TransferConfig, create_receiver, create_send
 from kv_transfer.engine_pool import (admit_received, drop_delivered, land_delivered, receiver_pool, sender_pool,
                                      ship_prefilled)
 from kv_transfer.group_pool import GroupStaging
+from tests.support.child_processes import FORKED_RANKS
 from tests.support.engine_checks import assert_all_blocks_free, random_prompts
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)  # the prefill keeps the KV
 VOCAB = 300
-OPTIONS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 << 20, tp_start_method="forkserver")
+OPTIONS = dict(dtype="float32", device="cpu", block_size=8, kv_cache_memory=4 << 20, **FORKED_RANKS)
 
 
 class Side:

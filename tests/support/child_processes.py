@@ -16,6 +16,9 @@ from engine.runner.process_ranks import FORKSERVER_PRELOAD
 # "forkserver"), and it imports its list once, when the first child of either kind starts it: the engine's, and more.
 PRELOADED = (*FORKSERVER_PRELOAD, "numpy", "grpc", "kv_transfer")
 
+# The engine option that starts a TP engine's follower ranks from that same fork server.
+FORKED_RANKS = dict(tp_start_method="forkserver")
+
 
 def child_context() -> BaseContext:
     """A multiprocessing context whose children fork from a server that has PRELOADED imported."""

@@ -15,11 +15,12 @@ from kv_transfer import (DistRendezvous, KVTransferError, ReceivedKV, ReceiveFai
                          TransferStatus)
 from kv_transfer.engine_pool import admit_received, ship_prefilled
 from kv_transfer.lanes import LaneHub, LaneReceiver, LaneSender, LaneSpec
+from tests.support.child_processes import FORKED_RANKS
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 VOCAB = 300
-ENGINE = dict(tensor_parallel_size=2, block_size=8, kv_cache_memory=4 << 20, tp_start_method="forkserver")
+ENGINE = dict(tensor_parallel_size=2, block_size=8, kv_cache_memory=4 << 20, **FORKED_RANKS)
 CONFIG = TransferConfig(kv_transfer_timeout_s=20, connect_timeout_s=30)
 
 
