@@ -160,10 +160,9 @@ def add_engine_arguments(group) -> None:
                        help="while requests decode, no step takes more prompt tokens than this: the longest "
                             f"wait between two tokens (0: --max-num-batched-tokens; default {SERVING_PREFILL_BOUND})")
     group.add_argument("--prefill-backlog-steps", type=int, default=defaults.prefill_backlog_steps,
-                       help="while more prompt tokens wait than this many bounded steps admit, a step may take "
-                            "--max-num-batched-tokens of prompts (a backlog: the first tokens' wait counts more "
-                            "than the gap between two tokens; 4 served more under overload); 0 (default): "
-                            "the bound always holds")
+                       help="N > 0: a step beside decodes may take 1/N of the prompt tokens still to compute "
+                            "when that is more than the bound (a backlog is worked down in about N steps); "
+                            "0: the bound always holds (default %(default)s)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=defaults.enable_prefix_caching)
     group.add_argument("--block-size", type=int, default=defaults.block_size)

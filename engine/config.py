@@ -159,11 +159,10 @@ class EngineConfig:
     more prompt tokens than this, so no decode waits more than one such step's prompt work between two tokens
     (engine/core/scheduler.py); 0: max_num_batched_tokens is the only bound. None (auto): CUDA_PREFILL_BOUND on
     CUDA with chunked prefill, no bound on CPU (`prefill_bound_on`).
-    prefill_backlog_steps (>= 0): while more prompt tokens wait than this many steps of that bound admit (a backlog
-    the bounded steps fall behind), the bound gives way and a step may take max_num_batched_tokens of prompts: then
-    the first tokens' wait grows faster than the gap between two tokens shrinks, and each prompt step carries every
-    decode once more (engine/core/scheduler.py). 0 (the default): the bound always holds; measured, 4 served more
-    under overload, but near saturation it let a queue of five prompts build, then took them four at a time.
+    prefill_backlog_steps (>= 0): N > 0 spreads a backlog of prompts over about N steps: a step that holds decodes
+    may take the prompt tokens still to compute over N when that is more than the bound (engine/core/scheduler.py),
+    so a queue the bounded steps fall behind is worked down without carrying every decode once per prompt, and a
+    queue shorter than N bounded steps keeps the bound. 0: the bound always holds.
     attention_backend: "auto" (triton on CUDA, the numba kernel on CPU float32, torch otherwise),
     "torch" (gather + SDPA), "triton" (paged kernels; on CPU only under TRITON_INTERPRET=1) or
     "cpu_kernel" (numba, CPU float32 only). Availability on the device is checked when the engine starts.

@@ -25,14 +25,17 @@ prompts are mixed as usual, and the prompts behind them wait their turn (FCFS). 
 CUDA by default (EngineConfig.prefill_first "auto").
 
 The bound on prompt tokens beside decodes (prefill_bound) can give way to a backlog: with
-EngineConfig.prefill_backlog_steps N > 0, while more prompt tokens wait than N bounded steps admit, a step takes
-the whole budget of prompts. Bounded steps protect the gap between two tokens when prompts arrive about as fast
-as they are computed; behind a queue they only slow the prefill down, since every bounded step carries the whole
-decode batch once more (served on 2 cores at 3 req/s of 512-token prompts: 780-890 ms a bounded step against
-2.6-2.7 s for four prompts, 1.5-1.7 against 1.3 ms a prompt token; TTFT p99 18 s against 23-33 s;
-docs/benchmarks.md). Off by default: near saturation (1 req/s of them, three runs of five) a queue of five prompts
-built up under the bound and was then taken four at a time, every decode waiting ~3 s a step (ITL p99 3.3-4.1 s
-against 0.9-1.0 s with the strict bound; beside vLLM, TPOT 1.45x and 1.7x its).
+EngineConfig.prefill_backlog_steps N > 0, a step that holds decodes may take the prompt tokens still to compute
+(waiting prompts, and the rest of prompts mid-prefill) over N, when that is more than the bound: a queue is worked
+down in about N steps, whatever its length, and one shorter than N bounded steps keeps the bound. Bounded steps
+protect the gap between two tokens when prompts arrive about as fast as they are computed; behind a queue they
+only slow the prefill down, since every bounded step carries the whole decode batch once more (served on 2 cores
+at 3 req/s of 512-token prompts: 780-890 ms a bounded step against 2.6-2.7 s for four prompts, 1.5-1.7 against
+1.3 ms a prompt token; TTFT p99 18 s against 23-33 s; docs/benchmarks.md). The budget grows with the queue rather
+than jumping: a first rule, the whole budget once more than N bounded steps waited, let a queue of five prompts
+build near saturation (1 req/s of them) and then took four at a time, every decode waiting ~3 s a step. Off by
+default: spread over 4 steps, it served about what the strict bound serves at 3 req/s (60-66 against 62-68 tok/s)
+with longer gaps between tokens (ITL p99 3-4 s against 1.0-1.1 s).
 """
 from __future__ import annotations
 
@@ -91,8 +94,7 @@ class Scheduler:
         """Pick this step's chunks. Changes block tables (allocation, preemption) and the queues."""
         budget = self.config.max_num_batched_tokens
         decoding = self._num_decoding()
-        bound = self.prefill_bound
-        prompt_budget = min(budget, bound) if bound and decoding and not self._backlogged() else budget
+        prompt_budget = self._prompt_budget(budget) if decoding else budget
         if self.prefill_first and self.waiting and not self._last_was_prompts_only and decoding:
             # []: no prompt finishes within the bound now: the usual step
             prompts = self._admit_waiting(min(prompt_budget, PREFILL_FIRST_TOKENS_PER_DECODE * decoding),
@@ -108,18 +110,27 @@ class Scheduler:
             chunks += self._admit_waiting(min(budget, prompt_budget))
         return chunks
 
-    def _backlogged(self) -> bool:
-        """Whether more prompt tokens wait than prefill_backlog_steps steps of the bound admit (see the module's
-        docstring); never with prefill_backlog_steps 0."""
-        limit = self.config.prefill_backlog_steps * self.prefill_bound
-        if not limit:
-            return False
-        queued = 0
-        for seq in self.waiting:  # stops at the limit: a long queue costs no more than a short one
-            queued += seq.num_uncomputed_tokens
-            if queued > limit:
-                return True
-        return False
+    def _prompt_budget(self, budget: int) -> int:
+        """The prompt tokens a step that holds decodes may take: the bound (none: the budget), or with
+        prefill_backlog_steps N > 0 the prompt tokens still to compute over N when that is more (see the
+        module's docstring); never more than the budget."""
+        bound, steps = self.prefill_bound, self.config.prefill_backlog_steps
+        if not bound:
+            return budget
+        if not steps:
+            return min(budget, bound)
+        spread = -(-self._pending_prompt_tokens(limit=steps * budget) // steps)  # rounded up
+        return min(budget, max(bound, spread))
+
+    def _pending_prompt_tokens(self, limit: int) -> int:
+        """Prompt tokens not computed yet: the rest of running prompts mid-prefill and the waiting sequences'.
+        Counting stops past limit: a long queue costs no more than a short one."""
+        pending = sum(seq.num_uncomputed_tokens for seq in self.running if seq.num_uncomputed_tokens > 1)
+        for seq in self.waiting:
+            if pending > limit:
+                break
+            pending += seq.num_uncomputed_tokens
+        return pending
 
     def _num_decoding(self) -> int:
         """Running sequences waiting for their next token (a prefill worker's never do: it packs prompts)."""

@@ -55,22 +55,36 @@ def test_no_step_taken_while_sequences_decode_holds_more_prompt_tokens_than_the_
         llm.close()
 
 
-def test_a_backlog_of_waiting_prompts_lifts_the_bound_until_it_is_worked_down(ckpt):
-    """Two sequences decode when 87 prompt tokens arrive, more than prefill_backlog_steps=1 bounded step admits:
-    the next step takes prompts up to the whole budget (48 tokens, 2 of them decodes: the 40-token prompt and 6 of
-    the 30-token one). What still waits then (17 tokens) is no backlog: the bound holds again."""
-    options = dict(max_num_batched_tokens=48, prefill_first="off", max_prefill_tokens_while_decoding=BOUND)
-    lifted = make_llm(ckpt, prefill_backlog_steps=1, **options)
+@pytest.mark.parametrize("prefill_first", ["off", "on"])
+def test_a_backlog_of_prompts_is_spread_over_prefill_backlog_steps_steps(ckpt, prefill_first):
+    """Two sequences decode when 87 prompt tokens arrive: with prefill_backlog_steps=2 a step may take 44 of them
+    (87 / 2 rounded up, more than the bound): the 40-token prompt and 4 of the 30-token one. Then 43 are left:
+    half of that is less than the bound, which holds again (24), and the last 19 fit it. Prefill first changes
+    nothing here: no waiting prompt is short enough for a step of its own beside two or three decodes."""
+    options = dict(max_num_batched_tokens=512, prefill_first=prefill_first, max_prefill_tokens_while_decoding=BOUND)
+    spread = make_llm(ckpt, prefill_backlog_steps=2, **options)
     strict = make_llm(ckpt, prefill_backlog_steps=0, **options)
-    assert run_with_late_prompts(lifted) == run_with_late_prompts(strict)
-    steps = lifted.engine.step_log.records()
-    assert (steps[1].prompt_tokens, steps[1].decode_tokens) == (46, 2)
-    assert [step.prompt_tokens for step in steps[2:4]] == [BOUND, 17]  # the rest of the 30, then the 17 whole
-    assert all(step.prompt_tokens <= BOUND for step in steps[2:])
+    assert run_with_late_prompts(spread) == run_with_late_prompts(strict)
+    prompt_steps = [(step.prompt_tokens, step.decode_tokens) for step in spread.engine.step_log.records()[1:]
+                    if step.prompt_tokens]
+    assert prompt_steps == [(44, 2), (BOUND, 3), (19, 3)]  # the 40-token prompt decodes from the second
     assert all(step.prompt_tokens <= BOUND for step in strict.engine.step_log.records()[1:])
-    for llm in (lifted, strict):
+    for llm in (spread, strict):
         assert_all_blocks_free(llm)
         llm.close()
+
+
+def test_a_backlog_never_takes_more_than_the_step_budget(ckpt):
+    """prefill_backlog_steps=1 would take all 87 waiting tokens at once; the step budget (48, 2 of them decodes)
+    still caps it, and the 41 left then fit one step whole."""
+    llm = make_llm(ckpt, max_num_batched_tokens=48, prefill_first="off", max_prefill_tokens_while_decoding=BOUND,
+                   prefill_backlog_steps=1)
+    run_with_late_prompts(llm)
+    prompt_steps = [(step.prompt_tokens, step.decode_tokens) for step in llm.engine.step_log.records()[1:]
+                    if step.prompt_tokens]
+    assert prompt_steps == [(46, 2), (41, 3)]
+    assert_all_blocks_free(llm)
+    llm.close()
 
 
 def test_the_backlog_rule_takes_a_whole_number_of_steps():
