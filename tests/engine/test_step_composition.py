@@ -37,6 +37,12 @@ def run_with_late_prompts(llm) -> dict[str, list[int]]:
     return outputs
 
 
+def prompt_steps(llm) -> list[tuple[int, int]]:
+    """(prompt tokens, decode tokens) of each step after the first that took prompt tokens."""
+    return [(step.prompt_tokens, step.decode_tokens) for step in llm.engine.step_log.records()[1:]
+            if step.prompt_tokens]
+
+
 @pytest.mark.parametrize("prefill_first", ["off", "on"])
 def test_no_step_taken_while_sequences_decode_holds_more_prompt_tokens_than_the_bound(ckpt, prefill_first):
     bounded = make_llm(ckpt, max_num_batched_tokens=512, prefill_first=prefill_first,
@@ -65,9 +71,7 @@ def test_a_backlog_of_prompts_is_spread_over_prefill_backlog_steps_steps(ckpt, p
     spread = make_llm(ckpt, prefill_backlog_steps=2, **options)
     strict = make_llm(ckpt, prefill_backlog_steps=0, **options)
     assert run_with_late_prompts(spread) == run_with_late_prompts(strict)
-    prompt_steps = [(step.prompt_tokens, step.decode_tokens) for step in spread.engine.step_log.records()[1:]
-                    if step.prompt_tokens]
-    assert prompt_steps == [(44, 2), (BOUND, 3), (19, 3)]  # the 40-token prompt decodes from the second
+    assert prompt_steps(spread) == [(44, 2), (BOUND, 3), (19, 3)]  # the 40-token prompt decodes from the second
     assert all(step.prompt_tokens <= BOUND for step in strict.engine.step_log.records()[1:])
     for llm in (spread, strict):
         assert_all_blocks_free(llm)
@@ -80,9 +84,7 @@ def test_a_backlog_never_takes_more_than_the_step_budget(ckpt):
     llm = make_llm(ckpt, max_num_batched_tokens=48, prefill_first="off", max_prefill_tokens_while_decoding=BOUND,
                    prefill_backlog_steps=1)
     run_with_late_prompts(llm)
-    prompt_steps = [(step.prompt_tokens, step.decode_tokens) for step in llm.engine.step_log.records()[1:]
-                    if step.prompt_tokens]
-    assert prompt_steps == [(46, 2), (41, 3)]
+    assert prompt_steps(llm) == [(46, 2), (41, 3)]
     assert_all_blocks_free(llm)
     llm.close()
 

@@ -28,8 +28,9 @@ from tests.support.gguf_files import write_gguf
 PROMPT_LENGTHS = [1, 7, 17, 40, 150]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-# The followers fork from the fork server (~0.1 s a start, against ~3 s of imports spawned); the spawned start, the
-# default, is covered by test_followers_exit_when_rank_0_is_killed and tests/engine/test_group_files.py.
+# Every TP engine here forks its followers from the fork server (FORKED_RANKS: ~0.1 s a start, against ~3 s of
+# imports spawned); the spawned start, the default, is covered by test_followers_exit_when_rank_0_is_killed and
+# tests/engine/test_group_files.py.
 
 
 def _tokens(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
