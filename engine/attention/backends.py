@@ -130,8 +130,9 @@ class TritonBackend(AttentionBackend):
         return out
 
     def decode_to(self, out, q, k_pool, v_pool, meta):
-        """The decode rows' attention (the merge kernel writes out's rows: no copy); the step's plan (partition, partials, the rows' tables) is made by its first
-        layer and reused by the others: a step's layers share one meta."""
+        """The decode rows' attention (the merge kernel writes out's rows: no copy). The step's plan (partition,
+        partials, the rows' tables) is made by its first layer and reused by the others: a step's layers share one
+        meta."""
         if self._step_plan is None or self._step_plan[0] is not meta:
             batch, (num_heads, head_dim), num_kv_heads = meta.num_decode_rows, q.shape[1:], k_pool.shape[1]
             scratch = self._decode.decode_scratch(batch, num_heads, num_kv_heads, head_dim, meta.decode_len_bound,
